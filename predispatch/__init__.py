@@ -1,0 +1,31 @@
+"""predispatch: export PyTorch programs to a functional, pre-dispatch ATen graph.
+
+    import predispatch
+    ep = predispatch.export(model, (x,), {"mask": mask})
+    print(ep)
+    out = ep.module()(x, mask=mask)
+"""
+
+from predispatch import errors
+from predispatch._export import export
+from predispatch.program import (
+    ExportedProgram,
+    ExportSignature,
+    InputKind,
+    InputSpec,
+    OutputKind,
+    OutputSpec,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ExportSignature",
+    "ExportedProgram",
+    "InputKind",
+    "InputSpec",
+    "OutputKind",
+    "OutputSpec",
+    "errors",
+    "export",
+]

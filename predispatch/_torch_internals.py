@@ -1,0 +1,106 @@
+"""The one place that imports torch's private APIs.
+
+predispatch reuses torch's own machinery (AOTAutograd's export entry point, fake tensors,
+functionalization, the PreDispatch mode stack) instead of reimplementing it.  Those live
+behind underscores and move between releases, so every private name we use is imported here
+and nowhere else: a torch upgrade touches this file only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._functorch.aot_autograd import aot_export_module
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+from torch.nn.utils.stateless import _reparametrize_module
+
+__all__ = [
+    "DATA_DEPENDENT_ERRORS",
+    "FakeTensor",
+    "FakeTensorMode",
+    "FunctionalTensorMode",
+    "ShapeEnv",
+    "aot_export_module",
+    "decomposition_hook",
+    "exporting_flags",
+    "mode_stack_depths",
+    "new_fake_mode",
+    "pop_modes_to",
+    "reparametrize",
+]
+
+#: What torch raises when Python needs a value that only exists at run time.
+DATA_DEPENDENT_ERRORS = (DataDependentOutputException, GuardOnDataDependentSymNode)
+
+
+def new_fake_mode() -> FakeTensorMode:
+    """A fake mode with a ShapeEnv: shapes are tracked symbolically, no real compute runs."""
+    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+
+
+def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor], *, tie: bool = False):
+    """Temporarily swap a module's parameters/buffers/tensor attributes by fully qualified name."""
+    return _reparametrize_module(module, tensors, tie_weights=tie, strict=False, stack_weights=True)
+
+
+@contextlib.contextmanager
+def exporting_flags() -> Iterator[None]:
+    """Make `torch.compiler.is_exporting()` and `is_compiling()` answer True while tracing.
+
+    Libraries such as transformers read these flags to take their export-friendly code paths.
+    """
+    compiler = torch.compiler
+    old = (compiler._is_compiling_flag, compiler._is_exporting_flag)
+    compiler._is_compiling_flag, compiler._is_exporting_flag = True, True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag, compiler._is_exporting_flag = old
+
+
+@contextlib.contextmanager
+def decomposition_hook(should_decompose: Callable[[Any, Callable[[], bool]], bool]) -> Iterator[None]:
+    """Route FunctionalTensorMode's "decompose this composite?" question to `should_decompose`.
+
+    FunctionalTensorMode sits on the PreDispatch stack and sees every op before its
+    CompositeImplicitAutograd kernel would run.  It asks `_can_decompose` whether to inline
+    the composite; we answer from predispatch's policy, handing it torch's own answer as a
+    thunk so the policy can defer to it (for example for ops with aliasing schemas).
+    """
+    original = FunctionalTensorMode._can_decompose
+
+    def _can_decompose(self, func, args, kwargs):
+        return should_decompose(func, lambda: original(self, func, args, kwargs))
+
+    FunctionalTensorMode._can_decompose = _can_decompose
+    try:
+        yield
+    finally:
+        FunctionalTensorMode._can_decompose = original
+
+
+def mode_stack_depths() -> tuple[int, int, int]:
+    """Depths of the dispatch, pre-dispatch and function mode stacks (to check we left them as found)."""
+    return (
+        torch._C._len_torch_dispatch_stack(),
+        _len_torch_dispatch_stack_pre_dispatch(),
+        torch._C._len_torch_function_stack(),
+    )
+
+
+def pop_modes_to(depths: tuple[int, int, int]) -> None:
+    """Pop dispatch/pre-dispatch/function modes left above `depths` by a failed trace."""
+    from torch._ops import _pop_mode_from_pre_dispatch
+
+    while torch._C._len_torch_dispatch_stack() > depths[0]:
+        torch._C._pop_torch_dispatch_stack()
+    while _len_torch_dispatch_stack_pre_dispatch() > depths[1]:
+        _pop_mode_from_pre_dispatch()
+    while torch._C._len_torch_function_stack() > depths[2]:
+        torch._C._pop_torch_function_stack()

@@ -1,0 +1,130 @@
+"""One exception class per user-facing failure.
+
+Every message says what is wrong, where (the user's file:line, or the input's pytree path),
+and what to do instead, and ends with a link to its entry in docs/errors.md.  Each class's
+docstring is that entry in short: cause, example, fix.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import traceback
+from types import TracebackType
+
+_DOCS = "docs/errors.md"
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class PredispatchError(Exception):
+    """Base class of every error predispatch raises on purpose."""
+
+    anchor = "predispatchError"
+
+    def __init__(self, what: str, *, where: str | None = None, fix: str | None = None):
+        self.what, self.where, self.fix = what, where, fix
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        lines = [self.what]
+        if self.where:
+            lines.append(f"  at {self.where}")
+        if self.fix:
+            lines.append(f"  fix: {self.fix}")
+        lines.append(f"  see {_DOCS}#{self.anchor}")
+        return "\n".join(lines)
+
+
+class UnsupportedInputError(PredispatchError):
+    """What was passed to `export` is not something it can trace.
+
+    Cause: `module_or_fn` is not an `nn.Module` or a callable, `args` is not a tuple, or an input
+    leaf is of a type that is neither a tensor nor a constant (None, bool, int, float, str).
+    Example: `export(model, x)` instead of `export(model, (x,))`.
+    Fix: pass positional arguments as a tuple and keyword arguments as a dict.
+    """
+
+    anchor = "unsupportedinputerror"
+
+
+class UnsupportedOutputError(PredispatchError):
+    """The traced code returned something that is not a tensor or a pytree of tensors.
+
+    Cause: an output leaf is an object predispatch cannot put in a graph (a module, a custom
+    class that is not a registered pytree node).
+    Example: `return self.layer` or `return MyResult(x)` with `MyResult` a plain class.
+    Fix: return tensors, or tuples/lists/dicts/dataclasses of tensors; register custom
+    containers with `torch.utils._pytree.register_pytree_node`.
+    """
+
+    anchor = "unsupportedoutputerror"
+
+
+class DataDependentError(PredispatchError):
+    """Python control flow depends on the value inside a tensor.
+
+    Cause: export traces with fake tensors that have shapes but no values, so
+    `if x.sum() > 0:` or `int(x.max())` has no answer at trace time.
+    Example: `if (x > 0).all(): ...`.
+    Fix: make the branch static, compute both sides and pick with `torch.where`, or use
+    `torch.cond(pred, true_fn, false_fn, operands)`.
+    """
+
+    anchor = "datadependenterror"
+
+
+class TraceError(PredispatchError):
+    """torch could not trace the user's code; the original torch error is chained.
+
+    Cause: an operation that functional pre-dispatch tracing does not support (for example a
+    metadata mutation such as `x.t_()` of an input, or a mutation of an input that aliases
+    another input).
+    Fix: the message names the line; rewrite it functionally (`y = x.t()` instead of `x.t_()`).
+    """
+
+    anchor = "traceerror"
+
+
+class InputMismatchError(PredispatchError):
+    """A program was called with inputs that differ from the ones it was exported for.
+
+    Cause: a different pytree structure, a constant (int, bool, None, ...) of another value, or
+    a tensor of another shape or dtype than at export.
+    Fix: call with inputs of the exported structure, or export again with the new ones.
+    """
+
+    anchor = "inputmismatcherror"
+
+
+class NonFunctionalGraphError(PredispatchError):
+    """A mutable op survived into the graph: a bug in predispatch, please report it.
+
+    Cause: an internal contract between stages failed; the exported graph must be functional.
+    Fix: report the model; as a workaround, `decompose=[op]` the named op.
+    """
+
+    anchor = "nonfunctionalgrapherror"
+
+
+def user_frame(tb: TracebackType | None = None) -> str | None:
+    """The innermost `file:line` of the user's code: not torch, not predispatch, not stdlib.
+
+    With `tb`, searches the traceback of an exception (where tracing failed); without it,
+    the current call stack (where export was called).
+    """
+    frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()[:-1]
+    for frame in reversed(frames):
+        if _is_user_file(frame.filename):
+            return f"{frame.filename}:{frame.lineno} ({frame.line.strip() if frame.line else ''})"
+    return None
+
+
+def _is_user_file(filename: str) -> bool:
+    import torch
+
+    if filename.startswith("<"):
+        return False
+    path = os.path.abspath(filename)
+    if path.startswith((_PACKAGE_DIR, os.path.dirname(os.path.abspath(torch.__file__)))):
+        return False
+    return not (path.startswith(sysconfig.get_paths()["stdlib"]) and "site-packages" not in path)

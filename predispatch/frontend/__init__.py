@@ -1,0 +1,11 @@
+"""Frontend: module or function + example inputs -> `PreparedInputs`.
+
+This stage validates what the user passed, names every input leaf by its pytree path, lifts
+the module's state (parameters, buffers, tensor attributes) under fully qualified names, and
+makes fake twins of all tensors in one FakeTensorMode with a ShapeEnv, so that tracing runs
+no real compute and costs no memory for weights.
+"""
+
+from predispatch.frontend.inputs import LiftedTensor, PreparedInputs, prepare
+
+__all__ = ["LiftedTensor", "PreparedInputs", "prepare"]

@@ -1,0 +1,252 @@
+"""Turn `(module_or_fn, args, kwargs)` into `PreparedInputs`: named, lifted, fake."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from predispatch import _torch_internals as ti
+from predispatch.errors import UnsupportedInputError, user_frame
+from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, Leaf
+
+#: Leaf types that are baked into the program as constants instead of becoming graph inputs.
+CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format)
+
+
+@dataclass(frozen=True)
+class LiftedTensor:
+    """A parameter, buffer or tensor attribute lifted to a graph input.
+
+    spec: its input spec (kind, placeholder name, fully qualified name, tied aliases).
+    tensor: the real tensor in the user's module; never written to by export.
+    """
+
+    spec: InputSpec
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PreparedInputs:
+    """Everything the trace stage needs, with nothing left to look up in the user's objects.
+
+    module: the module to call (a function is wrapped in a module that calls it).
+    state: lifted tensors in graph order: parameters, then buffers, then constant tensors.
+    user_inputs: one USER_INPUT spec per tensor leaf of `(args, kwargs)`.
+    input_leaves: every leaf of `(args, kwargs)` in pytree order, constants with their values.
+    in_spec: the pytree spec of `(args, kwargs)`.
+    fake_mode: the FakeTensorMode (with a ShapeEnv) every fake tensor below belongs to.
+    fake_state: fake twins of `state`, in order.
+    fake_user_inputs: fake twins of the tensor leaves, in order.
+    """
+
+    module: nn.Module
+    state: tuple[LiftedTensor, ...]
+    user_inputs: tuple[InputSpec, ...]
+    input_leaves: tuple[Leaf, ...]
+    in_spec: pytree.TreeSpec
+    fake_mode: ti.FakeTensorMode
+    fake_state: tuple[torch.Tensor, ...]
+    fake_user_inputs: tuple[torch.Tensor, ...]
+
+    def call_args(self, user_tensors: tuple[torch.Tensor, ...]) -> tuple[tuple, dict]:
+        """Rebuild `(args, kwargs)` from tensors for the tensor leaves and the recorded constants."""
+        tensors = iter(user_tensors)
+        leaves = [next(tensors) if leaf.is_tensor else leaf.value for leaf in self.input_leaves]
+        return pytree.tree_unflatten(leaves, self.in_spec)
+
+
+class _FunctionRoot(nn.Module):
+    """Makes a plain function look like a module so one pipeline serves both."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def prepare(module_or_fn: Any, args: Any, kwargs: Any) -> PreparedInputs:
+    """Validate, name, lift and fakify; see the module docstring."""
+    module, signature_of = _as_module(module_or_fn)
+    args, kwargs = _check_args(args, kwargs)
+    register_dataclasses((args, kwargs))
+    leaves, in_spec = _named_leaves(signature_of, args, kwargs)
+    state = lift_state(module)
+    fake_mode = ti.new_fake_mode()
+    flat = pytree.tree_leaves((args, kwargs))
+    fake_state = tuple(_fakify(fake_mode, s.tensor) for s in state)
+    fake_user = tuple(_fakify(fake_mode, x) for x in flat if isinstance(x, torch.Tensor))
+    user_specs = _user_input_specs(leaves, taken={s.spec.name for s in state})
+    return PreparedInputs(module, state, user_specs, leaves, in_spec, fake_mode, fake_state, fake_user)
+
+
+def _as_module(obj: Any) -> tuple[nn.Module, Callable[..., Any]]:
+    """The module to trace and the callable whose signature names the inputs."""
+    if isinstance(obj, nn.Module):
+        return obj, obj.forward
+    if callable(obj) and not isinstance(obj, type):
+        return _FunctionRoot(obj), obj
+    raise UnsupportedInputError(
+        f"export() takes an nn.Module or a function, got {type(obj).__name__}.",
+        where=user_frame(),
+        fix="pass the model itself, e.g. predispatch.export(model, (x,)).",
+    )
+
+
+def _check_args(args: Any, kwargs: Any) -> tuple[tuple, dict]:
+    if not isinstance(args, tuple):
+        hint = "(x,)" if isinstance(args, torch.Tensor) else "tuple(args)"
+        raise UnsupportedInputError(
+            f"export() takes positional arguments as a tuple, got {type(args).__name__}.",
+            where=user_frame(),
+            fix=f"wrap them in a tuple: export(model, {hint}).",
+        )
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise UnsupportedInputError(
+            f"export() takes keyword arguments as a dict, got {type(kwargs).__name__}.",
+            where=user_frame(),
+            fix="pass kwargs={'name': value}.",
+        )
+    return args, dict(kwargs or {})
+
+
+def register_dataclasses(tree: Any) -> None:
+    """Register dataclass types found in `tree` as pytree nodes, as torch.export asks users to.
+
+    The registration is global and permanent (pytree has no way to undo it); it is what lets
+    `ep.module()` accept and return the same dataclasses later.
+    """
+    def visit(node: Any) -> None:
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            cls = type(node)
+            if cls not in pytree.SUPPORTED_NODES:
+                pytree.register_dataclass(cls)
+            for field in dataclasses.fields(node):
+                visit(getattr(node, field.name))
+        elif type(node) in pytree.SUPPORTED_NODES:
+            for child in pytree.tree_flatten(node, is_leaf=lambda x: x is not node)[0]:
+                visit(child)
+
+    visit(tree)
+
+
+def _named_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:
+    """Every leaf of `(args, kwargs)` with its path named after the function's parameters."""
+    names = _parameter_names(fn, args)
+    with_path, in_spec = pytree.tree_flatten_with_path((args, kwargs))
+    leaves = []
+    for path, value in with_path:
+        top = names[path[1].idx] if path[0].idx == 0 else path[1].key
+        label = top + pytree.keystr(path[2:])
+        if isinstance(value, torch.Tensor):
+            leaves.append(Leaf(label, True))
+        elif isinstance(value, CONSTANT_TYPES):
+            leaves.append(Leaf(label, False, value))
+        else:
+            raise UnsupportedInputError(
+                f"input {label!r} is a {type(value).__name__}, which is neither a tensor nor a constant.",
+                where=user_frame(),
+                fix="pass tensors, None, bools, numbers or strings, in tuples/lists/dicts/dataclasses; "
+                "register other containers with torch.utils._pytree.register_pytree_node.",
+            )
+    return tuple(leaves), in_spec
+
+
+def _parameter_names(fn: Callable[..., Any], args: tuple) -> list[str]:
+    """Names for positional arguments: the parameter names, `*args` entries as `args_0`, ..."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for i in range(len(args)):
+        if i < len(params) and params[i].kind in (params[i].POSITIONAL_ONLY, params[i].POSITIONAL_OR_KEYWORD):
+            names.append(params[i].name)
+        else:
+            star = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), "args")
+            first_star = next((j for j, p in enumerate(params) if p.kind is p.VAR_POSITIONAL), 0)
+            names.append(f"{star}_{i - first_star}")
+    return names
+
+
+def _user_input_specs(leaves: tuple[Leaf, ...], taken: set[str]) -> tuple[InputSpec, ...]:
+    specs = []
+    for leaf in leaves:
+        if leaf.is_tensor:
+            name = unique_identifier(leaf.path, taken)
+            specs.append(InputSpec(InputKind.USER_INPUT, name, leaf.path))
+    return tuple(specs)
+
+
+def unique_identifier(label: str, taken: set[str]) -> str:
+    """A Python identifier made from `label`, not in `taken` (which it is then added to)."""
+    base = re.sub(r"\W+", "_", label).strip("_") or "arg"
+    if base[0].isdigit():
+        base = "_" + base
+    name, i = base, 1
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    taken.add(name)
+    return name
+
+
+def lift_state(module: nn.Module) -> tuple[LiftedTensor, ...]:
+    """Parameters, buffers and tensor attributes of `module`, deduplicated, by fully qualified name.
+
+    Order: parameters, then buffers, then constant tensors, each in module registration order
+    (AOTAutograd places parameters before buffers; we keep that order in the graph).
+    A tensor reachable under several names (tied weights) is lifted once, under its first name,
+    with the other names recorded as aliases.
+    """
+    taken: set[str] = set()
+    lifted = []
+    groups = (
+        (InputKind.PARAMETER, module.named_parameters(remove_duplicate=False)),
+        (InputKind.BUFFER, module.named_buffers(remove_duplicate=False)),
+        (InputKind.CONSTANT_TENSOR, _tensor_attributes(module)),
+    )
+    seen: dict[int, int] = {}
+    aliases: dict[int, list[str]] = {}
+    for kind, named in groups:
+        for fqn, tensor in named:
+            if id(tensor) in seen:
+                aliases.setdefault(seen[id(tensor)], []).append(fqn)
+                continue
+            seen[id(tensor)] = len(lifted)
+            name = unique_identifier(PLACEHOLDER_PREFIX[kind] + fqn, taken)
+            persistent = _is_persistent(module, fqn) if kind is InputKind.BUFFER else None
+            lifted.append(LiftedTensor(InputSpec(kind, name, fqn, (), persistent), tensor))
+    for index, names in aliases.items():
+        spec = lifted[index].spec
+        lifted[index] = LiftedTensor(dataclasses.replace(spec, aliases=tuple(names)), lifted[index].tensor)
+    return tuple(lifted)
+
+
+def _tensor_attributes(module: nn.Module):
+    """Plain tensor attributes (not parameters or buffers) of every submodule, as (fqn, tensor)."""
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for attr, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                yield (f"{prefix}.{attr}" if prefix else attr), value
+
+
+def _is_persistent(module: nn.Module, fqn: str) -> bool:
+    owner, _, attr = fqn.rpartition(".")
+    return attr not in module.get_submodule(owner)._non_persistent_buffers_set
+
+
+def _fakify(fake_mode: ti.FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
+    """A fake twin with static shapes (dynamic dimensions are opted into, later)."""
+    fake = fake_mode.from_tensor(tensor, static_shapes=True)
+    if isinstance(tensor, nn.Parameter):
+        fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+    return fake

@@ -1,0 +1,91 @@
+"""`ExportedProgram`: the graph, what its inputs and outputs mean, and the lifted state."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import fx, nn
+
+from predispatch.passes import check_functional, name_placeholders
+from predispatch.program.printing import format_program
+from predispatch.program.signature import ExportSignature, InputKind, OutputKind, OutputSpec
+
+if TYPE_CHECKING:  # the program stage consumes the earlier stages' values, never their code
+    from predispatch.frontend import PreparedInputs
+    from predispatch.trace import DecompositionLog, TracedGraph
+
+_MUTATION_KIND = {
+    InputKind.PARAMETER: OutputKind.PARAMETER_MUTATION,
+    InputKind.BUFFER: OutputKind.BUFFER_MUTATION,
+    InputKind.CONSTANT_TENSOR: OutputKind.BUFFER_MUTATION,
+    InputKind.USER_INPUT: OutputKind.USER_INPUT_MUTATION,
+}
+
+
+@dataclass(frozen=True, eq=False)
+class ExportedProgram:
+    """A functional pre-dispatch ATen program.
+
+    graph_module: the graph; takes `(*state, *user_tensors)` in `signature.inputs` order and
+        returns `(*mutations, *user_outputs)` in `signature.outputs` order.
+    signature: what each graph input and output stands for.
+    state_dict: parameters and buffers by fully qualified name (tensors that share storage
+        with the exported module's: export copies no weights).
+    constants: tensor attributes lifted as CONSTANT_TENSOR inputs, by fully qualified name.
+    decompositions: for each composite op the trace met, whether it was kept whole and why.
+    """
+
+    graph_module: fx.GraphModule
+    signature: ExportSignature
+    state_dict: Mapping[str, torch.Tensor]
+    constants: Mapping[str, torch.Tensor]
+    decompositions: DecompositionLog
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    def module(self) -> nn.Module:
+        """An `nn.Module` that runs the program like the original: same call, same results.
+
+        It takes the original (pytree) args and kwargs, returns outputs in the original
+        structure, and applies buffer and input mutations back as eager does.  Its parameters
+        and buffers are copies, so running or training it never changes the exported model;
+        its `state_dict()` has the original module's keys.
+        """
+        from predispatch.program.runner import ProgramModule
+
+        return ProgramModule(self)
+
+    def __str__(self) -> str:
+        return format_program(self)
+
+
+def build_program(prepared: PreparedInputs, traced: TracedGraph) -> ExportedProgram:
+    """Name the placeholders, check the contract, and describe inputs and outputs."""
+    gm = traced.graph_module
+    inputs = (*(s.spec for s in prepared.state), *prepared.user_inputs)
+    name_placeholders(gm, [spec.name for spec in inputs])
+    gm.__class__.__name__ = "GraphModule"
+    check_functional(gm)
+    output_nodes = gm.graph.output_node().args[0]
+    outputs = [
+        OutputSpec(_MUTATION_KIND[inputs[i].kind], node.name, inputs[i].target if inputs[i].kind is not InputKind.USER_INPUT else inputs[i].name)
+        for i, node in zip(traced.mutated_inputs, output_nodes)
+    ]
+    user_paths = [leaf.path for leaf in traced.output_leaves if leaf.is_tensor]
+    user_nodes = output_nodes[len(traced.mutated_inputs):]
+    outputs += [OutputSpec(OutputKind.USER_OUTPUT, _node_name(n), p) for n, p in zip(user_nodes, user_paths)]
+    signature = ExportSignature(
+        tuple(inputs), tuple(outputs), prepared.in_spec, traced.out_spec, prepared.input_leaves, traced.output_leaves
+    )
+    state = {s.spec.target: s.tensor.detach() for s in prepared.state if s.spec.kind is not InputKind.CONSTANT_TENSOR}
+    constants = {s.spec.target: s.tensor.detach() for s in prepared.state if s.spec.kind is InputKind.CONSTANT_TENSOR}
+    return ExportedProgram(gm, signature, state, constants, traced.decompositions)
+
+
+def _node_name(node: object) -> str:
+    return node.name if isinstance(node, fx.Node) else repr(node)

@@ -1,0 +1,125 @@
+"""`ProgramModule`: run an `ExportedProgram` with the original calling convention."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from predispatch.errors import InputMismatchError
+from predispatch.program.signature import InputKind, OutputKind
+
+if TYPE_CHECKING:
+    from predispatch.program.exported_program import ExportedProgram
+
+_STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+
+class ProgramModule(nn.Module):
+    """Holds copies of the program's state under the original fully qualified names.
+
+    Submodules are plain `nn.Module` containers mirroring the original hierarchy, so
+    `state_dict()` keys (tied names included) equal the original module's.
+    """
+
+    def __init__(self, ep: ExportedProgram):
+        super().__init__()
+        object.__setattr__(self, "_program", ep)  # not a submodule: keeps state_dict() clean
+        for spec in ep.signature.inputs_of(*_STATE_KINDS):
+            source = ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else ep.state_dict[spec.target]
+            tensor = _copy(source, spec.kind)
+            for fqn in (spec.target, *spec.aliases):
+                _install(self, fqn, tensor, spec.kind, spec.persistent)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        ep = self._program
+        sig = ep.signature
+        user = _user_tensors(ep, args, kwargs)
+        state = [self._lookup(spec.target) for spec in sig.inputs_of(*_STATE_KINDS)]
+        # Raw grad-mode toggles in the graph set absolute values; restore the caller's mode after.
+        with torch.set_grad_enabled(torch.is_grad_enabled()):
+            outs = ep.graph_module(*state, *user)
+        mutations = sig.mutations
+        by_name = {spec.name: t for spec, t in zip(sig.inputs_of(InputKind.USER_INPUT), user)}
+        for spec, value in zip(mutations, outs):
+            target = by_name[spec.target] if spec.kind is OutputKind.USER_INPUT_MUTATION else self._lookup(spec.target)
+            _write_back(target, value)
+        results = iter(outs[len(mutations):])
+        leaves = [next(results) if leaf.is_tensor else leaf.value for leaf in sig.output_leaves]
+        return pytree.tree_unflatten(leaves, sig.out_spec)
+
+    def _lookup(self, fqn: str) -> torch.Tensor:
+        owner, _, attr = fqn.rpartition(".")
+        return getattr(self.get_submodule(owner), attr)
+
+
+def _copy(tensor: torch.Tensor, kind: InputKind) -> torch.Tensor:
+    copy = tensor.detach().clone()
+    if kind is InputKind.PARAMETER:
+        return nn.Parameter(copy, requires_grad=tensor.requires_grad)
+    return copy
+
+
+def _install(root: nn.Module, fqn: str, tensor: torch.Tensor, kind: InputKind, persistent: bool | None) -> None:
+    """Put `tensor` at `fqn`, creating empty container modules along the path."""
+    *path, attr = fqn.split(".")
+    owner = root
+    for part in path:
+        if not hasattr(owner, part):
+            owner.add_module(part, nn.Module())
+        owner = getattr(owner, part)
+    if kind is InputKind.PARAMETER:
+        owner.register_parameter(attr, tensor)
+    elif kind is InputKind.BUFFER:
+        owner.register_buffer(attr, tensor, persistent=persistent is not False)
+    else:
+        setattr(owner, attr, tensor)
+
+
+def _user_tensors(ep: ExportedProgram, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor leaves of the call, after checking it matches the exported call."""
+    sig = ep.signature
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    if spec != sig.in_spec:
+        raise InputMismatchError(
+            f"the program was exported for inputs structured as\n    {sig.in_spec}\nbut was called with\n    {spec}",
+            fix="call it with the same structure of args and kwargs as at export, or export again.",
+        )
+    tensors = []
+    examples = iter(n.meta.get("val") for n in ep.graph.find_nodes(op="placeholder")[len(sig.inputs_of(*_STATE_KINDS)):])
+    for leaf, value in zip(sig.input_leaves, flat):
+        if leaf.is_tensor:
+            _check_tensor(leaf.path, value, next(examples))
+            tensors.append(value)
+        elif type(value) is not type(leaf.value) or value != leaf.value:
+            raise InputMismatchError(
+                f"input {leaf.path!r} was {leaf.value!r} at export and is {value!r} now; "
+                "constants are baked into the program.",
+                fix="call with the exported value, or export again with this one.",
+            )
+    return tensors
+
+
+def _check_tensor(path: str, value: Any, example: Any) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise InputMismatchError(f"input {path!r} was a tensor at export and is a {type(value).__name__} now.")
+    if example is None:
+        return
+    static = all(isinstance(d, int) for d in example.shape)
+    if value.dtype != example.dtype or (static and tuple(value.shape) != tuple(example.shape)):
+        raise InputMismatchError(
+            f"input {path!r} was exported as {example.dtype} {tuple(example.shape)} and is "
+            f"{value.dtype} {tuple(value.shape)} now.",
+            fix="call with the exported shape and dtype, export again, or mark the dimension dynamic.",
+        )
+
+
+def _write_back(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Apply a mutation as eager would: in place, autograd-visible unless the target is a leaf."""
+    if target.is_leaf and target.requires_grad:
+        with torch.no_grad():
+            target.copy_(value)
+    else:
+        target.copy_(value)

@@ -1,0 +1,129 @@
+"""The program's signature: what each graph input and output stands for.
+
+The graph takes `(*lifted_state, *user_tensors)` and returns `(*mutations, *user_outputs)`.
+`ExportSignature.inputs` and `.outputs` describe those positions one to one; the pytree specs
+and leaf lists say how the user's `(args, kwargs)` and return value map onto them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch.utils._pytree as pytree
+
+
+class InputKind(enum.Enum):
+    """What a graph placeholder stands for."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    CONSTANT_TENSOR = "constant_tensor"
+    USER_INPUT = "user_input"
+
+
+class OutputKind(enum.Enum):
+    """What a graph output stands for."""
+
+    USER_OUTPUT = "user_output"
+    BUFFER_MUTATION = "buffer_mutation"
+    USER_INPUT_MUTATION = "user_input_mutation"
+    PARAMETER_MUTATION = "parameter_mutation"
+
+
+#: Prefix of a placeholder's name, by kind (`p_lin_weight`, `b_bn_running_mean`, `c_scale`).
+PLACEHOLDER_PREFIX = {InputKind.PARAMETER: "p_", InputKind.BUFFER: "b_", InputKind.CONSTANT_TENSOR: "c_"}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One graph placeholder.
+
+    kind: what it stands for.
+    name: the placeholder's name in the graph (`p_lin_weight`, `x`).
+    target: for lifted state, the fully qualified name in the original module (`lin.weight`);
+        for a user input, its pytree path in the call (`x`, `batch['ids']`).
+    aliases: other fully qualified names bound to the same tensor (tied weights).
+    persistent: for buffers, whether the buffer is in the module's state_dict.
+    """
+
+    kind: InputKind
+    name: str
+    target: str
+    aliases: tuple[str, ...] = ()
+    persistent: bool | None = None
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One graph output.
+
+    kind: what it stands for.
+    name: the graph node it returns.
+    target: for a mutation, the fully qualified name of the mutated parameter/buffer, or the
+        placeholder name of the mutated user input; for a user output, its pytree path.
+    """
+
+    kind: OutputKind
+    name: str
+    target: str
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One leaf of the user's inputs or outputs, in pytree order.
+
+    path: the leaf's pytree path (`x`, `kwargs['mask']`, `['logits']`).
+    is_tensor: tensor leaves are graph inputs/outputs; the others are constants baked in.
+    value: the constant's value (None for tensor leaves).
+    """
+
+    path: str
+    is_tensor: bool
+    value: Any = None
+
+
+@dataclass(frozen=True)
+class ExportSignature:
+    """How the graph's flat inputs and outputs map to the user's program.
+
+    inputs: one spec per graph placeholder, in order.
+    outputs: one spec per graph output, in order (mutations first, then user outputs).
+    in_spec: pytree spec of `(args, kwargs)`.
+    out_spec: pytree spec of the return value.
+    input_leaves: every leaf of `(args, kwargs)`, tensors and constants, in `in_spec` order.
+    output_leaves: every leaf of the return value, in `out_spec` order.
+    """
+
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[OutputSpec, ...]
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    input_leaves: tuple[Leaf, ...]
+    output_leaves: tuple[Leaf, ...]
+
+    def inputs_of(self, *kinds: InputKind) -> tuple[InputSpec, ...]:
+        return tuple(s for s in self.inputs if s.kind in kinds)
+
+    def outputs_of(self, *kinds: OutputKind) -> tuple[OutputSpec, ...]:
+        return tuple(s for s in self.outputs if s.kind in kinds)
+
+    @property
+    def mutations(self) -> tuple[OutputSpec, ...]:
+        return tuple(s for s in self.outputs if s.kind is not OutputKind.USER_OUTPUT)
+
+    def __str__(self) -> str:
+        lines = ["Inputs:"]
+        for s in self.inputs:
+            extra = f" (tied: {', '.join(s.aliases)})" if s.aliases else ""
+            extra += " (non-persistent)" if s.persistent is False else ""
+            lines.append(f"    {s.name}: {s.kind.name} target={s.target!r}{extra}")
+        lines.append("Outputs:")
+        for s in self.outputs:
+            lines.append(f"    {s.name}: {s.kind.name} target={s.target!r}")
+        constants = [leaf for leaf in self.input_leaves if not leaf.is_tensor]
+        if constants:
+            lines.append("Constant inputs:")
+            lines.extend(f"    {leaf.path} = {leaf.value!r}" for leaf in constants)
+        return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""The functional pre-dispatch trace through `aot_export_module(pre_dispatch=True)`."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from predispatch import _torch_internals as ti
+from predispatch.errors import (
+    DataDependentError,
+    PredispatchError,
+    TraceError,
+    UnsupportedOutputError,
+    user_frame,
+)
+from predispatch.frontend import PreparedInputs
+from predispatch.frontend.inputs import CONSTANT_TYPES
+from predispatch.program.signature import InputKind, Leaf
+from predispatch.trace.decompose import DecompositionLog, DecompositionPolicy
+
+
+@dataclass(frozen=True)
+class TracedGraph:
+    """The raw functional graph, before placeholder naming and checks.
+
+    graph_module: inputs `(*state, *user_tensors)`, outputs `(*mutated_inputs_new_values,
+        *user_output_tensors)`; placeholder names are still torch's (`arg0_1`).
+    mutated_inputs: graph-input positions whose new values the first outputs carry, in order.
+    output_leaves: every leaf of the user's return value (tensors and constants).
+    out_spec: the pytree spec of the user's return value.
+    decompositions: what the trace decided for each composite op it met.
+    """
+
+    graph_module: fx.GraphModule
+    mutated_inputs: tuple[int, ...]
+    output_leaves: tuple[Leaf, ...]
+    out_spec: pytree.TreeSpec
+    decompositions: DecompositionLog
+
+
+class _Root(nn.Module):
+    """What `aot_export_module` sees: flat tensors in, flat tensors out.
+
+    Lifted state is registered here under slot names `s0, s1, ...` (parameters first, as
+    AOTAutograd orders them) so that tied weights are one input; `forward` binds the slots back
+    to every fully qualified name in the user's module, calls it, and flattens its output.
+    """
+
+    def __init__(self, prepared: PreparedInputs):
+        super().__init__()
+        self._prepared = prepared
+        self._outputs: tuple[tuple[Leaf, ...], pytree.TreeSpec] | None = None
+        for i, lifted in enumerate(prepared.state):
+            if lifted.spec.kind is InputKind.PARAMETER:
+                self.register_parameter(f"s{i}", lifted.tensor)
+            else:
+                self.register_buffer(f"s{i}", lifted.tensor)
+
+    def forward(self, *user_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        prepared = self._prepared
+        bound = {}
+        for i, lifted in enumerate(prepared.state):
+            for fqn in (lifted.spec.target, *lifted.spec.aliases):
+                bound[fqn] = getattr(self, f"s{i}")
+        args, kwargs = prepared.call_args(user_tensors)
+        with ti.reparametrize(prepared.module, bound):
+            out = prepared.module(*args, **kwargs)
+        self._outputs = _output_leaves(out)
+        return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor))
+
+
+def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
+    """Capture `prepared.module` once as a functional graph (see the package docstring)."""
+    root = _Root(prepared)
+    fakes = {f"s{i}": fake for i, fake in enumerate(prepared.fake_state)}
+    log = DecompositionLog()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ti.reparametrize(root, fakes))
+        stack.enter_context(ti.exporting_flags())
+        stack.enter_context(ti.decomposition_hook(lambda op, default: policy.should_decompose(op, default, log)))
+        stack.enter_context(prepared.fake_mode)
+        with _user_errors():
+            gm, aot_signature = ti.aot_export_module(
+                root, prepared.fake_user_inputs, trace_joint=False, pre_dispatch=True
+            )
+    output_leaves, out_spec = root._outputs
+    return TracedGraph(gm, _mutated_inputs(gm, aot_signature), output_leaves, out_spec, log)
+
+
+def _output_leaves(out: Any) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:
+    """Check and describe the user's return value: tensor leaves and constant leaves."""
+    with_path, spec = pytree.tree_flatten_with_path(out)
+    leaves = []
+    for path, value in with_path:
+        label = "output" + pytree.keystr(path)
+        if isinstance(value, torch.Tensor):
+            leaves.append(Leaf(label, True))
+        elif isinstance(value, CONSTANT_TYPES):
+            leaves.append(Leaf(label, False, value))
+        else:
+            raise UnsupportedOutputError(
+                f"{label} is a {type(value).__name__}, which is neither a tensor nor a constant.",
+                where=user_frame(),
+                fix="return tensors (or tuples/lists/dicts/dataclasses of tensors); register custom "
+                "containers with torch.utils._pytree.register_pytree_node.",
+            )
+    return tuple(leaves), spec
+
+
+def _mutated_inputs(gm: fx.GraphModule, sig: Any) -> tuple[int, ...]:
+    """Positions of the graph inputs AOTAutograd reported as mutated, in input order.
+
+    AOTAutograd returns the new values of mutated inputs first, in input order; its signature
+    names them by slot (`s3`) or placeholder (`arg7_1`), which we map back to positions.
+    """
+    placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    slot_of = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    position = {slot_of.get(name, name): i for i, name in enumerate(placeholders)}
+    mutated = [*sig.buffers_to_mutate.values(), *sig.parameters_to_mutate.values(), *sig.user_inputs_to_mutate.values()]
+    return tuple(sorted(position[name] for name in mutated))
+
+
+@contextlib.contextmanager
+def _user_errors():
+    """Turn torch's tracing failures into predispatch errors that name the user's line."""
+    try:
+        yield
+    except PredispatchError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every torch failure is re-raised with context
+        where = user_frame(exc.__traceback__)
+        if _is_data_dependent(exc):
+            raise DataDependentError(
+                "Python code branches on, or converts, a value inside a tensor, which export "
+                "cannot know (it traces shapes, not values).",
+                where=where,
+                fix="make the branch static, use torch.where to compute both sides, or torch.cond.",
+            ) from exc
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TraceError(
+            f"tracing failed: {type(exc).__name__}: {first_line}",
+            where=where,
+            fix="rewrite the named line functionally (out-of-place ops, no metadata mutation of "
+            "inputs); the torch error is chained below.",
+        ) from exc
+
+
+def _is_data_dependent(exc: Exception) -> bool:
+    chain = [exc, exc.__cause__, exc.__context__]
+    return any(isinstance(e, ti.DATA_DEPENDENT_ERRORS) for e in chain)
