@@ -153,7 +153,7 @@ def _named_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tu
             leaves.append(Leaf(label, False, value))
         else:
             raise UnsupportedInputError(
-                f"input {label!r} is a {type(value).__name__}, which is neither a tensor nor a constant.",
+                f"input {label!r} has type {type(value).__name__}, which is neither a tensor nor a constant.",
                 where=user_frame(),
                 fix="pass tensors, None, bools, numbers or strings, in tuples/lists/dicts/dataclasses; "
                 "register other containers with torch.utils._pytree.register_pytree_node.",

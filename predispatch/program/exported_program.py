@@ -32,8 +32,8 @@ class ExportedProgram:
     graph_module: the graph; takes `(*state, *user_tensors)` in `signature.inputs` order and
         returns `(*mutations, *user_outputs)` in `signature.outputs` order.
     signature: what each graph input and output stands for.
-    state_dict: parameters and buffers by fully qualified name (tensors that share storage
-        with the exported module's: export copies no weights).
+    state_dict: parameters and buffers by fully qualified name: the exported module's own
+        tensors (export copies no weights; `module()` copies them).
     constants: tensor attributes lifted as CONSTANT_TENSOR inputs, by fully qualified name.
     decompositions: for each composite op the trace met, whether it was kept whole and why.
     """
@@ -82,8 +82,8 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph) -> ExportedProg
     signature = ExportSignature(
         tuple(inputs), tuple(outputs), prepared.in_spec, traced.out_spec, prepared.input_leaves, traced.output_leaves
     )
-    state = {s.spec.target: s.tensor.detach() for s in prepared.state if s.spec.kind is not InputKind.CONSTANT_TENSOR}
-    constants = {s.spec.target: s.tensor.detach() for s in prepared.state if s.spec.kind is InputKind.CONSTANT_TENSOR}
+    state = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is not InputKind.CONSTANT_TENSOR}
+    constants = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is InputKind.CONSTANT_TENSOR}
     return ExportedProgram(gm, signature, state, constants, traced.decompositions)
 
 

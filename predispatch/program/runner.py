@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from predispatch.errors import InputMismatchError
+from predispatch.errors import InputMismatchError, user_frame
 from predispatch.program.signature import InputKind, OutputKind
 
 if TYPE_CHECKING:
@@ -85,6 +85,7 @@ def _user_tensors(ep: ExportedProgram, args: tuple, kwargs: dict) -> list[torch.
     if spec != sig.in_spec:
         raise InputMismatchError(
             f"the program was exported for inputs structured as\n    {sig.in_spec}\nbut was called with\n    {spec}",
+            where=user_frame(),
             fix="call it with the same structure of args and kwargs as at export, or export again.",
         )
     tensors = []
@@ -97,6 +98,7 @@ def _user_tensors(ep: ExportedProgram, args: tuple, kwargs: dict) -> list[torch.
             raise InputMismatchError(
                 f"input {leaf.path!r} was {leaf.value!r} at export and is {value!r} now; "
                 "constants are baked into the program.",
+                where=user_frame(),
                 fix="call with the exported value, or export again with this one.",
             )
     return tensors
@@ -104,7 +106,9 @@ def _user_tensors(ep: ExportedProgram, args: tuple, kwargs: dict) -> list[torch.
 
 def _check_tensor(path: str, value: Any, example: Any) -> None:
     if not isinstance(value, torch.Tensor):
-        raise InputMismatchError(f"input {path!r} was a tensor at export and is a {type(value).__name__} now.")
+        raise InputMismatchError(
+            f"input {path!r} was a tensor at export and has type {type(value).__name__} now.", where=user_frame()
+        )
     if example is None:
         return
     static = all(isinstance(d, int) for d in example.shape)
@@ -112,6 +116,7 @@ def _check_tensor(path: str, value: Any, example: Any) -> None:
         raise InputMismatchError(
             f"input {path!r} was exported as {example.dtype} {tuple(example.shape)} and is "
             f"{value.dtype} {tuple(value.shape)} now.",
+            where=user_frame(),
             fix="call with the exported shape and dtype, export again, or mark the dimension dynamic.",
         )
 

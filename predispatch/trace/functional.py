@@ -104,7 +104,7 @@ def _output_leaves(out: Any) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:
             leaves.append(Leaf(label, False, value))
         else:
             raise UnsupportedOutputError(
-                f"{label} is a {type(value).__name__}, which is neither a tensor nor a constant.",
+                f"{label} has type {type(value).__name__}, which is neither a tensor nor a constant.",
                 where=user_frame(),
                 fix="return tensors (or tuples/lists/dicts/dataclasses of tensors); register custom "
                 "containers with torch.utils._pytree.register_pytree_node.",
@@ -133,7 +133,7 @@ def _user_errors():
     except PredispatchError:
         raise
     except Exception as exc:  # noqa: BLE001 - every torch failure is re-raised with context
-        where = user_frame(exc.__traceback__)
+        where = user_frame(exc.__traceback__) or f"{user_frame()} (the export call; torch found this after tracing)"
         if _is_data_dependent(exc):
             raise DataDependentError(
                 "Python code branches on, or converts, a value inside a tensor, which export "

@@ -1,0 +1,68 @@
+"""Shared checks: a program must match eager and leave everything as it found it."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+import predispatch
+from predispatch.passes import mutable_ops
+from predispatch.program.printing import format_graph
+
+
+def clone_tree(tree: Any) -> Any:
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), tree)
+
+
+def state_bits(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in module.state_dict(keep_vars=True).items()}
+
+
+def assert_same_tree(actual: Any, expected: Any, exact: bool = True) -> None:
+    """Same structure, same constants, tensors equal (bitwise unless `exact` is False)."""
+    a_leaves, a_spec = pytree.tree_flatten(actual)
+    e_leaves, e_spec = pytree.tree_flatten(expected)
+    assert a_spec == e_spec, (a_spec, e_spec)
+    for a, e in zip(a_leaves, e_leaves):
+        if isinstance(e, torch.Tensor):
+            tol = {"rtol": 0, "atol": 0} if exact else {}
+            torch.testing.assert_close(a, e, equal_nan=True, **tol)
+        else:
+            assert a == e, (a, e)
+
+
+def export_and_check(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, exact: bool = True, **options):
+    """Export, then check what every test of a module must hold; returns the program.
+
+    - the graph (and its subgraphs) holds no mutable op;
+    - the module's state_dict is bit-identical after export and its parameters are the same objects;
+    - `ep.module()` on clones of the inputs gives eager's outputs, mutated inputs and buffers.
+    """
+    kwargs = kwargs or {}
+    before = state_bits(module)
+    params_before = dict(module.named_parameters())
+    ep = predispatch.export(module, args, kwargs, **options)
+    assert mutable_ops(ep.graph_module) == []
+    after = module.state_dict(keep_vars=True)
+    assert before.keys() == after.keys()
+    for k, v in before.items():
+        assert torch.equal(v, after[k]) and v.dtype == after[k].dtype, k
+    assert all(p is params_before[n] for n, p in module.named_parameters())
+
+    eager_module = copy.deepcopy(module)
+    program = ep.module()
+    e_args, e_kwargs = clone_tree((args, kwargs))
+    p_args, p_kwargs = clone_tree((args, kwargs))
+    expected = eager_module(*e_args, **e_kwargs)
+    actual = program(*p_args, **p_kwargs)
+    assert_same_tree(actual, expected, exact)
+    assert_same_tree((p_args, p_kwargs), (e_args, e_kwargs), exact)
+    assert_same_tree(program.state_dict(), eager_module.state_dict(), exact)
+    return ep
+
+
+def graph(ep: predispatch.ExportedProgram) -> str:
+    return format_graph(ep.graph_module)

@@ -1,0 +1,437 @@
+"""Golden graphs of small modules, each paired with a numeric check against eager."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+from helpers import export_and_check, graph
+from torch import nn
+
+import predispatch
+from predispatch import InputKind, OutputKind
+
+
+def exact(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def setUpModule():
+    torch.manual_seed(0)
+
+
+class Linear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return F.relu(self.bn(self.conv(x)))
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("total", torch.zeros(3))
+
+    def forward(self, x):
+        self.count.add_(1)
+        self.total += x.sum(0)
+        return x * self.count
+
+
+class ScaleInPlace(nn.Module):
+    def forward(self, x, y):
+        x.mul_(2)
+        return x + y
+
+
+class ViewInPlace(nn.Module):
+    def forward(self, x):
+        row = x[0]
+        row.add_(1)
+        flat = x.view(-1)
+        flat[2:4].zero_()
+        return x.sum()
+
+
+class ReshapeTo(nn.Module):
+    def forward(self, x):
+        y = x.reshape(2, -1)
+        return y.to(torch.float64), x.to(torch.float32)
+
+
+class DropoutEval(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.lin(x))
+
+
+class DictOut(nn.Module):
+    def forward(self, x):
+        return {"double": x * 2, "stats": (x.mean(), x.amax()), "label": "ok", "none": None}
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, *, mask=None, scale=1.0):
+        y = self.lin(x) * scale
+        return y if mask is None else y.masked_fill(mask, 0.0)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+@dataclasses.dataclass
+class Batch:
+    tokens: torch.Tensor
+    weights: torch.Tensor
+    scale: float = 2.0
+
+
+class WithConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.offset = torch.arange(4.0)  # a plain tensor attribute: a CONSTANT_TENSOR input
+
+    def forward(self, batch: Batch):
+        return batch.tokens * batch.weights * batch.scale + self.offset
+
+
+class GoldenGraphs(TestCase):
+    maxDiff = None
+
+    def test_linear(self):
+        ep = export_and_check(Linear(), (torch.randn(2, 4),))
+        self.assertExpectedInline(str(ep), """\
+ExportedProgram:
+    class GraphModule(torch.nn.Module):
+        def forward(self, p_lin_weight: "f32[3, 4]", p_lin_bias: "f32[3]", x: "f32[2, 4]"):
+            linear: "f32[2, 3]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+            return (linear,)
+
+Graph signature:
+    Inputs:
+        p_lin_weight: PARAMETER target='lin.weight'
+        p_lin_bias: PARAMETER target='lin.bias'
+        x: USER_INPUT target='x'
+    Outputs:
+        linear: USER_OUTPUT target='output'""")
+
+    def test_mlp(self):
+        ep = export_and_check(MLP(), (torch.randn(3, 4),))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_fc1_weight: "f32[8, 4]", p_fc1_bias: "f32[8]", p_fc2_weight: "f32[2, 8]", p_fc2_bias: "f32[2]", x: "f32[3, 4]"):
+        linear: "f32[3, 8]" = torch.ops.aten.linear.default(x, p_fc1_weight, p_fc1_bias);  x = p_fc1_weight = p_fc1_bias = None
+
+        gelu: "f32[3, 8]" = torch.ops.aten.gelu.default(linear);  linear = None
+
+        linear_1: "f32[3, 2]" = torch.ops.aten.linear.default(gelu, p_fc2_weight, p_fc2_bias);  gelu = p_fc2_weight = p_fc2_bias = None
+        return (linear_1,)""")
+
+    def test_conv_bn_train(self):
+        ep = export_and_check(ConvBN().train(), (torch.randn(2, 3, 6, 6),))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_conv_weight: "f32[4, 3, 3, 3]", p_conv_bias: "f32[4]", p_bn_weight: "f32[4]", p_bn_bias: "f32[4]", b_bn_running_mean: "f32[4]", b_bn_running_var: "f32[4]", b_bn_num_batches_tracked: "i64[]", x: "f32[2, 3, 6, 6]"):
+        conv2d: "f32[2, 4, 4, 4]" = torch.ops.aten.conv2d.default(x, p_conv_weight, p_conv_bias);  x = p_conv_weight = p_conv_bias = None
+
+        add: "i64[]" = torch.ops.aten.add.Tensor(b_bn_num_batches_tracked, 1);  b_bn_num_batches_tracked = None
+
+        _native_batch_norm_legit_functional = torch.ops.aten._native_batch_norm_legit_functional.default(conv2d, p_bn_weight, p_bn_bias, b_bn_running_mean, b_bn_running_var, True, 0.1, 1e-05);  conv2d = p_bn_weight = p_bn_bias = b_bn_running_mean = b_bn_running_var = None
+        getitem: "f32[2, 4, 4, 4]" = _native_batch_norm_legit_functional[0]
+        getitem_3: "f32[4]" = _native_batch_norm_legit_functional[3]
+        getitem_4: "f32[4]" = _native_batch_norm_legit_functional[4];  _native_batch_norm_legit_functional = None
+
+        relu: "f32[2, 4, 4, 4]" = torch.ops.aten.relu.default(getitem);  getitem = None
+        return (getitem_3, getitem_4, add, relu)""")
+        kinds = [s.kind for s in ep.signature.mutations]
+        self.assertEqual(kinds, [OutputKind.BUFFER_MUTATION] * 3)
+
+    def test_conv_bn_eval(self):
+        ep = export_and_check(ConvBN().eval(), (torch.randn(2, 3, 6, 6),))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_conv_weight: "f32[4, 3, 3, 3]", p_conv_bias: "f32[4]", p_bn_weight: "f32[4]", p_bn_bias: "f32[4]", b_bn_running_mean: "f32[4]", b_bn_running_var: "f32[4]", b_bn_num_batches_tracked: "i64[]", x: "f32[2, 3, 6, 6]"):
+        conv2d: "f32[2, 4, 4, 4]" = torch.ops.aten.conv2d.default(x, p_conv_weight, p_conv_bias);  x = p_conv_weight = p_conv_bias = None
+
+        _native_batch_norm_legit_no_training = torch.ops.aten._native_batch_norm_legit_no_training.default(conv2d, p_bn_weight, p_bn_bias, b_bn_running_mean, b_bn_running_var, 0.1, 1e-05);  conv2d = p_bn_weight = p_bn_bias = b_bn_running_mean = b_bn_running_var = None
+        getitem: "f32[2, 4, 4, 4]" = _native_batch_norm_legit_no_training[0];  _native_batch_norm_legit_no_training = None
+
+        relu: "f32[2, 4, 4, 4]" = torch.ops.aten.relu.default(getitem);  getitem = None
+        return (relu,)""")
+        self.assertEqual(ep.signature.mutations, ())
+
+    def test_buffer_mutation(self):
+        ep = export_and_check(Counter(), (torch.randn(2, 3),))
+        self.assertExpectedInline(str(ep), """\
+ExportedProgram:
+    class GraphModule(torch.nn.Module):
+        def forward(self, b_count: "f32[]", b_total: "f32[3]", x: "f32[2, 3]"):
+            add: "f32[]" = torch.ops.aten.add.Tensor(b_count, 1);  b_count = None
+
+            sum_1: "f32[3]" = torch.ops.aten.sum.dim_IntList(x, [0])
+            add_1: "f32[3]" = torch.ops.aten.add.Tensor(b_total, sum_1);  b_total = sum_1 = None
+
+            mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(x, add);  x = None
+            return (add, add_1, mul)
+
+Graph signature:
+    Inputs:
+        b_count: BUFFER target='count'
+        b_total: BUFFER target='total'
+        x: USER_INPUT target='x'
+    Outputs:
+        add: BUFFER_MUTATION target='count'
+        add_1: BUFFER_MUTATION target='total'
+        mul: USER_OUTPUT target='output'""")
+
+    def test_user_input_mutation(self):
+        ep = export_and_check(ScaleInPlace(), (torch.randn(3), torch.randn(3)))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, x: "f32[3]", y: "f32[3]"):
+        mul: "f32[3]" = torch.ops.aten.mul.Tensor(x, 2);  x = None
+
+        add: "f32[3]" = torch.ops.aten.add.Tensor(mul, y);  y = None
+        return (mul, add)""")
+        (mutation,) = ep.signature.mutations
+        self.assertEqual((mutation.kind, mutation.target), (OutputKind.USER_INPUT_MUTATION, "x"))
+
+    def test_inplace_on_views(self):
+        ep = export_and_check(ViewInPlace(), (torch.randn(3, 4),))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, x: "f32[3, 4]"):
+        select: "f32[4]" = torch.ops.aten.select.int(x, 0, 0)
+
+        add: "f32[4]" = torch.ops.aten.add.Tensor(select, 1);  select = None
+        select_scatter: "f32[3, 4]" = torch.ops.aten.select_scatter.default(x, add, 0, 0);  x = add = None
+
+        view_1: "f32[12]" = torch.ops.aten.view.default(select_scatter, [-1])
+        slice_2: "f32[2]" = torch.ops.aten.slice.Tensor(view_1, 0, 2, 4);  view_1 = None
+        zero: "f32[2]" = torch.ops.aten.zero.default(slice_2);  slice_2 = None
+        view_2: "f32[12]" = torch.ops.aten.view.default(select_scatter, [-1]);  select_scatter = None
+        slice_scatter: "f32[12]" = torch.ops.aten.slice_scatter.default(view_2, zero, 0, 2, 4);  view_2 = zero = None
+        view_3: "f32[3, 4]" = torch.ops.aten.view.default(slice_scatter, [3, 4]);  slice_scatter = None
+
+        sum_1: "f32[]" = torch.ops.aten.sum.default(view_3)
+        return (view_3, sum_1)""")
+
+    def test_reshape_and_to(self):
+        ep = export_and_check(ReshapeTo(), (torch.randn(4, 3),))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, x: "f32[4, 3]"):
+        view: "f32[2, 6]" = torch.ops.aten.view.default(x, [2, -1])
+
+        _assert_tensor_metadata = torch.ops.aten._assert_tensor_metadata.default(view, None, None, torch.float32, device = device(type='cpu'), layout = torch.strided);  _assert_tensor_metadata = None
+        _to_copy: "f64[2, 6]" = torch.ops.aten._to_copy.default(view, dtype = torch.float64);  view = None
+        _assert_tensor_metadata_1 = torch.ops.aten._assert_tensor_metadata.default(x, None, None, torch.float32, device = device(type='cpu'), layout = torch.strided);  _assert_tensor_metadata_1 = None
+        return (_to_copy, x)""")
+
+    def test_dropout_eval(self):
+        ep = export_and_check(DropoutEval().eval(), (torch.randn(2, 4),))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[4, 4]", p_lin_bias: "f32[4]", x: "f32[2, 4]"):
+        linear: "f32[2, 4]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+
+        dropout: "f32[2, 4]" = torch.ops.aten.dropout.default(linear, 0.5, False);  linear = None
+        return (dropout,)""")
+
+    def test_dict_outputs(self):
+        ep = export_and_check(DictOut(), (torch.randn(2, 3),))
+        self.assertExpectedInline(str(ep), """\
+ExportedProgram:
+    class GraphModule(torch.nn.Module):
+        def forward(self, x: "f32[2, 3]"):
+            mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(x, 2)
+            mean: "f32[]" = torch.ops.aten.mean.default(x)
+            amax: "f32[]" = torch.ops.aten.amax.default(x);  x = None
+            return (mul, mean, amax)
+
+Graph signature:
+    Inputs:
+        x: USER_INPUT target='x'
+    Outputs:
+        mul: USER_OUTPUT target="output['double']"
+        mean: USER_OUTPUT target="output['stats'][0]"
+        amax: USER_OUTPUT target="output['stats'][1]\"""")
+
+    def test_kwargs_inputs(self):
+        x, mask = torch.randn(2, 4), torch.rand(2, 4) > 0.5
+        ep = export_and_check(Masked(), (x,), {"mask": mask, "scale": 0.5})
+        self.assertExpectedInline(str(ep), """\
+ExportedProgram:
+    class GraphModule(torch.nn.Module):
+        def forward(self, p_lin_weight: "f32[4, 4]", p_lin_bias: "f32[4]", x: "f32[2, 4]", mask: "b8[2, 4]"):
+            linear: "f32[2, 4]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+
+            mul: "f32[2, 4]" = torch.ops.aten.mul.Tensor(linear, 0.5);  linear = None
+
+            masked_fill: "f32[2, 4]" = torch.ops.aten.masked_fill.Scalar(mul, mask, 0.0);  mul = mask = None
+            return (masked_fill,)
+
+Graph signature:
+    Inputs:
+        p_lin_weight: PARAMETER target='lin.weight'
+        p_lin_bias: PARAMETER target='lin.bias'
+        x: USER_INPUT target='x'
+        mask: USER_INPUT target='mask'
+    Outputs:
+        masked_fill: USER_OUTPUT target='output'
+    Constant inputs:
+        scale = 0.5""")
+
+    def test_tied_weights(self):
+        model = Tied()
+        ep = export_and_check(model, (torch.tensor([[1, 2, 3]]),))
+        self.assertExpectedInline(str(ep), """\
+ExportedProgram:
+    class GraphModule(torch.nn.Module):
+        def forward(self, p_emb_weight: "f32[10, 4]", ids: "i64[1, 3]"):
+            embedding: "f32[1, 3, 4]" = torch.ops.aten.embedding.default(p_emb_weight, ids);  ids = None
+
+            linear: "f32[1, 3, 10]" = torch.ops.aten.linear.default(embedding, p_emb_weight);  embedding = p_emb_weight = None
+            return (linear,)
+
+Graph signature:
+    Inputs:
+        p_emb_weight: PARAMETER target='emb.weight' (tied: head.weight)
+        ids: USER_INPUT target='ids'
+    Outputs:
+        linear: USER_OUTPUT target='output'""")
+        program = ep.module()
+        self.assertEqual(list(program.state_dict()), list(model.state_dict()))
+        self.assertIs(program.emb.weight, program.head.weight)
+
+    def test_dataclass_input_and_constant_attribute(self):
+        batch = Batch(torch.randn(4), torch.randn(4))
+        ep = export_and_check(WithConstant(), (batch,))
+        self.assertExpectedInline(str(ep), """\
+ExportedProgram:
+    class GraphModule(torch.nn.Module):
+        def forward(self, c_offset: "f32[4]", batch_tokens: "f32[4]", batch_weights: "f32[4]"):
+            mul: "f32[4]" = torch.ops.aten.mul.Tensor(batch_tokens, batch_weights);  batch_tokens = batch_weights = None
+            mul_1: "f32[4]" = torch.ops.aten.mul.Tensor(mul, 2.0);  mul = None
+            add: "f32[4]" = torch.ops.aten.add.Tensor(mul_1, c_offset);  mul_1 = c_offset = None
+            return (add,)
+
+Graph signature:
+    Inputs:
+        c_offset: CONSTANT_TENSOR target='offset'
+        batch_tokens: USER_INPUT target='batch.tokens'
+        batch_weights: USER_INPUT target='batch.weights'
+    Outputs:
+        add: USER_OUTPUT target='output'
+    Constant inputs:
+        batch.scale = 2.0""")
+        self.assertEqual([s.kind for s in ep.signature.inputs], [InputKind.CONSTANT_TENSOR, InputKind.USER_INPUT, InputKind.USER_INPUT])
+
+
+class ProgramBehaviour(TestCase):
+    def test_gradients_match_eager(self):
+        model, x = MLP(), torch.randn(3, 4, requires_grad=True)
+        program = predispatch.export(model, (x,)).module()
+        x2 = x.detach().clone().requires_grad_()
+        model(x).sum().backward()
+        program(x2).sum().backward()
+        exact(x2.grad, x.grad)
+        for (name, p), q in zip(model.named_parameters(), program.parameters()):
+            exact(q.grad, p.grad)
+
+    def test_program_does_not_write_into_the_exported_model(self):
+        model = Counter()
+        program = predispatch.export(model, (torch.randn(2, 3),)).module()
+        program(torch.ones(2, 3))
+        self.assertEqual(model.count.item(), 0.0)
+        self.assertEqual(program.count.item(), 1.0)
+
+    def test_load_state_dict_round_trip(self):
+        model = ConvBN().eval()
+        program = predispatch.export(model, (torch.randn(1, 3, 6, 6),)).module()
+        other = ConvBN().eval()
+        program.load_state_dict(other.state_dict())
+        x = torch.randn(1, 3, 6, 6)
+        exact(program(x), other(x))
+
+    def test_is_exporting_during_trace(self):
+        seen = []
+
+        class Probe(nn.Module):
+            def forward(self, x):
+                seen.append((torch.compiler.is_exporting(), torch.compiler.is_compiling()))
+                return x + 1
+
+        predispatch.export(Probe(), (torch.randn(2),))
+        self.assertTrue(seen and set(seen) == {(True, True)}, seen)
+        self.assertFalse(torch.compiler.is_exporting())
+
+    def test_trace_runs_on_fake_tensors(self):
+        kinds = []
+
+        class Probe(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(2, 2)
+
+            def forward(self, x):
+                kinds.append((type(x).__name__, type(self.lin.weight).__name__))
+                return self.lin(x)
+
+        predispatch.export(Probe(), (torch.randn(2),))
+        # Functional wrappers around fake tensors: never the real input or the real weight.
+        self.assertEqual(set(kinds), {("FunctionalTensor", "FunctionalTensor")})
+
+    def test_plain_function(self):
+        def fn(x, y):
+            return torch.sin(x) + y.relu()
+
+        args = (torch.randn(3), torch.randn(3))
+        ep = predispatch.export(fn, args)
+        exact(ep.module()(*args), fn(*args))
+        self.assertEqual([s.name for s in ep.signature.inputs], ["x", "y"])
+
+    def test_placeholder_names_are_deterministic(self):
+        first = str(predispatch.export(ConvBN(), (torch.randn(1, 3, 6, 6),)))
+        second = str(predispatch.export(ConvBN(), (torch.randn(1, 3, 6, 6),)))
+        self.assertEqual(first, second)
