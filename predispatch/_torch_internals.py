@@ -16,7 +16,8 @@ import torch
 from torch._functorch.aot_autograd import aot_export_module
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
-from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -24,11 +25,17 @@ __all__ = [
     "DATA_DEPENDENT_ERRORS",
     "FakeTensor",
     "FakeTensorMode",
+    "FunctionalTensor",
     "FunctionalTensorMode",
     "ShapeEnv",
     "aot_export_module",
     "decomposition_hook",
     "exporting_flags",
+    "functional_dispatch_observer",
+    "functional_value",
+    "wrap_functional",
+    "wrap_with_autocast",
+    "wrap_with_set_grad_enabled",
     "mode_stack_depths",
     "new_fake_mode",
     "pop_modes_to",
@@ -104,3 +111,38 @@ def pop_modes_to(depths: tuple[int, int, int]) -> None:
         _pop_mode_from_pre_dispatch()
     while torch._C._len_torch_function_stack() > depths[2]:
         torch._C._pop_torch_function_stack()
+
+
+@contextlib.contextmanager
+def functional_dispatch_observer(
+    before: Callable[[FunctionalTensorMode, Any, tuple, dict], None], after: Callable[[Any, Any], None]
+) -> Iterator[None]:
+    """Call `before(mode, func, args, kwargs)` / `after(func, out)` around every op FunctionalTensorMode handles.
+
+    The functional mode is where in-place ops are seen as in-place (below it they are already
+    rewritten); predispatch watches them there to keep autograd history right.
+    """
+    original = FunctionalTensorMode.__torch_dispatch__
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before(self, func, args, kwargs or {})
+        out = original(self, func, types, args, kwargs)
+        after(func, out)
+        return out
+
+    FunctionalTensorMode.__torch_dispatch__ = __torch_dispatch__
+    try:
+        yield
+    finally:
+        FunctionalTensorMode.__torch_dispatch__ = original
+
+
+def functional_value(t: FunctionalTensor) -> torch.Tensor:
+    """The tensor a FunctionalTensor currently stands for (its latest functional value)."""
+    torch._sync(t)
+    return torch._from_functional_tensor(t.elem)
+
+
+def wrap_functional(value: torch.Tensor, mode: FunctionalTensorMode) -> FunctionalTensor:
+    """A FunctionalTensor for `value` (a tensor the tracer already knows) in functional mode `mode`."""
+    return FunctionalTensor(torch._to_functional_tensor(value), mode)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -66,3 +67,49 @@ def export_and_check(module: torch.nn.Module, args: tuple, kwargs: dict | None =
 
 def graph(ep: predispatch.ExportedProgram) -> str:
     return format_graph(ep.graph_module)
+
+
+def check_gradients(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, outer_no_grad: bool = False):
+    """Outputs, `requires_grad` of outputs, and gradients of inputs and parameters equal eager's.
+
+    Runs eager on a deep copy of the module and the program on `ep.module()`, each on fresh
+    clones of the inputs (floating inputs require grad).  With `outer_no_grad`, both run inside
+    `torch.no_grad()` and only outputs and their `requires_grad` are compared.
+    """
+    kwargs = kwargs or {}
+    ep = predispatch.export(module, args, kwargs)
+    assert mutable_ops(ep.graph_module) == []
+    eager, program = copy.deepcopy(module), ep.module()
+
+    def fresh():
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.is_floating_point()), (args, kwargs)
+        )
+
+    (e_args, e_kwargs), (p_args, p_kwargs) = fresh(), fresh()
+    with torch.no_grad() if outer_no_grad else contextlib.nullcontext():
+        expected = eager(*e_args, **e_kwargs)
+        eager_leaves_grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(not outer_no_grad)  # undo what eager's forward may have left
+        actual = program(*p_args, **p_kwargs)
+        assert torch.is_grad_enabled() == eager_leaves_grad
+    torch.set_grad_enabled(True)
+    assert_same_tree(actual, expected)
+    e_out = [t for t in pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
+    p_out = [t for t in pytree.tree_leaves(actual) if isinstance(t, torch.Tensor)]
+    assert [t.requires_grad for t in p_out] == [t.requires_grad for t in e_out]
+    if not outer_no_grad:
+        _backward(e_out), _backward(p_out)
+        for e, p in zip(pytree.tree_leaves((e_args, e_kwargs)), pytree.tree_leaves((p_args, p_kwargs))):
+            if isinstance(e, torch.Tensor):
+                assert_same_tree(p.grad, e.grad)
+        for (name, e), p in zip(eager.named_parameters(), program.parameters()):
+            assert_same_tree(p.grad, e.grad)
+    assert_same_tree(program.state_dict(), eager.state_dict())
+    return ep
+
+
+def _backward(outputs: list[torch.Tensor]) -> None:
+    live = [t for t in outputs if t.requires_grad]
+    if live:
+        torch.autograd.backward([t.float().sum() for t in live])

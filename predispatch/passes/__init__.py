@@ -1,10 +1,14 @@
 """Passes over the traced graph, one file each, run in order by `_export.export`.
 
-Each pass states its contract in its docstring; `check_functional` is the contract checked
-at the end: no op with a mutable schema anywhere in the graph or its subgraphs.
+Order: name_placeholders -> remove_copies -> wrap_regions -> check_functional.  Each pass
+states its contract in its docstring; `check_functional` checks the program's contract at the
+end: no op with a mutable schema and no raw grad/autocast toggle anywhere in the graph or its
+subgraphs.
 """
 
-from predispatch.passes.check_functional import check_functional, mutable_ops
+from predispatch.passes.check_functional import check_functional, mutable_ops, raw_toggles
 from predispatch.passes.name_placeholders import name_placeholders
+from predispatch.passes.remove_copies import remove_copies
+from predispatch.passes.wrap_regions import wrap_regions
 
-__all__ = ["check_functional", "mutable_ops", "name_placeholders"]
+__all__ = ["check_functional", "mutable_ops", "name_placeholders", "raw_toggles", "remove_copies", "wrap_regions"]

@@ -1,4 +1,8 @@
-"""Contract: the graph and all its subgraphs hold no op with a mutable schema."""
+"""Contract: the graph and its subgraphs hold no op with a mutable schema and no raw toggle.
+
+Raw toggles (`_set_grad_enabled`, autocast enter/exit) are state changes, not values; after
+`wrap_regions` they must all have become region HOPs.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +19,16 @@ def mutable_ops(gm: fx.GraphModule) -> list[str]:
     return [f"{node.name}: {node.target}" for node in _all_nodes(gm) if _is_mutable(node.target)]
 
 
+def raw_toggles(gm: fx.GraphModule) -> list[str]:
+    """`node: target` for every raw grad-mode or autocast toggle left, subgraphs included."""
+    from predispatch.passes.wrap_regions import TOGGLES
+
+    return [f"{node.name}: {node.target.__name__}" for node in _all_nodes(gm) if node.target in TOGGLES]
+
+
 def check_functional(gm: fx.GraphModule) -> None:
-    """Raise if any mutable op is left: a broken contract between stages, not a user error."""
-    found = mutable_ops(gm)
+    """Raise if any mutable op or raw toggle is left: a broken contract between stages, not a user error."""
+    found = mutable_ops(gm) + raw_toggles(gm)
     if found:
         raise NonFunctionalGraphError(
             f"the exported graph still mutates: {', '.join(found)}",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import fx, nn
 
-from predispatch.passes import check_functional, name_placeholders
+from predispatch.passes import check_functional, name_placeholders, remove_copies, wrap_regions
 from predispatch.program.printing import format_program
 from predispatch.program.signature import ExportSignature, InputKind, OutputKind, OutputSpec
 
@@ -69,6 +69,8 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph) -> ExportedProg
     gm = traced.graph_module
     inputs = (*(s.spec for s in prepared.state), *prepared.user_inputs)
     name_placeholders(gm, [spec.name for spec in inputs])
+    remove_copies(gm)
+    wrap_regions(gm)
     gm.__class__.__name__ = "GraphModule"
     check_functional(gm)
     output_nodes = gm.graph.output_node().args[0]
@@ -80,7 +82,13 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph) -> ExportedProg
     user_nodes = output_nodes[len(traced.mutated_inputs):]
     outputs += [OutputSpec(OutputKind.USER_OUTPUT, _node_name(n), p) for n, p in zip(user_nodes, user_paths)]
     signature = ExportSignature(
-        tuple(inputs), tuple(outputs), prepared.in_spec, traced.out_spec, prepared.input_leaves, traced.output_leaves
+        tuple(inputs),
+        tuple(outputs),
+        prepared.in_spec,
+        traced.out_spec,
+        prepared.input_leaves,
+        traced.output_leaves,
+        traced.grad_mode_on_exit,
     )
     state = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is not InputKind.CONSTANT_TENSOR}
     constants = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is InputKind.CONSTANT_TENSOR}

@@ -38,14 +38,15 @@ class ProgramModule(nn.Module):
         sig = ep.signature
         user = _user_tensors(ep, args, kwargs)
         state = [self._lookup(spec.target) for spec in sig.inputs_of(*_STATE_KINDS)]
-        # Raw grad-mode toggles in the graph set absolute values; restore the caller's mode after.
-        with torch.set_grad_enabled(torch.is_grad_enabled()):
-            outs = ep.graph_module(*state, *user)
-        mutations = sig.mutations
         by_name = {spec.name: t for spec, t in zip(sig.inputs_of(InputKind.USER_INPUT), user)}
-        for spec, value in zip(mutations, outs):
-            target = by_name[spec.target] if spec.kind is OutputKind.USER_INPUT_MUTATION else self._lookup(spec.target)
+        mutations = sig.mutations
+        targets = [by_name[s.target] if s.kind is OutputKind.USER_INPUT_MUTATION else self._lookup(s.target) for s in mutations]
+        with _snapshot_saved(targets):
+            outs = ep.graph_module(*state, *user)
+        for target, value in zip(targets, outs):
             _write_back(target, value)
+        if sig.grad_mode_on_exit is not None:
+            torch.set_grad_enabled(sig.grad_mode_on_exit)
         results = iter(outs[len(mutations):])
         leaves = [next(results) if leaf.is_tensor else leaf.value for leaf in sig.output_leaves]
         return pytree.tree_unflatten(leaves, sig.out_spec)
@@ -119,6 +120,22 @@ def _check_tensor(path: str, value: Any, example: Any) -> None:
             where=user_frame(),
             fix="call with the exported shape and dtype, export again, or mark the dimension dynamic.",
         )
+
+
+def _snapshot_saved(targets: list[torch.Tensor]):
+    """Autograd saves what the graph read; clone it when it is about to be written back.
+
+    Eager updates such inputs inside the kernel (batch norm's running stats) or after saving
+    nothing of them; the program reads them, may save them for backward, and then writes the
+    new values back in place, which would bump the saved tensors' versions.  Saving a copy of
+    exactly those tensors keeps backward's view of the values the graph read.
+    """
+    storages = {t.untyped_storage().data_ptr() for t in targets}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if storages and t.untyped_storage().data_ptr() in storages else t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def _write_back(target: torch.Tensor, value: torch.Tensor) -> None:

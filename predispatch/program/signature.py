@@ -94,6 +94,9 @@ class ExportSignature:
     out_spec: pytree spec of the return value.
     input_leaves: every leaf of `(args, kwargs)`, tensors and constants, in `in_spec` order.
     output_leaves: every leaf of the return value, in `out_spec` order.
+    grad_mode_on_exit: the grad mode forward sets for its caller by a plain
+        `torch.set_grad_enabled(b)` never undone (running the program does the same); None
+        when forward leaves the caller's mode as it was.
     """
 
     inputs: tuple[InputSpec, ...]
@@ -102,6 +105,7 @@ class ExportSignature:
     out_spec: pytree.TreeSpec
     input_leaves: tuple[Leaf, ...]
     output_leaves: tuple[Leaf, ...]
+    grad_mode_on_exit: bool | None = None
 
     def inputs_of(self, *kinds: InputKind) -> tuple[InputSpec, ...]:
         return tuple(s for s in self.inputs if s.kind in kinds)
@@ -126,4 +130,7 @@ class ExportSignature:
         if constants:
             lines.append("Constant inputs:")
             lines.extend(f"    {leaf.path} = {leaf.value!r}" for leaf in constants)
+        if self.grad_mode_on_exit is not None:
+            state = "enabled" if self.grad_mode_on_exit else "disabled"
+            lines.append(f"Leaves grad mode {state} for the caller, as forward does.")
         return "\n".join(lines)

@@ -22,6 +22,7 @@ from predispatch.frontend import PreparedInputs
 from predispatch.frontend.inputs import CONSTANT_TYPES
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.decompose import DecompositionLog, DecompositionPolicy
+from predispatch.trace.grad_history import GradHistoryKeeper
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class TracedGraph:
     output_leaves: every leaf of the user's return value (tensors and constants).
     out_spec: the pytree spec of the user's return value.
     decompositions: what the trace decided for each composite op it met.
+    grad_mode_on_exit: the grad mode forward sets for its caller by a plain
+        `torch.set_grad_enabled(b)` never undone; None when forward leaves the caller's mode.
     """
 
     graph_module: fx.GraphModule
@@ -41,6 +44,7 @@ class TracedGraph:
     output_leaves: tuple[Leaf, ...]
     out_spec: pytree.TreeSpec
     decompositions: DecompositionLog
+    grad_mode_on_exit: bool | None
 
 
 class _Root(nn.Module):
@@ -61,6 +65,14 @@ class _Root(nn.Module):
             else:
                 self.register_buffer(f"s{i}", lifted.tensor)
 
+    def _without_history(self) -> list[torch.Tensor]:
+        """Buffers and constants that do not require grad: their updates need no history kept."""
+        return [
+            getattr(self, f"s{i}")
+            for i, lifted in enumerate(self._prepared.state)
+            if lifted.spec.kind is not InputKind.PARAMETER and not lifted.tensor.requires_grad
+        ]
+
     def forward(self, *user_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         prepared = self._prepared
         bound = {}
@@ -68,8 +80,10 @@ class _Root(nn.Module):
             for fqn in (lifted.spec.target, *lifted.spec.aliases):
                 bound[fqn] = getattr(self, f"s{i}")
         args, kwargs = prepared.call_args(user_tensors)
-        with ti.reparametrize(prepared.module, bound):
+        keeper = GradHistoryKeeper(self._without_history())
+        with ti.reparametrize(prepared.module, bound), keeper, keeper.observer():
             out = prepared.module(*args, **kwargs)
+        self._grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
         self._outputs = _output_leaves(out)
         return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor))
 
@@ -80,6 +94,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
     fakes = {f"s{i}": fake for i, fake in enumerate(prepared.fake_state)}
     log = DecompositionLog()
     with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.enable_grad())  # the ambient mode regions are relative to
         stack.enter_context(ti.reparametrize(root, fakes))
         stack.enter_context(ti.exporting_flags())
         stack.enter_context(ti.decomposition_hook(lambda op, default: policy.should_decompose(op, default, log)))
@@ -89,7 +104,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
                 root, prepared.fake_user_inputs, trace_joint=False, pre_dispatch=True
             )
     output_leaves, out_spec = root._outputs
-    return TracedGraph(gm, _mutated_inputs(gm, aot_signature), output_leaves, out_spec, log)
+    return TracedGraph(gm, _mutated_inputs(gm, aot_signature), output_leaves, out_spec, log, root._grad_mode_on_exit)
 
 
 def _output_leaves(out: Any) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:

@@ -1,0 +1,5 @@
+"""Keys predispatch writes into `fx.Node.meta`, shared by the stage that writes and the one that reads."""
+
+#: On `_set_grad_enabled` nodes: "enter" (opens a region) or "exit" (closes one).
+#: Written by the trace (trace/grad_history.py), read by passes/wrap_regions.py.
+GRAD_TOGGLE = "predispatch_grad_toggle"

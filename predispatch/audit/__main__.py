@@ -1,0 +1,81 @@
+"""Command line: ``python -m predispatch.audit [--write | --check] [--show N] [--quiet]``.
+
+Without flags it audits the installed torch and prints a summary; ``--write`` regenerates
+``predispatch/audit/audit_table.json`` and ``docs/audit.md``; ``--check`` exits 1 when the
+shipped table differs from a fresh run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from predispatch.audit.auditor import run_audit
+from predispatch.audit.render import render_markdown, render_summary
+from predispatch.audit.table import TABLE_PATH, AuditTable, dumps_table, loads_table
+
+DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "audit.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr))
+    fresh = run_audit(progress=progress)
+    if args.check:
+        return _check(fresh)
+    if args.write:
+        TABLE_PATH.write_text(dumps_table(fresh))
+        DOCS_PATH.parent.mkdir(exist_ok=True)
+        DOCS_PATH.write_text(render_markdown(fresh))
+        print(f"wrote {TABLE_PATH} and {DOCS_PATH}")
+    print(render_summary(fresh, show=args.show))
+    return 0
+
+
+def _check(fresh: AuditTable) -> int:
+    shipped = loads_table(TABLE_PATH.read_text()) if TABLE_PATH.exists() else None
+    problems = table_differences(shipped, fresh)
+    for line in problems:
+        print(line)
+    if problems:
+        print("the shipped audit table is stale: run `python -m predispatch.audit --write`")
+        return 1
+    print(f"the shipped audit table matches a fresh run ({len(fresh.entries)} ops)")
+    return 0
+
+
+def table_differences(shipped: AuditTable | None, fresh: AuditTable, limit: int = 20) -> list[str]:
+    """Human-readable differences between two tables; empty when they agree."""
+    if shipped is None:
+        return [f"no shipped table at {TABLE_PATH}"]
+    found = []
+    if shipped.torch_version != fresh.torch_version:
+        found.append(f"torch version: shipped {shipped.torch_version}, installed {fresh.torch_version}")
+    if shipped.policy != fresh.policy:
+        found.append("policy text differs")
+    for key in sorted(set(shipped.entries) | set(fresh.entries)):
+        old, new = shipped.entries.get(key), fresh.entries.get(key)
+        if old != new:
+            found.append(f"{key}: shipped {_describe(old)}, fresh {_describe(new)}")
+    return found[:limit] + ([f"... and {len(found) - limit} more"] if len(found) > limit else [])
+
+
+def _describe(entry: object) -> str:
+    if entry is None:
+        return "absent"
+    return f"{entry.verdict.value} ({entry.code.value if entry.code else '-'}: {entry.reason})"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m predispatch.audit", description=__doc__)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="regenerate the JSON table and docs")
+    mode.add_argument("--check", action="store_true", help="exit 1 if the shipped table is stale")
+    p.add_argument("--show", type=int, default=0, help="list at most N evidence findings (0: all)")
+    p.add_argument("--quiet", action="store_true", help="no progress messages")
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(main())

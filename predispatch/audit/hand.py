@@ -1,0 +1,166 @@
+"""Hand-written sample programs for CIA ops op_db misses or samples too gently.
+
+Each program is ordinary user code; ``samples.record`` runs it under the ReachRecorder and
+keeps the CIA calls it makes (label ``hand:<name>``).  The point of most of them is the
+input that takes the other branch: the no-op conversion that returns ``self``, the
+non-contiguous tensor ``reshape`` must copy, training mode with running statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from predispatch.audit.samples import Program
+
+
+def _r(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype)
+
+
+def _batch_norm_train() -> object:
+    return F.batch_norm(_r(4, 3, 5), torch.zeros(3), torch.ones(3), _r(3), _r(3), training=True)
+
+
+def _batch_norm_eval() -> object:
+    return F.batch_norm(_r(4, 3, 5), torch.zeros(3), torch.ones(3), _r(3), _r(3), training=False)
+
+
+def _batch_norm_module() -> object:
+    return torch.nn.BatchNorm2d(3).train()(_r(2, 3, 4, 4))
+
+
+def _instance_norm_stats() -> object:
+    x, mean, var = _r(2, 3, 5), torch.zeros(3), torch.ones(3)
+    return F.instance_norm(x, mean, var, use_input_stats=True)
+
+
+def _sdpa(**kwargs: object) -> Callable[[], object]:
+    def run() -> object:
+        q, k, v = _r(2, 4, 8, 16), _r(2, 4, 8, 16), _r(2, 4, 8, 16)
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    return run
+
+
+def _multihead_attention() -> object:
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = _r(2, 5, 16)
+    return mha(x, x, x, need_weights=False)
+
+
+def _recurrent(cls: type[torch.nn.Module]) -> Callable[[], object]:
+    return lambda: cls(8, 16, batch_first=True)(_r(2, 5, 8))
+
+
+_PROGRAMS: dict[str, Callable[[], object]] = {
+    # linear algebra and the common nn layers
+    "linear": lambda: F.linear(_r(3, 4), _r(5, 4), _r(5)),
+    "linear-no-bias-1d": lambda: F.linear(_r(4), _r(5, 4)),
+    "linear-3d": lambda: F.linear(_r(2, 3, 4), _r(5, 4), _r(5)),
+    "bilinear": lambda: F.bilinear(_r(3, 4), _r(3, 5), _r(6, 4, 5), _r(6)),
+    "matmul-2d": lambda: torch.matmul(_r(3, 4), _r(4, 5)),
+    "matmul-1d": lambda: torch.matmul(_r(4), _r(4)),
+    "matmul-1d-2d": lambda: torch.matmul(_r(4), _r(4, 5)),
+    "matmul-3d-2d": lambda: torch.matmul(_r(2, 3, 4), _r(4, 5)),
+    "matmul-4d": lambda: torch.matmul(_r(2, 2, 3, 4), _r(2, 2, 4, 5)),
+    "einsum-mm": lambda: torch.einsum("ij,jk->ik", _r(3, 4), _r(4, 5)),
+    "einsum-bmm": lambda: torch.einsum("bij,bjk->bik", _r(2, 3, 4), _r(2, 4, 5)),
+    "einsum-transpose": lambda: torch.einsum("ij->ji", _r(3, 4)),
+    "einsum-diagonal": lambda: torch.einsum("ii->i", _r(4, 4)),
+    "einsum-sum": lambda: torch.einsum("ij->", _r(3, 4)),
+    "layer_norm": lambda: F.layer_norm(_r(2, 3, 4), (4,), _r(4), _r(4)),
+    "layer_norm-no-affine": lambda: F.layer_norm(_r(2, 3, 4), (3, 4)),
+    "rms_norm": lambda: F.rms_norm(_r(2, 3, 4), (4,), _r(4)),
+    "group_norm": lambda: F.group_norm(_r(2, 6, 5), 3, _r(6), _r(6)),
+    "batch_norm-train": _batch_norm_train,
+    "batch_norm-eval": _batch_norm_eval,
+    "batch_norm-no-stats": lambda: F.batch_norm(_r(4, 3, 5), None, None, training=True),
+    "batch_norm-module": _batch_norm_module,
+    "instance_norm-stats": _instance_norm_stats,
+    "instance_norm": lambda: F.instance_norm(_r(2, 3, 5)),
+    "conv1d": lambda: F.conv1d(_r(2, 3, 8), _r(4, 3, 3), _r(4)),
+    "conv2d": lambda: F.conv2d(_r(2, 3, 8, 8), _r(4, 3, 3, 3), _r(4), padding=1),
+    "conv2d-same": lambda: F.conv2d(_r(2, 3, 8, 8), _r(4, 3, 3, 3), padding="same"),
+    "conv_transpose2d": lambda: F.conv_transpose2d(_r(2, 3, 4, 4), _r(3, 4, 3, 3)),
+    "embedding": lambda: F.embedding(torch.tensor([[0, 2], [1, 3]]), _r(5, 4)),
+    "embedding_bag": lambda: F.embedding_bag(torch.tensor([0, 2, 1, 3]), _r(5, 4),
+                                             torch.tensor([0, 2])),
+    "sdpa": _sdpa(),
+    "sdpa-causal": _sdpa(is_causal=True),
+    "sdpa-mask": lambda: F.scaled_dot_product_attention(
+        _r(2, 4, 8, 16), _r(2, 4, 8, 16), _r(2, 4, 8, 16), attn_mask=_r(8, 8)),
+    "sdpa-dropout": _sdpa(dropout_p=0.5),
+    "sdpa-scale-gqa": lambda: F.scaled_dot_product_attention(
+        _r(2, 4, 8, 16), _r(2, 2, 8, 16), _r(2, 2, 8, 16), scale=0.3, enable_gqa=True),
+    "multihead_attention": _multihead_attention,
+    "lstm": _recurrent(torch.nn.LSTM),
+    "gru": _recurrent(torch.nn.GRU),
+    "rnn": _recurrent(torch.nn.RNN),
+    "gelu": lambda: F.gelu(_r(3, 4)),
+    "gelu-tanh": lambda: F.gelu(_r(3, 4), approximate="tanh"),
+    "softmax": lambda: F.softmax(_r(3, 4), dim=-1),
+    "softmax-dtype": lambda: F.softmax(_r(3, 4), dim=-1, dtype=torch.float64),
+    "log_softmax": lambda: F.log_softmax(_r(3, 4), dim=-1),
+    "cross_entropy": lambda: F.cross_entropy(_r(3, 5), torch.tensor([0, 4, 2])),
+    "cross_entropy-probs": lambda: F.cross_entropy(_r(3, 5), _r(3, 5).softmax(-1)),
+    "interpolate-nearest": lambda: F.interpolate(_r(1, 2, 4, 4), scale_factor=2.0),
+    "interpolate-bilinear": lambda: F.interpolate(_r(1, 2, 4, 4), size=(6, 6), mode="bilinear"),
+    "pad-reflect": lambda: F.pad(_r(1, 2, 5), (1, 2), mode="reflect"),
+    "pad-constant": lambda: F.pad(_r(2, 5), (1, 2), value=3.0),
+    # dropout and friends, in training, evaluation and p = 0
+    "dropout-train": lambda: F.dropout(_r(3, 4), 0.5, training=True),
+    "dropout-eval": lambda: F.dropout(_r(3, 4), 0.5, training=False),
+    "dropout-p0": lambda: torch.dropout(_r(3, 4), 0.0, True),
+    "alpha_dropout-train": lambda: F.alpha_dropout(_r(3, 4), 0.5, training=True),
+    "alpha_dropout-eval": lambda: torch.alpha_dropout(_r(3, 4), 0.5, False),
+    "feature_dropout-train": lambda: F.dropout2d(_r(2, 3, 4, 4), 0.5, training=True),
+    "feature_dropout-eval": lambda: torch.feature_dropout(_r(2, 3, 4, 4), 0.5, False),
+    "feature_alpha_dropout-train": lambda: F.feature_alpha_dropout(_r(2, 3, 4), 0.5, True),
+    "feature_alpha_dropout-eval": lambda: torch.feature_alpha_dropout(_r(2, 3, 4), 0.5, False),
+    "rrelu-train": lambda: F.rrelu(_r(3, 4), training=True),
+    "rrelu-eval": lambda: F.rrelu(_r(3, 4), training=False),
+    # conversions that may return their input
+    "to-same-dtype": lambda: _r(3, 4).to(torch.float32),
+    "to-other-dtype": lambda: _r(3, 4).to(torch.float64),
+    "to-copy": lambda: _r(3, 4).to(torch.float32, copy=True),
+    "to-device": lambda: _r(3, 4).to("cpu"),
+    "to-device-dtype": lambda: _r(3, 4).to("cpu", torch.float64),
+    "to-tensor-same": lambda: _r(3, 4).to(_r(2)),
+    "to-tensor-other": lambda: _r(3, 4).to(_r(2, dtype=torch.float64)),
+    "to-keywords": lambda: _r(3, 4).to(dtype=torch.float32, device="cpu"),
+    "to-channels-last": lambda: _r(2, 3, 4, 4).to(memory_format=torch.channels_last),
+    "float-noop": lambda: _r(3, 4).float(),
+    "double": lambda: _r(3, 4).double(),
+    "type_as-same": lambda: _r(3, 4).type_as(_r(2)),
+    "type_as-other": lambda: _r(3, 4).type_as(_r(2, dtype=torch.float64)),
+    "type-same": lambda: _r(3, 4).type(torch.float32),
+    "contiguous-already": lambda: _r(3, 4).contiguous(),
+    "contiguous-transposed": lambda: _r(4, 3).t().contiguous(),
+    # shape ops that view or copy depending on strides
+    "reshape-contiguous": lambda: _r(3, 4).reshape(12),
+    "reshape-transposed": lambda: _r(4, 3).t().reshape(12),
+    "reshape_as": lambda: _r(4, 3).t().reshape_as(_r(12)),
+    "flatten-contiguous": lambda: _r(2, 3, 4).flatten(),
+    "flatten-transposed": lambda: _r(4, 3).t().flatten(),
+    "flatten-noop": lambda: _r(5).flatten(),
+    "unflatten": lambda: _r(2, 12).unflatten(1, (3, 4)),
+    "expand_as": lambda: _r(1, 4).expand_as(_r(3, 4)),
+    "view_as": lambda: _r(3, 4).view_as(_r(12)),
+    "chunk": lambda: _r(6, 4).chunk(3),
+    "unsafe_chunk": lambda: torch.unsafe_chunk(_r(6, 4), 3),
+    "unsafe_split": lambda: torch.unsafe_split(_r(6, 4), 2),
+    "split": lambda: _r(6, 4).split([2, 4]),
+    "atleast_2d-noop": lambda: torch.atleast_2d(_r(3, 4)),
+    "squeeze-noop": lambda: _r(3, 4).squeeze(),
+    "cat": lambda: torch.cat([_r(2, 3), _r(4, 3)]),
+    "concat-single": lambda: torch.concat([_r(2, 3)]),
+    # data-dependent and odd ones
+    "where-single": lambda: torch.where(_r(3, 4) > 0),
+    "data": lambda: torch.ops.aten.data(_r(3, 4)),
+    "cast-float-noop": lambda: torch.ops.aten._cast_Float(_r(3, 4)),
+}
+
+HAND_PROGRAMS: tuple[Program, ...] = tuple(Program(f"hand:{k}", v) for k, v in _PROGRAMS.items())

@@ -1,0 +1,172 @@
+"""The audit table: one verdict per CompositeImplicitAutograd (CIA) aten overload.
+
+Ops are named by overload in the form ``str(OpOverload)`` prints: ``"aten.to.dtype"``,
+``"aten.reshape.default"``.  Names given in the dispatcher's form (``"aten::to.dtype"``,
+``"aten::reshape"``) are accepted at the edges and normalised by ``op_key``.
+
+The table ships as ``audit_table.json`` next to this file; ``load_table()`` reads it.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import json
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TABLE_PATH = Path(__file__).with_name("audit_table.json")
+FORMAT_VERSION = 1
+
+
+class Verdict(enum.Enum):
+    """What the export may do with a CIA op it meets."""
+
+    PRESERVE = "preserve"  # keep the op whole: samples ran clean on every CIA kernel
+    MUST_DECOMPOSE = "must_decompose"  # keeping it whole would be wrong; evidence says why
+    UNVERIFIED = "unverified"  # no sample ran cleanly; decomposed by policy (see POLICY)
+
+
+class Reason(enum.Enum):
+    """Why an op got its verdict, as a code; the entry's ``reason`` says it in words."""
+
+    # Evidence: a sample showed the implementation doing what its schema does not declare.
+    MUTATES_INPUT = "mutates_input"
+    ALIASES_INPUT = "aliases_input"
+    CONDITIONAL_ALIAS = "conditional_alias"  # declared alias, but some inputs get a copy
+    ALIASES_OUTPUT = "aliases_output"
+    DRAWS_RANDOM_UNTAGGED = "draws_random_untagged"
+    DATA_DEPENDENT = "data_dependent"
+    SIDE_EFFECT = "side_effect"
+    # Schema: the declaration alone rules the op out of a functional graph.
+    SCHEMA_MUTABLE = "schema_mutable"
+    SCHEMA_ALIAS = "schema_alias"
+    NO_TENSOR_RESULT = "no_tensor_result"
+    # Neither: noted, never blocking.
+    DRAWS_RANDOM = "draws_random"  # random, and the schema's tags say so
+    CLEAN = "clean"
+    NO_EVIDENCE = "no_evidence"
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    """The verdict on one op overload and the evidence behind it."""
+
+    op: str  # overload name as str(OpOverload) prints it: "aten.to.dtype"
+    verdict: Verdict
+    reason: str  # one line for people: what is wrong (or that nothing was)
+    evidence: str  # one line: which sample and kernel showed it, e.g. "op_db:reshape#3 (C++)"
+    code: Reason | None = None  # the reason as a code; None only for entries made by hand
+    also: tuple[Reason, ...] = ()  # further findings beyond ``code``, e.g. DRAWS_RANDOM
+
+
+@dataclass(frozen=True)
+class AuditTable:
+    """Verdicts for every CIA aten overload of one torch version."""
+
+    torch_version: str  # torch.__version__ the table was generated with
+    policy: str  # how verdicts follow from evidence, UNVERIFIED ops included
+    entries: Mapping[str, AuditEntry]  # op_key(op) -> entry, read-only
+
+    def get(self, op: object) -> AuditEntry | None:
+        return self.entries.get(op_key(op))
+
+    def verdict(self, op: object) -> Verdict:
+        """The verdict for ``op`` (an OpOverload or a name).
+
+        An op missing from the table (a CIA op newer than the table) is UNVERIFIED, and
+        UNVERIFIED ops are decomposed: the safe answer for an op nobody has looked at.
+        """
+        entry = self.get(op)
+        return Verdict.UNVERIFIED if entry is None else entry.verdict
+
+    def summary(self) -> dict[Verdict, int]:
+        """How many ops got each verdict, every verdict listed."""
+        counts = {v: 0 for v in Verdict}
+        for entry in self.entries.values():
+            counts[entry.verdict] += 1
+        return counts
+
+    def render_markdown(self) -> str:
+        from predispatch.audit.render import render_markdown
+
+        return render_markdown(self)
+
+    def to_json(self) -> str:
+        return dumps_table(self)
+
+
+def make_table(torch_version: str, policy: str, entries: list[AuditEntry]) -> AuditTable:
+    """Build a table whose entries are sorted by op name and cannot be changed."""
+    ordered = {e.op: e for e in sorted(entries, key=lambda e: e.op)}
+    return AuditTable(torch_version, policy, types.MappingProxyType(ordered))
+
+
+def op_key(op: object) -> str:
+    """Normalise an OpOverload or a name to the table's form, ``"aten.to.dtype"``."""
+    if isinstance(op, torch._ops.OpOverload):
+        return str(op)
+    if not isinstance(op, str):
+        raise TypeError(
+            f"expected an OpOverload or a name like 'aten.to.dtype' or 'aten::to.dtype', "
+            f"got {type(op).__name__}"
+        )
+    if "::" in op:
+        namespace, rest = op.split("::", 1)
+        name, _, overload = rest.partition(".")
+        return f"{namespace}.{name}.{overload or 'default'}"
+    parts = op.split(".")
+    return f"{op}.default" if len(parts) == 2 else op
+
+
+def dumps_table(table: AuditTable) -> str:
+    """Deterministic JSON: a header with counts, then entries sorted by op."""
+    header = {
+        "format": FORMAT_VERSION,
+        "torch_version": table.torch_version,
+        "policy": table.policy,
+        "counts": {v.value: n for v, n in table.summary().items()},
+    }
+    rows = [_entry_to_dict(table.entries[k]) for k in sorted(table.entries)]
+    return json.dumps({**header, "entries": rows}, indent=1) + "\n"
+
+
+def loads_table(text: str) -> AuditTable:
+    data = json.loads(text)
+    if data.get("format") != FORMAT_VERSION:
+        raise ValueError(f"audit table format {data.get('format')!r}, expected {FORMAT_VERSION}")
+    entries = [_entry_from_dict(row) for row in data["entries"]]
+    return make_table(data["torch_version"], data["policy"], entries)
+
+
+@functools.lru_cache(maxsize=1)
+def load_table() -> AuditTable:
+    """The table shipped with predispatch (``audit_table.json``), read once."""
+    return loads_table(TABLE_PATH.read_text())
+
+
+def _entry_to_dict(entry: AuditEntry) -> dict[str, object]:
+    return {
+        "op": entry.op,
+        "verdict": entry.verdict.value,
+        "code": entry.code.value if entry.code else None,
+        "also": [r.value for r in entry.also],
+        "reason": entry.reason,
+        "evidence": entry.evidence,
+    }
+
+
+def _entry_from_dict(row: Mapping[str, object]) -> AuditEntry:
+    code = row.get("code")
+    return AuditEntry(
+        op=str(row["op"]),
+        verdict=Verdict(row["verdict"]),
+        reason=str(row["reason"]),
+        evidence=str(row["evidence"]),
+        code=Reason(code) if code else None,
+        also=tuple(Reason(r) for r in row.get("also", ())),  # type: ignore[union-attr]
+    )

@@ -1,0 +1,139 @@
+"""Keep autograd history across in-place updates made while grad mode is off.
+
+Note [Mutations inside grad regions]
+------------------------------------
+Eager autograd does not see an in-place op run under `no_grad`: the tensor's data changes, its
+history (`grad_fn`, or leaf-ness) stays.  So after
+
+    h = x * 3
+    with torch.no_grad():
+        h.mul_(2)
+    return h * x
+
+`h` still requires grad and d(out)/dx = 3*x + 6*x.  Functionalization rewrites the update as
+`h1 = mul(h, 2)` computed under no_grad, and later uses read `h1`, which has *no* history:
+the exported program would give 6*x.  The same happens to a parameter updated under no_grad
+(an EMA) and to a user input mutated under no_grad, when they are used afterwards.
+
+The fix is made during the trace, where in-place ops are still visible (in FunctionalTensorMode):
+every tensor written by an in-place op while grad mode is off is remembered with its value
+before the first such write; when grad mode is switched back on, each is rebound to
+
+    keep_history(new_value, old_value)       # predispatch::keep_history
+
+which has the new value exactly and passes gradients to the old value's history as identity.
+It is emitted *outside* the region (grad on), so its autograd edge exists at run time.
+
+Which tensors: every floating tensor written while grad is off, except tensors created in that
+same no-grad stretch and buffers/constants that do not require grad.  `requires_grad` cannot
+decide more: during AOTAutograd's graph-capture pass it is not computed for intermediates, and a
+user input or parameter may require grad at run time though its example did not.
+`keep_history` is value-exact, so a spurious one changes no number and no gradient: at run
+time autograd decides whether the old value has any history.
+
+A stretch that is still open when forward returns (a plain `torch.set_grad_enabled(False)`
+never undone) gets no rebinding: nothing after it runs with grad on.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import fx
+from torch.overrides import TorchFunctionMode
+
+from predispatch import _meta
+from predispatch import _torch_internals as ti
+from predispatch import ops  # noqa: F401 - registers predispatch::keep_history
+
+
+def _called_from_exit() -> bool:
+    """Whether this grad toggle is a context manager's `__exit__` (closing a region).
+
+    `enable_grad().__enter__` and `no_grad().__exit__` both record `_set_grad_enabled(True)`;
+    only the Python caller tells a region's end from a nested region's start.
+    """
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            break
+        if frame.f_code.co_filename.endswith("grad_mode.py") and frame.f_code.co_name == "__exit__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+class GradHistoryKeeper(TorchFunctionMode):
+    """Active around the user's forward during the trace; see Note [Mutations inside grad regions]."""
+
+    def __init__(self, without_history: list[torch.Tensor]):
+        super().__init__()
+        self._born_without_grad = _IdentitySet(without_history)
+        self.open_regions = 0  # grad regions entered and not exited: > 0 when forward returns
+        # means forward leaves grad mode set for its caller (a plain set_grad_enabled call)
+        self._pending: list[tuple[Any, torch.Tensor, Any]] = []  # (tensor, value before, mode)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch._C._set_grad_enabled:
+            return func(*args, **kwargs)
+        was_enabled = torch.is_grad_enabled()
+        result = func(*args, **kwargs)
+        closing = _called_from_exit()
+        self.open_regions += -1 if closing else 1
+        if isinstance(result, fx.Node):  # the capture pass: tell wrap_regions how to nest
+            result.meta[_meta.GRAD_TOGGLE] = "exit" if closing else "enter"
+        if args[0] and not was_enabled:
+            self._rebind_pending()
+        return result
+
+    def observer(self):
+        """The hooks to install on FunctionalTensorMode while this keeper is active."""
+        return ti.functional_dispatch_observer(self._before_op, self._after_op)
+
+    def _before_op(self, mode, func, args, kwargs) -> None:
+        if torch.is_grad_enabled() or not isinstance(func, torch._ops.OpOverload) or not func._schema.is_mutable:
+            return
+        for value, schema_arg in zip((*args, *kwargs.values()), func._schema.arguments):
+            info = schema_arg.alias_info
+            if info is not None and info.is_write and self._keeps_history(value):
+                if not any(t is value for t, _, _ in self._pending):
+                    self._pending.append((value, ti.functional_value(value), mode))
+
+    def _after_op(self, func, out) -> None:
+        if torch.is_grad_enabled():
+            return
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, ti.FunctionalTensor) and not any(t is p for p, _, _ in self._pending):
+                self._born_without_grad.add(t)
+
+    def _keeps_history(self, t: Any) -> bool:
+        if not isinstance(t, ti.FunctionalTensor) or not (t.is_floating_point() or t.is_complex()):
+            return False
+        return t not in self._born_without_grad
+
+    def _rebind_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for tensor, before, mode in pending:
+            old = ti.wrap_functional(before, mode)
+            tensor.copy_(torch.ops.predispatch.keep_history(tensor, old))
+
+
+class _IdentitySet:
+    """A set of objects by identity, holding them weakly (tensors compare elementwise with ==)."""
+
+    def __init__(self, items: Iterable[Any] = ()):
+        self._refs: dict[int, weakref.ref] = {}
+        for item in items:
+            self.add(item)
+
+    def add(self, item: Any) -> None:
+        self._refs[id(item)] = weakref.ref(item)
+
+    def __contains__(self, item: Any) -> bool:
+        ref = self._refs.get(id(item))
+        return ref is not None and ref() is item
