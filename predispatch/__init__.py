@@ -16,6 +16,7 @@ from predispatch.program import (
     OutputKind,
     OutputSpec,
 )
+from predispatch.program.serialize import load, save
 
 __version__ = "0.1.0"
 
@@ -28,4 +29,6 @@ __all__ = [
     "OutputSpec",
     "errors",
     "export",
+    "load",
+    "save",
 ]

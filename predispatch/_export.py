@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from predispatch import _torch_internals as ti
 from predispatch._isolation import isolated
-from predispatch.frontend import prepare
+from predispatch.frontend import modules_of, prepare
 from predispatch.program import ExportedProgram, build_program
-from predispatch.trace import DecompositionPolicy, trace
+from predispatch.trace import DecompositionPolicy, is_tracing, trace
 
 
 def export(
@@ -37,7 +38,22 @@ def export(
     torch's global state are left exactly as they were, whether export succeeds or raises.
     """
     policy = DecompositionPolicy.from_user(preserve, decompose)
-    with isolated(module_or_fn):
+    if is_tracing():  # called by the code another export is tracing
+        with ti.suspended_tracing(), isolated(modules_of(module_or_fn, args, kwargs)):
+            return _export_nested(module_or_fn, args, kwargs, policy)
+    with isolated(modules_of(module_or_fn, args, kwargs)):
         prepared = prepare(module_or_fn, args, kwargs)
         traced = trace(prepared, policy)
     return build_program(prepared, traced)
+
+
+def _export_nested(module_or_fn: Any, args: tuple, kwargs: dict | None, policy: DecompositionPolicy) -> ExportedProgram:
+    """Export code reached by an outer export's trace.
+
+    The inputs are the outer trace's tensors: only their metadata is used.  The program
+    reads its state from the live module at each call (`live=True`), so when the outer trace
+    runs `ep.module()`, the inner graph is traced into the outer one over the outer trace's
+    lifted parameters: the inner program is inlined, as if the code had been called directly.
+    """
+    prepared = prepare(module_or_fn, args, kwargs)
+    return build_program(prepared, trace(prepared, policy), live=True)

@@ -57,10 +57,10 @@ class GlobalState:
 
 
 @contextlib.contextmanager
-def isolated(obj: object) -> Iterator[None]:
-    """Restore global state and, for a module, every submodule's training flag on exit."""
+def isolated(modules: list[nn.Module]) -> Iterator[None]:
+    """Restore global state and the training flag of every submodule of `modules` on exit."""
     state = GlobalState.capture()
-    training = [(m, m.training) for m in obj.modules()] if isinstance(obj, nn.Module) else []
+    training = [(m, m.training) for root in modules for m in root.modules()]
     try:
         yield
     finally:

@@ -19,10 +19,32 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+from torch._higher_order_ops.effects import with_effects
+from torch.export._remove_effect_tokens_pass import _replace_with_effects_node
 from torch.nn.utils.stateless import _reparametrize_module
+
+# custom autograd.Function capture (trace/autograd_function.py)
+from torch._functorch.autograd_function import autograd_function_apply
+from torch._guards import detect_fake_mode
+from torch._ops import HigherOrderOperator
+from torch.fx.experimental.proxy_tensor import (
+    ProxyTorchDispatchMode,
+    disable_proxy_modes_tracing,
+    make_fx,
+    track_tensor_tree,
+)
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = [
     "DATA_DEPENDENT_ERRORS",
+    "HigherOrderOperator",
+    "ProxyTorchDispatchMode",
+    "autograd_function_apply",
+    "detect_fake_mode",
+    "disable_proxy_modes_tracing",
+    "outside_trace",
+    "trace_functional",
+    "track_tensor_tree",
     "FakeTensor",
     "FakeTensorMode",
     "FunctionalTensor",
@@ -36,10 +58,13 @@ __all__ = [
     "wrap_functional",
     "wrap_with_autocast",
     "wrap_with_set_grad_enabled",
+    "with_effects",
+    "unwrap_effects",
     "mode_stack_depths",
     "new_fake_mode",
     "pop_modes_to",
     "reparametrize",
+    "suspended_tracing",
 ]
 
 #: What torch raises when Python needs a value that only exists at run time.
@@ -90,6 +115,33 @@ def decomposition_hook(should_decompose: Callable[[Any, Callable[[], bool]], boo
         yield
     finally:
         FunctionalTensorMode._can_decompose = original
+
+
+#: FunctionalTensorMode's own methods, before predispatch patches any (see `suspended_tracing`).
+_PRISTINE_FUNCTIONAL_MODE = {
+    name: FunctionalTensorMode.__dict__[name] for name in ("__torch_dispatch__", "_can_decompose")
+}
+
+
+@contextlib.contextmanager
+def suspended_tracing() -> Iterator[None]:
+    """Run code as if no trace were active: no dispatch, pre-dispatch or function modes, and
+    FunctionalTensorMode without predispatch's patches.  Used for an export nested in an export.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    patched = {name: FunctionalTensorMode.__dict__[name] for name in _PRISTINE_FUNCTIONAL_MODE}
+    function_modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    try:
+        for name, method in _PRISTINE_FUNCTIONAL_MODE.items():
+            setattr(FunctionalTensorMode, name, method)
+        with _disable_current_modes():
+            yield
+    finally:
+        for name, method in patched.items():
+            setattr(FunctionalTensorMode, name, method)
+        for mode in reversed(function_modes):
+            torch._C._push_on_torch_function_stack(mode)
 
 
 def mode_stack_depths() -> tuple[int, int, int]:
@@ -146,3 +198,66 @@ def functional_value(t: FunctionalTensor) -> torch.Tensor:
 def wrap_functional(value: torch.Tensor, mode: FunctionalTensorMode) -> FunctionalTensor:
     """A FunctionalTensor for `value` (a tensor the tracer already knows) in functional mode `mode`."""
     return FunctionalTensor(torch._to_functional_tensor(value), mode)
+
+
+def unwrap_effects(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Replace `with_effects(token, op, *args)` by `op(*args)` (torch's own rewrite)."""
+    _replace_with_effects_node(node, None, {}, [], [], gm)
+
+
+# --- custom autograd.Function capture (trace/autograd_function.py) ---------------------------
+
+#: torch's own FunctionalTensorMode dispatch, taken before any observer is installed.
+_FUNCTIONAL_DISPATCH = FunctionalTensorMode.__torch_dispatch__
+
+
+@contextlib.contextmanager
+def outside_trace() -> Iterator[None]:
+    """Set the running trace aside: its dispatch, pre-dispatch and torch-function modes and
+    any `functional_dispatch_observer`; put everything back on exit.
+
+    A nested trace started inside (`trace_functional`) then sees a clean stack, so neither the
+    outer graph nor the outer observers record what it runs.
+    """
+    function_modes = []
+    while torch._C._len_torch_function_stack() > 0:
+        function_modes.append(torch._C._pop_torch_function_stack())
+    observed = FunctionalTensorMode.__torch_dispatch__
+    FunctionalTensorMode.__torch_dispatch__ = _FUNCTIONAL_DISPATCH
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        FunctionalTensorMode.__torch_dispatch__ = observed
+        for mode in reversed(function_modes):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+def trace_functional(
+    fn: Callable[..., Any], args: tuple[Any, ...], fake_mode: FakeTensorMode
+) -> tuple[torch.fx.GraphModule, tuple[int, ...]]:
+    """Trace `fn(*args)` (fake tensor args) to a functional pre-dispatch graph, as AOTAutograd does.
+
+    Returns the graph and the positions of the tensor args `fn` mutated (data or metadata): a
+    functional graph cannot show those mutations, so the caller decides what they mean.  Call
+    it `outside_trace()`; `decomposition_hook` still applies, since it patches the class.
+    """
+    mutated: list[int] = []
+
+    def functional(*inputs: Any) -> Any:
+        mode = FunctionalTensorMode(pre_dispatch=True, export=True, _allow_token_discovery=True)
+        exclude = torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize))
+        with exclude, mode:
+            wrapped = [FunctionalTensor.to_functional(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+            out = fn(*wrapped)
+            out = torch.utils._pytree.tree_map_only(FunctionalTensor, functional_value, out)
+            for i, t in enumerate(wrapped):
+                if isinstance(t, FunctionalTensor):
+                    torch._sync(t)
+                    if torch._functionalize_has_data_mutation(t.elem) or torch._functionalize_has_metadata_mutation(t.elem):
+                        mutated.append(i)
+        return out
+
+    with fake_mode:
+        gm = make_fx(functional, pre_dispatch=True)(*args)
+    return gm, tuple(mutated)

@@ -128,3 +128,77 @@ def _is_user_file(filename: str) -> bool:
     if path.startswith((_PACKAGE_DIR, os.path.dirname(os.path.abspath(torch.__file__)))):
         return False
     return not (path.startswith(sysconfig.get_paths()["stdlib"]) and "site-packages" not in path)
+
+
+class UnsupportedHookError(PredispatchError):
+    """A hook would be dropped from the exported program, so export refuses it.
+
+    Cause: a module called during the trace has a full backward hook or backward pre-hook, or
+    the traced code calls `Tensor.register_hook`, and the hook cannot be captured as a traced
+    tensor function (see docs/errors.md for what is captured).
+    Example: `model.lin.register_full_backward_hook(print_grads)`.
+    Fix: remove the hook before export (`handle.remove()`), or express it in the forward as an
+    `autograd.Function` whose backward does the same thing.
+    """
+
+    anchor = "unsupportedhookerror"
+
+
+class HooksChangedError(PredispatchError):
+    """A module's hooks differ from those traced into its program.
+
+    Cause: hooks were added to or removed from the module (or its submodules) after export;
+    the program still behaves as the module did with the old hooks.
+    Fix: export again, or restore the hooks; `ep.verify_hooks(module)` is the check.
+    """
+
+    anchor = "hookschangederror"
+
+
+class SerializationError(PredispatchError):
+    """A program could not be saved, or a file could not be loaded as a program.
+
+    Cause (load): the file is not a predispatch program, is truncated or corrupted (every
+    member is checksummed), has a format version this release does not read, names an op that
+    is not allowed or does not exist in this torch, or names a class from a module that is not
+    imported.  Load never returns a partial program and never runs code the file chooses.
+    Cause (save): the program holds something format version 1 cannot describe (a tensor
+    subclass, a sparse tensor, a symbolic shape, a class defined inside a function).
+    Fix: the message names the file member and the node or input; see docs/format.md.
+    """
+
+    anchor = "serializationerror"
+
+
+class NotRepresentableError(PredispatchError):
+    """`ep.to_torch()` met something a `torch.export.ExportedProgram` cannot hold.
+
+    Cause: a higher-order op torch.export does not know (predispatch's own), a program that
+    leaves grad mode changed for its caller, or a constant input/output of a type torch's
+    signature cannot hold (dtype, device, memory format).
+    Example: `ep.to_torch()` on a program exported from a forward that calls
+    `torch.set_grad_enabled(False)` and never restores it.
+    Fix: keep using the predispatch program (`ep.module()`, `predispatch.save`), or change the
+    model so the named construct goes away.
+    """
+
+    anchor = "notrepresentableerror"
+
+
+class AutogradFunctionError(PredispatchError):
+    """A custom `torch.autograd.Function` could not be captured with its backward.
+
+    Cause: export keeps each `Function.apply` as forward and backward subgraphs, so both must
+    trace: the backward calls something that is not a torch operation (`.numpy()`, a C
+    extension), changes an input in place without `ctx.mark_dirty`, mutates a saved tensor,
+    returns the wrong number of gradients, or forward reads a tensor that is not one of its
+    arguments (a closure over the module's weights) or returns a non-constant Python object.
+    The message names the Function, forward or backward, and the line.
+    Example: `def backward(ctx, g): return torch.from_numpy(g.numpy() * 2)`.
+    Fix: write forward and backward with torch operations on their arguments only; pass every
+    tensor forward reads to `apply`; wrap an opaque kernel in `torch.library.custom_op` with a
+    fake implementation and `register_autograd`.  Data-dependent Python in either raises
+    `DataDependentError`, naming the Function the same way.
+    """
+
+    anchor = "autogradfunctionerror"

@@ -6,7 +6,6 @@ compare results leaf by leaf, bitwise unless a table in `sweep_expected_failures
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -21,33 +20,33 @@ def clone_tree(tree: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.requires_grad), tree)
 
 
-def deepcopy_tree(tree: Any) -> Any:
-    """`clone_tree` for inputs that may hold non-pytree containers of tensors."""
-    return copy.deepcopy(tree)
-
-
-def assert_same(actual: Any, expected: Any, *, tolerance: Tolerance | None = None, values: bool = True) -> None:
+def assert_same(
+    actual: Any, expected: Any, *, what: str, tolerance: Tolerance | None = None, values: bool = True
+) -> None:
     """Same structure, and for each leaf: tensors close (bitwise by default), constants equal.
 
-    With `values=False` (random ops) tensors are compared by shape and dtype only.
+    what: names the compared value in messages (`output`, `inputs after the call`, `buffers`).
+    values: False for random ops, whose tensors are compared by shape and dtype only.
     """
-    actual_leaves, actual_spec = pytree.tree_flatten(actual)
-    expected_leaves, expected_spec = pytree.tree_flatten(expected)
-    assert actual_spec == expected_spec, f"output structure differs:\n{actual_spec}\nvs eager\n{expected_spec}"
-    for i, (a, e) in enumerate(zip(actual_leaves, expected_leaves)):
+    actual_leaves, actual_spec = pytree.tree_flatten_with_path(actual)
+    expected_leaves, expected_spec = pytree.tree_flatten_with_path(expected)
+    assert actual_spec == expected_spec, f"{what}: structure differs:\n{actual_spec}\nvs eager\n{expected_spec}"
+    for (path, a), (_, e) in zip(actual_leaves, expected_leaves):
+        where = what + pytree.keystr(path)
         if isinstance(e, torch.Tensor):
-            _assert_tensor_same(i, a, e, tolerance, values)
+            _assert_tensor_same(where, a, e, tolerance, values)
         else:
-            assert type(a) is type(e) and _constant_equal(a, e), f"leaf {i}: {a!r} != eager {e!r}"
+            assert type(a) is type(e) and _constant_equal(a, e), f"{where}: {a!r} != eager {e!r}"
 
 
-def _assert_tensor_same(i: int, a: Any, e: torch.Tensor, tolerance: Tolerance | None, values: bool) -> None:
-    assert isinstance(a, torch.Tensor), f"leaf {i}: a {type(a).__name__}, eager returned a tensor"
+def _assert_tensor_same(where: str, a: Any, e: torch.Tensor, tolerance: Tolerance | None, values: bool) -> None:
+    assert isinstance(a, torch.Tensor), f"{where}: a {type(a).__name__}, eager has a tensor"
     if not values:
-        assert (a.shape, a.dtype) == (e.shape, e.dtype), f"leaf {i}: {a.dtype}{list(a.shape)} vs eager {e.dtype}{list(e.shape)}"
+        meta = (a.shape, a.dtype), (e.shape, e.dtype)
+        assert meta[0] == meta[1], f"{where}: {a.dtype}{list(a.shape)} vs eager {e.dtype}{list(e.shape)}"
         return
     rtol, atol = (tolerance.rtol, tolerance.atol) if tolerance else (0.0, 0.0)
-    torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"leaf {i}: {m}")
+    torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{where}: {m}")
 
 
 def _constant_equal(a: Any, e: Any) -> bool:

@@ -92,7 +92,7 @@ Python code branches on, or converts, a value inside a tensor, which export cann
         self.assertExpectedInline(message(info.value), """\
 tracing failed: RuntimeError: Found an input that received a metadata mutation, through e.g. a call to `.resize_()` or `.transpose_()`.
   at test_errors.py:N (predispatch.export(MutatesMetadata(), (torch.randn(2, 3),))) (the export call; torch found this after tracing)
-  fix: rewrite the named line functionally (out-of-place ops, no metadata mutation of inputs); the torch error is chained below.
+  fix: the torch error chained below says what failed at the named line; if it is an in-place metadata change of an input (x.t_(), x.resize_()), write it out of place.
   see docs/errors.md#traceerror""")
         self.assertIsNotNone(info.value.__cause__)
 

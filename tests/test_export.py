@@ -161,9 +161,7 @@ Graph signature:
 class GraphModule(torch.nn.Module):
     def forward(self, p_fc1_weight: "f32[8, 4]", p_fc1_bias: "f32[8]", p_fc2_weight: "f32[2, 8]", p_fc2_bias: "f32[2]", x: "f32[3, 4]"):
         linear: "f32[3, 8]" = torch.ops.aten.linear.default(x, p_fc1_weight, p_fc1_bias);  x = p_fc1_weight = p_fc1_bias = None
-
         gelu: "f32[3, 8]" = torch.ops.aten.gelu.default(linear);  linear = None
-
         linear_1: "f32[3, 2]" = torch.ops.aten.linear.default(gelu, p_fc2_weight, p_fc2_bias);  gelu = p_fc2_weight = p_fc2_bias = None
         return (linear_1,)""")
 
@@ -173,14 +171,11 @@ class GraphModule(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, p_conv_weight: "f32[4, 3, 3, 3]", p_conv_bias: "f32[4]", p_bn_weight: "f32[4]", p_bn_bias: "f32[4]", b_bn_running_mean: "f32[4]", b_bn_running_var: "f32[4]", b_bn_num_batches_tracked: "i64[]", x: "f32[2, 3, 6, 6]"):
         conv2d: "f32[2, 4, 4, 4]" = torch.ops.aten.conv2d.default(x, p_conv_weight, p_conv_bias);  x = p_conv_weight = p_conv_bias = None
-
         add: "i64[]" = torch.ops.aten.add.Tensor(b_bn_num_batches_tracked, 1);  b_bn_num_batches_tracked = None
-
         _native_batch_norm_legit_functional = torch.ops.aten._native_batch_norm_legit_functional.default(conv2d, p_bn_weight, p_bn_bias, b_bn_running_mean, b_bn_running_var, True, 0.1, 1e-05);  conv2d = p_bn_weight = p_bn_bias = b_bn_running_mean = b_bn_running_var = None
         getitem: "f32[2, 4, 4, 4]" = _native_batch_norm_legit_functional[0]
         getitem_3: "f32[4]" = _native_batch_norm_legit_functional[3]
         getitem_4: "f32[4]" = _native_batch_norm_legit_functional[4];  _native_batch_norm_legit_functional = None
-
         relu: "f32[2, 4, 4, 4]" = torch.ops.aten.relu.default(getitem);  getitem = None
         return (getitem_3, getitem_4, add, relu)""")
         kinds = [s.kind for s in ep.signature.mutations]
@@ -192,10 +187,8 @@ class GraphModule(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, p_conv_weight: "f32[4, 3, 3, 3]", p_conv_bias: "f32[4]", p_bn_weight: "f32[4]", p_bn_bias: "f32[4]", b_bn_running_mean: "f32[4]", b_bn_running_var: "f32[4]", b_bn_num_batches_tracked: "i64[]", x: "f32[2, 3, 6, 6]"):
         conv2d: "f32[2, 4, 4, 4]" = torch.ops.aten.conv2d.default(x, p_conv_weight, p_conv_bias);  x = p_conv_weight = p_conv_bias = None
-
         _native_batch_norm_legit_no_training = torch.ops.aten._native_batch_norm_legit_no_training.default(conv2d, p_bn_weight, p_bn_bias, b_bn_running_mean, b_bn_running_var, 0.1, 1e-05);  conv2d = p_bn_weight = p_bn_bias = b_bn_running_mean = b_bn_running_var = None
         getitem: "f32[2, 4, 4, 4]" = _native_batch_norm_legit_no_training[0];  _native_batch_norm_legit_no_training = None
-
         relu: "f32[2, 4, 4, 4]" = torch.ops.aten.relu.default(getitem);  getitem = None
         return (relu,)""")
         self.assertEqual(ep.signature.mutations, ())
@@ -207,10 +200,8 @@ ExportedProgram:
     class GraphModule(torch.nn.Module):
         def forward(self, b_count: "f32[]", b_total: "f32[3]", x: "f32[2, 3]"):
             add: "f32[]" = torch.ops.aten.add.Tensor(b_count, 1);  b_count = None
-
             sum_1: "f32[3]" = torch.ops.aten.sum.dim_IntList(x, [0])
             add_1: "f32[3]" = torch.ops.aten.add.Tensor(b_total, sum_1);  b_total = sum_1 = None
-
             mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(x, add);  x = None
             return (add, add_1, mul)
 
@@ -230,7 +221,6 @@ Graph signature:
 class GraphModule(torch.nn.Module):
     def forward(self, x: "f32[3]", y: "f32[3]"):
         mul: "f32[3]" = torch.ops.aten.mul.Tensor(x, 2);  x = None
-
         add: "f32[3]" = torch.ops.aten.add.Tensor(mul, y);  y = None
         return (mul, add)""")
         (mutation,) = ep.signature.mutations
@@ -242,17 +232,14 @@ class GraphModule(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, x: "f32[3, 4]"):
         select: "f32[4]" = torch.ops.aten.select.int(x, 0, 0)
-
         add: "f32[4]" = torch.ops.aten.add.Tensor(select, 1);  select = None
         select_scatter: "f32[3, 4]" = torch.ops.aten.select_scatter.default(x, add, 0, 0);  x = add = None
-
         view_1: "f32[12]" = torch.ops.aten.view.default(select_scatter, [-1])
         slice_2: "f32[2]" = torch.ops.aten.slice.Tensor(view_1, 0, 2, 4);  view_1 = None
         zero: "f32[2]" = torch.ops.aten.zero.default(slice_2);  slice_2 = None
         view_2: "f32[12]" = torch.ops.aten.view.default(select_scatter, [-1]);  select_scatter = None
         slice_scatter: "f32[12]" = torch.ops.aten.slice_scatter.default(view_2, zero, 0, 2, 4);  view_2 = zero = None
         view_3: "f32[3, 4]" = torch.ops.aten.view.default(slice_scatter, [3, 4]);  slice_scatter = None
-
         sum_1: "f32[]" = torch.ops.aten.sum.default(view_3)
         return (view_3, sum_1)""")
 
@@ -262,7 +249,6 @@ class GraphModule(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, x: "f32[4, 3]"):
         view: "f32[2, 6]" = torch.ops.aten.view.default(x, [2, -1])
-
         _assert_tensor_metadata = torch.ops.aten._assert_tensor_metadata.default(view, None, None, torch.float32, device = device(type='cpu'), layout = torch.strided);  _assert_tensor_metadata = None
         _to_copy: "f64[2, 6]" = torch.ops.aten._to_copy.default(view, dtype = torch.float64);  view = None
         _assert_tensor_metadata_1 = torch.ops.aten._assert_tensor_metadata.default(x, None, None, torch.float32, device = device(type='cpu'), layout = torch.strided);  _assert_tensor_metadata_1 = None
@@ -274,7 +260,6 @@ class GraphModule(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, p_lin_weight: "f32[4, 4]", p_lin_bias: "f32[4]", x: "f32[2, 4]"):
         linear: "f32[2, 4]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
-
         dropout: "f32[2, 4]" = torch.ops.aten.dropout.default(linear, 0.5, False);  linear = None
         return (dropout,)""")
 
@@ -305,9 +290,7 @@ ExportedProgram:
     class GraphModule(torch.nn.Module):
         def forward(self, p_lin_weight: "f32[4, 4]", p_lin_bias: "f32[4]", x: "f32[2, 4]", mask: "b8[2, 4]"):
             linear: "f32[2, 4]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
-
             mul: "f32[2, 4]" = torch.ops.aten.mul.Tensor(linear, 0.5);  linear = None
-
             masked_fill: "f32[2, 4]" = torch.ops.aten.masked_fill.Scalar(mul, mask, 0.0);  mul = mask = None
             return (masked_fill,)
 
@@ -330,7 +313,6 @@ ExportedProgram:
     class GraphModule(torch.nn.Module):
         def forward(self, p_emb_weight: "f32[10, 4]", ids: "i64[1, 3]"):
             embedding: "f32[1, 3, 4]" = torch.ops.aten.embedding.default(p_emb_weight, ids);  ids = None
-
             linear: "f32[1, 3, 10]" = torch.ops.aten.linear.default(embedding, p_emb_weight);  embedding = p_emb_weight = None
             return (linear,)
 

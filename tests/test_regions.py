@@ -206,9 +206,7 @@ class GraphModule(torch.nn.Module):
     def forward(self, x: "f32[3]"):
         grad_region_0 = self.grad_region_0
         wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled(False, grad_region_0, x);  grad_region_0 = None
-
         mul: "f32[3]" = wrap_with_set_grad_enabled[0];  wrap_with_set_grad_enabled = None
-
         add: "f32[3]" = torch.ops.aten.add.Tensor(x, mul);  x = mul = None
         return (add,)
 
@@ -222,21 +220,16 @@ class GraphModule(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, x: "f32[2, 3]"):
         mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(x, 3)
-
         grad_region_0 = self.grad_region_0
         wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled(False, grad_region_0, mul);  grad_region_0 = None
-
         select_scatter: "f32[2, 3]" = wrap_with_set_grad_enabled[0];  wrap_with_set_grad_enabled = None
-
         keep_history: "f32[2, 3]" = torch.ops.predispatch.keep_history.default(select_scatter, mul);  select_scatter = mul = None
-
         mul_2: "f32[2, 3]" = torch.ops.aten.mul.Tensor(keep_history, x);  keep_history = x = None
         return (mul_2,)
 
     class grad_region_0(torch.nn.Module):
         def forward(self, mul: "f32[2, 3]"):
             mul_1: "f32[2, 3]" = torch.ops.aten.mul.Tensor(mul, 2);  mul = None
-
             select_1: "f32[3]" = torch.ops.aten.select.int(mul_1, 0, 0)
             zero: "f32[3]" = torch.ops.aten.zero.default(select_1);  select_1 = None
             select_scatter: "f32[2, 3]" = torch.ops.aten.select_scatter.default(mul_1, zero, 0, 0);  mul_1 = zero = None
@@ -250,11 +243,8 @@ ExportedProgram:
         def forward(self, x: "f32[3]", y: "f32[3]"):
             grad_region_0 = self.grad_region_0
             wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled(False, grad_region_0, y);  grad_region_0 = None
-
             add: "f32[3]" = wrap_with_set_grad_enabled[0];  wrap_with_set_grad_enabled = None
-
             keep_history: "f32[3]" = torch.ops.predispatch.keep_history.default(add, y);  add = y = None
-
             mul: "f32[3]" = torch.ops.aten.mul.Tensor(x, keep_history);  x = None
             return (keep_history, mul)
 
@@ -278,13 +268,9 @@ ExportedProgram:
         def forward(self, p_weight: "f32[3]", b_avg: "f32[3]", x: "f32[4, 3]"):
             grad_region_0 = self.grad_region_0
             wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled(False, grad_region_0, p_weight, x, b_avg);  grad_region_0 = b_avg = None
-
             add: "f32[3]" = wrap_with_set_grad_enabled[0]
-
             lerp: "f32[3]" = wrap_with_set_grad_enabled[1];  wrap_with_set_grad_enabled = None
-
             keep_history: "f32[3]" = torch.ops.predispatch.keep_history.default(add, p_weight);  add = p_weight = None
-
             mul_1: "f32[4, 3]" = torch.ops.aten.mul.Tensor(x, keep_history);  x = None
             sum_1: "f32[4]" = torch.ops.aten.sum.dim_IntList(mul_1, [-1]);  mul_1 = None
             sum_2: "f32[]" = torch.ops.aten.sum.default(lerp)
@@ -296,7 +282,6 @@ ExportedProgram:
                 mul: "f32[3]" = torch.ops.aten.mul.Tensor(p_weight, 0.9);  p_weight = None
                 mean: "f32[3]" = torch.ops.aten.mean.dim(x, [0])
                 add: "f32[3]" = torch.ops.aten.add.Tensor(mul, mean, alpha = 0.1);  mul = mean = None
-
                 mean_1: "f32[3]" = torch.ops.aten.mean.dim(x, [0]);  x = None
                 lerp: "f32[3]" = torch.ops.aten.lerp.Scalar(b_avg, mean_1, 0.5);  b_avg = mean_1 = None
                 return (add, lerp)
@@ -316,10 +301,8 @@ Graph signature:
 class GraphModule(torch.nn.Module):
     def forward(self, p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]", x: "f32[2, 3]"):
         linear: "f32[2, 3]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
-
         grad_region_0 = self.grad_region_0
         wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled(False, grad_region_0, linear);  grad_region_0 = None
-
         mul: "f32[2, 3]" = wrap_with_set_grad_enabled[0];  wrap_with_set_grad_enabled = None
         return (linear, mul)
 
@@ -334,45 +317,31 @@ class GraphModule(torch.nn.Module):
     def forward(self, x: "f32[3]"):
         grad_region_0 = self.grad_region_0
         wrap_with_set_grad_enabled_2 = torch.ops.higher_order.wrap_with_set_grad_enabled(False, grad_region_0, x);  grad_region_0 = None
-
         mul: "f32[3]" = wrap_with_set_grad_enabled_2[0]
-
         mul_1: "f32[3]" = wrap_with_set_grad_enabled_2[1]
-
         mul_2: "f32[3]" = wrap_with_set_grad_enabled_2[2]
-
         add: "f32[3]" = wrap_with_set_grad_enabled_2[3]
-
         mul_3: "f32[3]" = wrap_with_set_grad_enabled_2[4];  wrap_with_set_grad_enabled_2 = None
-
         add_1: "f32[3]" = torch.ops.aten.add.Tensor(x, mul_3);  x = None
         return (mul, mul_1, mul_2, add, mul_3, add_1)
 
     class grad_region_0(torch.nn.Module):
         def forward(self, x: "f32[3]"):
             mul: "f32[3]" = torch.ops.aten.mul.Tensor(x, 2)
-
             grad_region_1 = self.grad_region_1
             wrap_with_set_grad_enabled_1 = torch.ops.higher_order.wrap_with_set_grad_enabled(True, grad_region_1, x);  grad_region_1 = x = None
-
             mul_1: "f32[3]" = wrap_with_set_grad_enabled_1[0]
-
             mul_2: "f32[3]" = wrap_with_set_grad_enabled_1[1]
-
             add: "f32[3]" = wrap_with_set_grad_enabled_1[2];  wrap_with_set_grad_enabled_1 = None
-
             mul_3: "f32[3]" = torch.ops.aten.mul.Tensor(add, mul)
             return (mul, mul_1, mul_2, add, mul_3)
 
         class grad_region_1(torch.nn.Module):
             def forward(self, x: "f32[3]"):
                 mul_1: "f32[3]" = torch.ops.aten.mul.Tensor(x, 3);  x = None
-
                 grad_region_2 = self.grad_region_2
                 wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled(False, grad_region_2, mul_1);  grad_region_2 = None
-
                 mul_2: "f32[3]" = wrap_with_set_grad_enabled[0];  wrap_with_set_grad_enabled = None
-
                 add: "f32[3]" = torch.ops.aten.add.Tensor(mul_1, mul_2)
                 return (mul_1, mul_2, add)
 
@@ -387,11 +356,8 @@ class GraphModule(torch.nn.Module):
     def forward(self, p_lin_weight: "f32[8, 8]", p_lin_bias: "f32[8]", p_norm_weight: "f32[8]", p_norm_bias: "f32[8]", x: "f32[4, 8]"):
         autocast_region_0 = self.autocast_region_0
         wrap_with_autocast = torch.ops.higher_order.wrap_with_autocast('cpu', torch.bfloat16, True, False, autocast_region_0, x, p_lin_weight, p_lin_bias, p_norm_weight, p_norm_bias);  autocast_region_0 = p_lin_weight = p_lin_bias = p_norm_weight = p_norm_bias = None
-
         linear: "bf16[4, 8]" = wrap_with_autocast[0]
-
         layer_norm: "bf16[4, 8]" = wrap_with_autocast[1];  wrap_with_autocast = None
-
         _assert_tensor_metadata = torch.ops.aten._assert_tensor_metadata.default(layer_norm, None, None, torch.bfloat16, device = device(type='cpu'), layout = torch.strided);  _assert_tensor_metadata = None
         _to_copy: "f32[4, 8]" = torch.ops.aten._to_copy.default(layer_norm, dtype = torch.float32)
         add: "f32[4, 8]" = torch.ops.aten.add.Tensor(_to_copy, x);  _to_copy = x = None
@@ -400,7 +366,6 @@ class GraphModule(torch.nn.Module):
     class autocast_region_0(torch.nn.Module):
         def forward(self, x: "f32[4, 8]", p_lin_weight: "f32[8, 8]", p_lin_bias: "f32[8]", p_norm_weight: "f32[8]", p_norm_bias: "f32[8]"):
             linear: "bf16[4, 8]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
-
             layer_norm: "bf16[4, 8]" = torch.ops.aten.layer_norm.default(linear, [8], p_norm_weight, p_norm_bias);  p_norm_weight = p_norm_bias = None
             return (linear, layer_norm)""")
 
@@ -410,12 +375,9 @@ class GraphModule(torch.nn.Module):
     def forward(self, p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]", b_seen: "f32[3]", x: "f32[2, 3]"):
         grad_region_0 = self.grad_region_0
         wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled(False, grad_region_0, x, b_seen);  grad_region_0 = b_seen = None
-
         add: "f32[3]" = wrap_with_set_grad_enabled[0];  wrap_with_set_grad_enabled = None
         mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(x, 2);  x = None
-
         linear: "f32[2, 3]" = torch.ops.aten.linear.default(mul, p_lin_weight, p_lin_bias);  mul = p_lin_weight = p_lin_bias = None
-
         add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(linear, add);  linear = None
         return (add, add_1)
 
@@ -431,26 +393,21 @@ class GraphModule(torch.nn.Module):
     def forward(self, x: "f32[3]"):
         grad_region_0 = self.grad_region_0
         wrap_with_set_grad_enabled_1 = torch.ops.higher_order.wrap_with_set_grad_enabled(False, grad_region_0, x);  grad_region_0 = x = None
-
         add_1: "f32[3]" = wrap_with_set_grad_enabled_1[0];  wrap_with_set_grad_enabled_1 = None
         return (add_1,)
 
     class grad_region_0(torch.nn.Module):
         def forward(self, x: "f32[3]"):
             mul: "f32[3]" = torch.ops.aten.mul.Tensor(x, 2)
-
             add: "f32[3]" = torch.ops.aten.add.Tensor(mul, 1)
-
             grad_region_1 = self.grad_region_1
             wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled(True, grad_region_1, add, mul, x);  grad_region_1 = add = mul = x = None
-
             add_1: "f32[3]" = wrap_with_set_grad_enabled[0];  wrap_with_set_grad_enabled = None
             return (add_1,)
 
         class grad_region_1(torch.nn.Module):
             def forward(self, add: "f32[3]", mul: "f32[3]", x: "f32[3]"):
                 mul_1: "f32[3]" = torch.ops.aten.mul.Tensor(add, mul);  add = mul = None
-
                 add_1: "f32[3]" = torch.ops.aten.add.Tensor(mul_1, x);  mul_1 = x = None
                 return (add_1,)""")
 

@@ -86,7 +86,8 @@ def plan_runs(op: torch._ops.OpOverload, recorded: Sequence[Sample]) -> list[Job
     """Every kernel on every sample; none for ops whose schema mutates (no run could save them)."""
     if any(f.code is Reason.SCHEMA_MUTABLE for f in schema_findings(op)):
         return []
-    samples = [*recorded, *schema_samples(op)]
+    direct = [s for s in recorded if not s.via]
+    samples = [*direct, *schema_samples(op), *(s for s in recorded if s.via)]
     return [(op, kernel, s) for kernel in kernels_of(op) for s in samples]
 
 
@@ -136,9 +137,23 @@ def _from_evidence(
     codes = [c for c in EVIDENCE_ORDER if c in evidence]
     run, detail, count = evidence[codes[0]]
     completed = sum(r.error is None for r in runs)
-    share = "" if count == completed else f" (in {count} of {completed} runs)"
-    return _entry(op, Verdict.MUST_DECOMPOSE, codes[0], detail + share,
-                  f"{run.sample} ({run.kernel.value} kernel)", also=codes[1:] + more)
+    where = f"{run.sample} ({run.kernel.value} kernel)"
+    if codes[0] is Reason.CONDITIONAL_ALIAS:
+        detail, where = _conditional_alias(detail, where, count, completed, runs)
+    elif count != completed:
+        detail += f" (in {count} of {completed} runs)"
+    return _entry(op, Verdict.MUST_DECOMPOSE, codes[0], detail, where, also=codes[1:] + more)
+
+
+def _conditional_alias(detail: str, where: str, count: int, completed: int,
+                       runs: Sequence[RunResult]) -> tuple[str, str]:
+    """Say both halves when some runs aliased and others copied: that is the lie."""
+    aliased = next((r for r in runs if r.realised_alias and r.error is None), None)
+    if aliased is None:
+        return f"{detail}, in all {completed} runs", where
+    reason = (f"returns an alias of its input for some inputs and a fresh tensor for others "
+              f"(fresh in {count} of {completed} runs): {detail}")
+    return reason, f"fresh: {where}; alias: {aliased.sample} ({aliased.kernel.value} kernel)"
 
 
 def _judge_clean(op: torch._ops.OpOverload, runs: Sequence[RunResult],

@@ -45,7 +45,18 @@ from predispatch.audit.ops import (
 from predispatch.audit.samples import Sample
 from predispatch.audit.table import Reason
 
-_SIDE_EFFECTFUL = side_effectful_ops()
+# Checks raise on bad data and do nothing else; an op kept whole raises exactly as eager
+# would, so they are not side effects worth decomposing for.
+_CHECKS = frozenset({
+    torch.ops.aten._linalg_check_errors.default,
+    torch.ops.aten._assert_async.default,
+    torch.ops.aten._assert_async.msg,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten.sym_constrain_range.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+})
+_SIDE_EFFECTFUL = side_effectful_ops() - _CHECKS
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 
 
@@ -66,6 +77,7 @@ class RunResult:
     error: str | None  # the exception, one line, when the kernel raised
     violations: tuple[Violation, ...]
     random: bool  # drew random numbers (declared or not; see Violation for undeclared)
+    realised_alias: bool = False  # some output really aliased an input its schema names
 
     @property
     def clean(self) -> bool:
@@ -88,15 +100,27 @@ def check(op: OpOverload, kernel: Kernel, sample: Sample) -> RunResult:
     """Run ``kernel`` of ``op`` on a fresh copy of ``sample`` and report every violation."""
     args, kwargs = sample.materialize()
     inputs = _inputs(op, args, kwargs)
-    mode = EffectMode({storage_key(i.tensor): i.name for i in inputs})
+    mode = EffectMode({k: i.name for i in inputs for k in storages_of(i.tensor)})
     try:
         with warnings.catch_warnings(), mode:
             warnings.simplefilter("ignore")
             out = kernel_callable(op, kernel)(*args, **kwargs)
     except Exception as e:  # noqa: BLE001  (any failure just makes the sample not count)
         return RunResult(sample.label, kernel, _one_line(e), (), False)
+    try:
+        return _judge_run(op, kernel, sample, inputs, mode, out)
+    except Exception as e:  # noqa: BLE001  (an output the checks cannot read)
+        return RunResult(sample.label, kernel, f"could not inspect the result: {_one_line(e)}",
+                         (), bool(mode.random))
+
+
+def _judge_run(op: OpOverload, kernel: Kernel, sample: Sample, inputs: list[_Input],
+               mode: EffectMode, out: Any) -> RunResult:
     violations = [*_mutations(op, inputs, mode), *_aliasing(op, inputs, out), *mode.violations(op)]
-    return RunResult(sample.label, kernel, None, tuple(violations), bool(mode.random))
+    realised = _realises_declared_alias(op, inputs, out)
+    blind = unchecked_outputs(op, out)
+    error = f"cannot inspect the memory of {blind[0]}" if blind and not violations else None
+    return RunResult(sample.label, kernel, error, tuple(violations), bool(mode.random), realised)
 
 
 class EffectMode(TorchDispatchMode):
@@ -131,7 +155,9 @@ class EffectMode(TorchDispatchMode):
             self.random.append(str(func))
         if _is_data_dependent(func, args):
             self.data_dependent.append(str(func))
-        if func in _SIDE_EFFECTFUL or _returns_nothing_and_mutates_nothing(func):
+        if func in _SIDE_EFFECTFUL or (
+            func not in _CHECKS and _returns_nothing_and_mutates_nothing(func)
+        ):
             self.side_effects.append(str(func))
 
     def violations(self, op: OpOverload) -> Iterator[Violation]:
@@ -208,12 +234,43 @@ def _aliasing(op: OpOverload, inputs: list[_Input], out: Any) -> Iterator[Violat
     outputs = _outputs(op, out)
     by_storage: dict[int, list[_Input]] = {}
     for i in inputs:
-        key = storage_key(i.tensor)
-        if key is not None:
+        for key in storages_of(i.tensor):
             by_storage.setdefault(key, []).append(i)
     for index, t in outputs:
-        yield from _output_vs_inputs(op, index, t, by_storage.get(storage_key(t), []))
+        sharing = [i for key in storages_of(t) for i in by_storage.get(key, [])]
+        sharing += [i for i in inputs if i.tensor is t and i not in sharing]
+        yield from _output_vs_inputs(op, index, t, list(dict.fromkeys(sharing)))
     yield from _outputs_vs_each_other(op, outputs)
+
+
+def storages_of(t: torch.Tensor) -> list[int]:
+    """Storage keys of ``t``, or of its components for sparse layouts (which have no storage).
+
+    A sparse tensor built from index and value tensors keeps them, uncopied, as components.
+    """
+    parts = _SPARSE_PARTS.get(t.layout)
+    if parts is None or type(t) is not torch.Tensor:
+        key = storage_key(t)
+        return [] if key is None else [key]
+    try:
+        return [k for part in parts for k in storages_of(getattr(t, part)())]
+    except (RuntimeError, NotImplementedError):
+        return []
+
+
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
+def unchecked_outputs(op: OpOverload, out: Any) -> list[str]:
+    """Outputs whose memory the checks cannot see (nested, batched, ...): no clean verdict."""
+    return [f"output {i} ({t.layout}, {type(t).__name__})"
+            for i, t in _outputs(op, out) if not storages_of(t)]
 
 
 def _output_vs_inputs(
@@ -232,8 +289,14 @@ def _output_vs_inputs(
         if _passed_tensor(op, name):
             yield Violation(
                 Reason.CONDITIONAL_ALIAS,
-                f"schema declares output {index} aliases '{name}' but it returned a fresh tensor",
+                f"output {index} is a fresh tensor, not the alias of '{name}' the schema declares",
             )
+
+
+def _realises_declared_alias(op: OpOverload, inputs: list[_Input], out: Any) -> bool:
+    storages = {k: i.argument for i in inputs for k in storages_of(i.tensor)}
+    return any(storages.get(k) in declared_aliases(op, index)
+               for index, t in _outputs(op, out) for k in storages_of(t))
 
 
 def _passed_tensor(op: OpOverload, name: str) -> bool:
@@ -245,10 +308,10 @@ def _outputs_vs_each_other(
 ) -> Iterator[Violation]:
     seen: dict[int, int] = {}
     for index, t in outputs:
-        key = storage_key(t)
-        if key is None or t.numel() == 0:
+        keys = storages_of(t)
+        if not keys or t.numel() == 0:
             continue
-        other = seen.setdefault(key, index)
+        other = seen.setdefault(keys[0], index)
         if other != index and not outputs_may_alias(op, other, index):
             yield Violation(
                 Reason.ALIASES_OUTPUT,
@@ -274,19 +337,15 @@ def _metadata(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _values(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor's bytes, copied: bitwise equality needs no dtype support and keeps NaNs equal."""
     if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
         return None
-    return t.detach().clone()
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).clone()
 
 
 def _same_values(before: torch.Tensor, after: torch.Tensor) -> bool:
-    if before.dtype != after.dtype or before.shape != after.shape:
-        return False
-    if torch.equal(before, after):
-        return True
-    if before.is_floating_point() or before.is_complex():
-        return bool(torch.allclose(before, after, rtol=0, atol=0, equal_nan=True))
-    return False
+    now = _values(after)
+    return now is not None and torch.equal(before, now)
 
 
 def _one_line(e: Exception) -> str:

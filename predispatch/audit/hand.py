@@ -55,6 +55,33 @@ def _recurrent(cls: type[torch.nn.Module]) -> Callable[[], object]:
     return lambda: cls(8, 16, batch_first=True)(_r(2, 5, 8))
 
 
+def _packed(cls: Callable[[int, int], torch.nn.Module]) -> Callable[[], object]:
+    def run() -> object:
+        packed = torch.nn.utils.rnn.pack_padded_sequence(_r(5, 2, 8), torch.tensor([5, 3]))
+        return cls(8, 16)(packed)
+
+    return run
+
+
+def _pad_packed() -> object:
+    packed = torch.nn.utils.rnn.pack_padded_sequence(_r(5, 2, 8), torch.tensor([5, 3]))
+    return torch.nn.utils.rnn.pad_packed_sequence(packed)
+
+
+def _upsample_defaults() -> object:
+    aten = torch.ops.aten
+    return (aten.upsample_nearest1d.default(_r(1, 2, 4), [8]),
+            aten.upsample_nearest2d.default(_r(1, 2, 4, 4), [8, 8]),
+            aten.upsample_nearest3d.default(_r(1, 2, 2, 2, 2), [4, 4, 4]),
+            aten.upsample_nearest3d.vec(_r(1, 2, 2, 2, 2), None, [2.0, 2.0, 2.0]),
+            aten._upsample_nearest_exact1d.default(_r(1, 2, 4), [8]),
+            aten._upsample_nearest_exact2d.default(_r(1, 2, 4, 4), [8, 8]),
+            aten._upsample_nearest_exact3d.default(_r(1, 2, 2, 2, 2), [4, 4, 4]),
+            aten._upsample_nearest_exact2d.vec(_r(1, 2, 4, 4), None, [2.0, 2.0]),
+            aten._upsample_nearest_exact3d.vec(_r(1, 2, 2, 2, 2), None, [2.0, 2.0, 2.0]),
+            aten._upsample_bicubic2d_aa.vec(_r(1, 2, 8, 8), [4, 4], False, None))
+
+
 _PROGRAMS: dict[str, Callable[[], object]] = {
     # linear algebra and the common nn layers
     "linear": lambda: F.linear(_r(3, 4), _r(5, 4), _r(5)),
@@ -137,6 +164,7 @@ _PROGRAMS: dict[str, Callable[[], object]] = {
     "type_as-same": lambda: _r(3, 4).type_as(_r(2)),
     "type_as-other": lambda: _r(3, 4).type_as(_r(2, dtype=torch.float64)),
     "type-same": lambda: _r(3, 4).type(torch.float32),
+    "chalf-noop": lambda: torch.zeros(3, dtype=torch.chalf).chalf(),
     "contiguous-already": lambda: _r(3, 4).contiguous(),
     "contiguous-transposed": lambda: _r(4, 3).t().contiguous(),
     # shape ops that view or copy depending on strides
@@ -157,6 +185,69 @@ _PROGRAMS: dict[str, Callable[[], object]] = {
     "squeeze-noop": lambda: _r(3, 4).squeeze(),
     "cat": lambda: torch.cat([_r(2, 3), _r(4, 3)]),
     "concat-single": lambda: torch.concat([_r(2, 3)]),
+    # recurrent layers beyond the plain ones: cells, packed sequences, dropout between layers
+    "lstm-dropout-train": lambda: torch.nn.LSTM(8, 16, num_layers=2, dropout=0.5)(_r(5, 2, 8)),
+    "rnn-relu": lambda: torch.nn.RNN(8, 16, nonlinearity="relu")(_r(5, 2, 8)),
+    "lstm-packed": _packed(torch.nn.LSTM),
+    "gru-packed": _packed(torch.nn.GRU),
+    "rnn-tanh-packed": _packed(torch.nn.RNN),
+    "rnn-relu-packed": _packed(lambda i, h: torch.nn.RNN(i, h, nonlinearity="relu")),
+    "lstm_cell": lambda: torch.nn.LSTMCell(8, 16)(_r(2, 8)),
+    "gru_cell": lambda: torch.nn.GRUCell(8, 16)(_r(2, 8)),
+    "rnn_tanh_cell": lambda: torch.nn.RNNCell(8, 16)(_r(2, 8)),
+    "rnn_relu_cell": lambda: torch.nn.RNNCell(8, 16, nonlinearity="relu")(_r(2, 8)),
+    # resampling, convolution and padding variants
+    "interpolate-nearest-1d": lambda: F.interpolate(_r(1, 2, 4), scale_factor=2.0),
+    "interpolate-nearest-3d": lambda: F.interpolate(_r(1, 2, 2, 2, 2), scale_factor=2.0),
+    "interpolate-nearest-size": lambda: F.interpolate(_r(1, 2, 4, 4), size=(8, 8)),
+    "interpolate-nearest-exact": lambda: F.interpolate(_r(1, 2, 4, 4), scale_factor=2.0,
+                                                       mode="nearest-exact"),
+    "interpolate-nearest-exact-1d": lambda: F.interpolate(_r(1, 2, 4), size=8,
+                                                          mode="nearest-exact"),
+    "interpolate-nearest-exact-3d": lambda: F.interpolate(_r(1, 2, 2, 2, 2), size=(4, 4, 4),
+                                                          mode="nearest-exact"),
+    "upsample_nearest-defaults": _upsample_defaults,
+    "interpolate-bicubic-aa": lambda: F.interpolate(_r(1, 2, 8, 8), size=(4, 4), mode="bicubic",
+                                                    antialias=True),
+    "lanczos-aa": lambda: torch.ops.aten._upsample_lanczos2d_aa.vec(_r(1, 2, 8, 8), [4, 4],
+                                                                    False, None),
+    "conv1d-same": lambda: F.conv1d(_r(2, 3, 8), _r(4, 3, 3), padding="same"),
+    "conv3d": lambda: F.conv3d(_r(1, 2, 4, 4, 4), _r(3, 2, 3, 3, 3)),
+    "thnn_conv2d": lambda: torch._C._nn.thnn_conv2d(_r(1, 2, 5, 5), _r(3, 2, 3, 3), [3, 3]),
+    "slow_conv3d": lambda: torch._C._nn.slow_conv3d(_r(1, 2, 4, 4, 4), _r(3, 2, 3, 3, 3), [3, 3, 3]),
+    "channel_shuffle": lambda: torch.native_channel_shuffle(_r(1, 4, 3, 3), 2),
+    "embedding_bag-default": lambda: torch.ops.aten.embedding_bag.default(
+        _r(5, 4), torch.tensor([0, 2, 1, 3]), torch.tensor([0, 2])),
+    "pad_packed_sequence": _pad_packed,
+    # reductions and linear algebra entry points op_db reaches only through other overloads
+    "quantile-tensor": lambda: torch.quantile(_r(3, 4), torch.tensor([0.25, 0.5])),
+    "nanquantile-tensor": lambda: torch.nanquantile(_r(3, 4), torch.tensor([0.25, 0.5])),
+    "slogdet": lambda: torch.slogdet(_r(3, 3)),
+    "vander": lambda: torch.vander(_r(4)),
+    "meshgrid-default": lambda: torch.meshgrid(_r(3), _r(4)),
+    "chain_matmul": lambda: torch.chain_matmul(_r(2, 3), _r(3, 4), _r(4, 5)),
+    "linalg_norm-fro": lambda: torch.linalg.norm(_r(3, 4), "fro"),
+    "linalg_cond-fro": lambda: torch.linalg.cond(_r(3, 3), "fro"),
+    "frobenius_norm": lambda: torch.frobenius_norm(_r(3, 4), [0, 1]),
+    "nuclear_norm-dim": lambda: torch.nuclear_norm(_r(3, 4), [0, 1]),
+    "gradient-spacing": lambda: torch.gradient(_r(3, 4), spacing=[_r(3), _r(4)]),
+    "gradient-scalars": lambda: torch.gradient(_r(3, 4), spacing=[2.0, 3.0]),
+    "gradient-scalar-dims": lambda: torch.gradient(_r(3, 4), spacing=[2.0], dim=[1]),
+    "sum_to_size-noop": lambda: _r(3, 4).sum_to_size(3, 4),
+    "sum_to_size": lambda: _r(3, 4).sum_to_size(1, 4),
+    "where-scalar": lambda: torch.where(_r(3, 4) > 0, _r(3, 4), 0.0),
+    "where-scalar-self": lambda: torch.where(_r(3, 4) > 0, 1.0, _r(3, 4)),
+    "where-scalars": lambda: torch.where(_r(3, 4) > 0, 1.0, 0.0),
+    "fake_quantize-channel": lambda: torch.fake_quantize_per_channel_affine(
+        _r(3, 4), torch.ones(4), torch.zeros(4, dtype=torch.int32), 1, 0, 255),
+    "fake_quantize-tensor-qparams": lambda: torch.fake_quantize_per_tensor_affine(
+        _r(3, 4), torch.tensor(0.1), torch.tensor(0), 0, 255),
+    "to_sparse-twice": lambda: _r(3, 4).to_sparse().to_sparse(),
+    "sparse_coo_tensor": lambda: torch.sparse_coo_tensor(torch.tensor([[0, 1], [2, 0]]),
+                                                         _r(2), (3, 4)),
+    "sparse_csr_tensor": lambda: torch.sparse_csr_tensor(torch.tensor([0, 1, 2]),
+                                                         torch.tensor([0, 1]), _r(2), (2, 2)),
+    "reshape_from_tensor": lambda: torch._reshape_from_tensor(_r(3, 4), torch.tensor([4, 3])),
     # data-dependent and odd ones
     "where-single": lambda: torch.where(_r(3, 4) > 0),
     "data": lambda: torch.ops.aten.data(_r(3, 4)),

@@ -10,8 +10,8 @@ Three sources, in the order their labels sort:
   are recorded too, with the chain in ``Sample.via``;
 * ``hand:<name>``: small programs for ops op_db does not reach or not in the way that
   matters (``predispatch.audit.hand``), recorded the same way;
-* ``schema:<variant>``: calls built from the schema alone, one per tensor variant
-  (contiguous, transposed, int64, float64), for every op whose arguments are simple enough.
+* ``schema:<variant>``: calls built from the schema alone, one per variant (every common
+  dtype, and a transposed float32 tensor), for every op whose arguments are simple enough.
 """
 
 from __future__ import annotations
@@ -34,7 +34,19 @@ from predispatch.audit._internals import (
 )
 
 OP_DB_SAMPLES_PER_INFO = 4  # samples taken from each OpInfo
-CAP_PER_SOURCE = {"op_db": 6, "hand": 8}  # distinct calls kept per op and source
+
+
+def _cap(source: str, nested: bool) -> tuple[str, int]:
+    """Which budget a recorded call draws from, and its size.
+
+    op_db reaches common ops (``reshape``, ``to``) thousands of times: keep the first few
+    distinct calls, direct ones and nested ones separately.  Hand-written programs exist
+    for the one call they make: each gets its own small budget.
+    """
+    kind = source.split(":", 1)[0]
+    if kind == "op_db":
+        return (f"op_db-{'nested' if nested else 'direct'}", 4 if nested else 6)
+    return (source, 2)
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,29 +80,31 @@ class Program:
 
 @dataclass
 class SampleBank:
-    """Samples per op, at most ``CAP_PER_SOURCE`` distinct calls per op and source kind."""
+    """Distinct recorded calls per op, within the budgets of ``_cap``."""
 
     wanted: frozenset[str]
     samples: dict[str, list[Sample]] = field(default_factory=dict)
     _signatures: dict[str, set[tuple[Any, ...]]] = field(default_factory=dict)
+    _spent: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def offer(self, op: str, source: str, via: tuple[str, ...], args: Any, kwargs: Any) -> None:
         if op not in self.wanted:
             return
-        kind = source.split(":", 1)[0]
-        kept = self.samples.setdefault(op, [])
-        if sum(s.source.startswith(kind + ":") for s in kept) >= CAP_PER_SOURCE.get(kind, 99):
+        budget, size = _cap(source, bool(via))
+        if self._spent.get((op, budget), 0) >= size:
             return
-        signature = (kind, _signature(args, kwargs))
+        signature = (source.split(":", 1)[0], _signature(args, kwargs))
         seen = self._signatures.setdefault(op, set())
         if signature in seen:
             return
         seen.add(signature)
+        self._spent[(op, budget)] = self._spent.get((op, budget), 0) + 1
         args, kwargs = exact_copy((tuple(args), dict(kwargs)))
-        kept.append(Sample(op, source, via, tuple(args), kwargs))
+        self.samples.setdefault(op, []).append(Sample(op, source, via, tuple(args), kwargs))
 
     def for_op(self, op: str) -> list[Sample]:
-        return self.samples.get(op, [])
+        """Direct calls first: evidence should cite the plainest sample that shows a finding."""
+        return sorted(self.samples.get(op, []), key=lambda s: bool(s.via))
 
 
 class ReachRecorder(PreDispatchMode):
@@ -154,9 +168,15 @@ def _pick_dtype(info: Any) -> torch.dtype | None:
 
 
 def _first_samples(info: Any, dtype: torch.dtype, n: int) -> list[Any]:
+    """The OpInfo's first ``n`` samples, from its raw generator.
+
+    ``OpInfo.sample_inputs`` wraps the generator in test-tracking machinery that walks the
+    Python stack (``inspect.stack()``) for every OpInfo: four fifths of the audit's time.
+    """
     torch.manual_seed(0)
     try:
-        return list(itertools.islice(info.sample_inputs("cpu", dtype, requires_grad=False), n))
+        samples = info.sample_inputs_func(info, "cpu", dtype, False)
+        return list(itertools.islice(samples, n))
     except Exception:  # noqa: BLE001
         return []
 
@@ -167,26 +187,50 @@ def _call(op: Callable[..., Any], sample: Any) -> object:
 
 # --- samples built from the schema alone -------------------------------------------------
 
-_TENSOR_VARIANTS: dict[str, Callable[[], torch.Tensor]] = {
-    "f32": lambda: torch.randn(3, 4),
-    "f32-transposed": lambda: torch.randn(4, 3).t(),
-    "i64": lambda: torch.randint(-3, 4, (3, 4)),
-    "f64": lambda: torch.randn(3, 4, dtype=torch.float64),
+@dataclass(frozen=True)
+class _Variant:
+    """How a schema-built call fills tensors and shape lists."""
+
+    make: Callable[[], torch.Tensor]
+    sizes: list[int]  # for int[] arguments that are not dims: the tensor's own shape by default
+
+
+def _typed(dtype: torch.dtype) -> _Variant:
+    return _Variant(lambda: torch.randn(3, 4).mul(3).to(dtype), [3, 4])
+
+
+# Most lies sit on the no-op branch (a cast to the dtype the input already has, a resize to
+# the size it already has), so every common dtype gets a variant and shape lists default to
+# the input's own shape; the transposed variant asks for a flat shape, which forces a copy.
+_VARIANTS: dict[str, _Variant] = {
+    "f32": _Variant(lambda: torch.randn(3, 4), [3, 4]),
+    "f32-transposed": _Variant(lambda: torch.randn(4, 3).t(), [12]),
+    "f64": _typed(torch.float64),
+    "f16": _typed(torch.float16),
+    "bf16": _typed(torch.bfloat16),
+    "c64": _typed(torch.complex64),
+    "c32": _typed(torch.complex32),
+    "i64": _typed(torch.int64),
+    "i32": _typed(torch.int32),
+    "i16": _typed(torch.int16),
+    "i8": _typed(torch.int8),
+    "u8": _Variant(lambda: torch.randint(0, 5, (3, 4), dtype=torch.uint8), [3, 4]),
+    "bool": _Variant(lambda: torch.randn(3, 4) > 0, [3, 4]),
 }
 
 
 def schema_samples(op: OpOverload) -> list[Sample]:
-    """One call per tensor variant, or none when an argument has no obvious value."""
+    """One call per variant, or none when an argument has no obvious value."""
     found = []
-    for variant, make in _TENSOR_VARIANTS.items():
+    for name, variant in _VARIANTS.items():
         torch.manual_seed(0)
-        call = _schema_call(op, make)
+        call = _schema_call(op, variant)
         if call is not None:
-            found.append(Sample(str(op), f"schema:{variant}", (), *call))
+            found.append(Sample(str(op), f"schema:{name}", (), *call))
     return found
 
 
-def _schema_call(op: OpOverload, make: Callable[[], torch.Tensor]) -> tuple[tuple, dict] | None:
+def _schema_call(op: OpOverload, variant: _Variant) -> tuple[tuple, dict] | None:
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
     pending: list[Any] = []  # defaulted positionals, passed only if a required one follows
@@ -194,7 +238,7 @@ def _schema_call(op: OpOverload, make: Callable[[], torch.Tensor]) -> tuple[tupl
         if a.has_default_value():
             pending.append(a.default_value)
             continue
-        value = _value_for(a.name, str(a.type), make)
+        value = _value_for(a.name, str(a.type), variant)
         if value is _NO_VALUE:
             return None
         if a.kwarg_only:
@@ -208,15 +252,17 @@ def _schema_call(op: OpOverload, make: Callable[[], torch.Tensor]) -> tuple[tupl
 _NO_VALUE = object()
 
 
-def _value_for(name: str, type_: str, make: Callable[[], torch.Tensor]) -> Any:
+def _value_for(name: str, type_: str, variant: _Variant) -> Any:
     if type_ == "Tensor":
-        return make()
+        return variant.make()
     if type_ == "List[Tensor]":
-        return [make(), make()]
+        return [variant.make(), variant.make()]
     if type_.startswith("Optional["):
         return None
     if type_ == "int":
         return _INT_BY_NAME.get(name, 1)
+    if type_ in ("List[int]", "List[SymInt]"):
+        return [1] if "dim" in name else list(variant.sizes)
     return _SIMPLE_VALUES.get(type_, _NO_VALUE)
 
 
@@ -224,8 +270,7 @@ _INT_BY_NAME = {"dtype": torch.float32, "layout": torch.strided,
                 "memory_format": torch.contiguous_format, "dim": 1}
 _SIMPLE_VALUES: dict[str, Any] = {
     "SymInt": 1, "number": 2, "float": 0.5, "bool": False, "Device": torch.device("cpu"),
-    "List[int]": [4, 3], "List[SymInt]": [4, 3], "List[float]": [0.5], "List[bool]": [False],
-    "List[number]": [2],
+    "List[float]": [0.5], "List[bool]": [False], "List[number]": [2],
 }
 
 

@@ -6,6 +6,6 @@ makes fake twins of all tensors in one FakeTensorMode with a ShapeEnv, so that t
 no real compute and costs no memory for weights.
 """
 
-from predispatch.frontend.inputs import LiftedTensor, PreparedInputs, prepare
+from predispatch.frontend.inputs import FunctionRoot, LiftedTensor, PreparedInputs, modules_of, prepare
 
-__all__ = ["LiftedTensor", "PreparedInputs", "prepare"]
+__all__ = ["FunctionRoot", "LiftedTensor", "PreparedInputs", "modules_of", "prepare"]

@@ -15,6 +15,7 @@ from torch import nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import UnsupportedInputError, user_frame
+from predispatch.frontend.reachable import modules_reached
 from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, Leaf
 
 #: Leaf types that are baked into the program as constants instead of becoming graph inputs.
@@ -40,6 +41,7 @@ class PreparedInputs:
     module: the module to call (a function is wrapped in a module that calls it).
     state: lifted tensors in graph order: parameters, then buffers, then constant tensors.
     user_inputs: one USER_INPUT spec per tensor leaf of `(args, kwargs)`.
+    arg_names: the names of the positional arguments, as the callable's signature gives them.
     input_leaves: every leaf of `(args, kwargs)` in pytree order, constants with their values.
     in_spec: the pytree spec of `(args, kwargs)`.
     fake_mode: the FakeTensorMode (with a ShapeEnv) every fake tensor below belongs to.
@@ -50,6 +52,7 @@ class PreparedInputs:
     module: nn.Module
     state: tuple[LiftedTensor, ...]
     user_inputs: tuple[InputSpec, ...]
+    arg_names: tuple[str, ...]
     input_leaves: tuple[Leaf, ...]
     in_spec: pytree.TreeSpec
     fake_mode: ti.FakeTensorMode
@@ -63,12 +66,19 @@ class PreparedInputs:
         return pytree.tree_unflatten(leaves, self.in_spec)
 
 
-class _FunctionRoot(nn.Module):
-    """Makes a plain function look like a module so one pipeline serves both."""
+class FunctionRoot(nn.Module):
+    """Makes a plain function look like a module so one pipeline serves both.
 
-    def __init__(self, fn: Callable[..., Any]):
+    The modules the function reaches (see `reachable.py`) and the modules passed to it as
+    arguments become submodules under their names, so their state is lifted with paths like
+    `encoder.layer.weight`; the modules themselves are shared, not copied.
+    """
+
+    def __init__(self, fn: Callable[..., Any], modules: dict[str, nn.Module]):
         super().__init__()
-        self.fn = fn
+        object.__setattr__(self, "fn", fn)  # a bound method's module must not become a child twice
+        for name, module in modules.items():
+            self.add_module(name, module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -76,30 +86,54 @@ class _FunctionRoot(nn.Module):
 
 def prepare(module_or_fn: Any, args: Any, kwargs: Any) -> PreparedInputs:
     """Validate, name, lift and fakify; see the module docstring."""
-    module, signature_of = _as_module(module_or_fn)
     args, kwargs = _check_args(args, kwargs)
     register_dataclasses((args, kwargs))
+    module, signature_of = as_module(module_or_fn, args, kwargs)
     leaves, in_spec = _named_leaves(signature_of, args, kwargs)
     state = lift_state(module)
     fake_mode = ti.new_fake_mode()
     flat = pytree.tree_leaves((args, kwargs))
-    fake_state = tuple(_fakify(fake_mode, s.tensor) for s in state)
+    fake_state = tuple(_fakify(fake_mode, s.tensor, s.spec.kind is InputKind.PARAMETER) for s in state)
     fake_user = tuple(_fakify(fake_mode, x) for x in flat if isinstance(x, torch.Tensor))
     user_specs = _user_input_specs(leaves, taken={s.spec.name for s in state})
-    return PreparedInputs(module, state, user_specs, leaves, in_spec, fake_mode, fake_state, fake_user)
+    arg_names = tuple(_parameter_names(signature_of, args))
+    return PreparedInputs(module, state, user_specs, arg_names, leaves, in_spec, fake_mode, fake_state, fake_user)
 
 
-def _as_module(obj: Any) -> tuple[nn.Module, Callable[..., Any]]:
+def as_module(obj: Any, args: tuple = (), kwargs: dict | None = None) -> tuple[nn.Module, Callable[..., Any]]:
     """The module to trace and the callable whose signature names the inputs."""
     if isinstance(obj, nn.Module):
+        if _module_leaves(args, kwargs, obj.forward):
+            raise UnsupportedInputError(
+                "a module was passed as an argument to a module's forward; its state would not be lifted.",
+                where=user_frame(),
+                fix="make it a submodule (an attribute) of the exported module, or export a function "
+                "that takes both: predispatch.export(lambda x: model(x, other), (x,)).",
+            )
         return obj, obj.forward
     if callable(obj) and not isinstance(obj, type):
-        return _FunctionRoot(obj), obj
+        return FunctionRoot(obj, {**modules_reached(obj), **_module_leaves(args, kwargs, obj)}), obj
     raise UnsupportedInputError(
         f"export() takes an nn.Module or a function, got {type(obj).__name__}.",
         where=user_frame(),
         fix="pass the model itself, e.g. predispatch.export(model, (x,)).",
     )
+
+
+def _module_leaves(args: tuple, kwargs: dict | None, fn: Callable[..., Any]) -> dict[str, nn.Module]:
+    """Modules passed as arguments, named by their argument path (`model`, `models_0`)."""
+    names = _parameter_names(fn, args)
+    found = {}
+    for path, value in pytree.tree_flatten_with_path((args, kwargs or {}))[0]:
+        if isinstance(value, nn.Module):
+            found[unique_identifier(_label(names, path), set(found))] = value
+    return found
+
+
+def _label(names: list[str], path: tuple) -> str:
+    """`x`, `mask`, `batch['ids']`: a leaf's path named after the function's parameters."""
+    top = names[path[1].idx] if path[0].idx == 0 else path[1].key
+    return top + pytree.keystr(path[2:])
 
 
 def _check_args(args: Any, kwargs: Any) -> tuple[tuple, dict]:
@@ -117,6 +151,15 @@ def _check_args(args: Any, kwargs: Any) -> tuple[tuple, dict]:
             fix="pass kwargs={'name': value}.",
         )
     return args, dict(kwargs or {})
+
+
+def modules_of(obj: Any, args: Any, kwargs: Any) -> list[nn.Module]:
+    """The user's modules an export of `obj` may touch (to protect their training flags)."""
+    if isinstance(obj, nn.Module):
+        return [obj]
+    if not callable(obj) or not isinstance(args, tuple):
+        return []
+    return [*modules_reached(obj).values(), *_module_leaves(args, kwargs if isinstance(kwargs, dict) else {}, obj).values()]
 
 
 def register_dataclasses(tree: Any) -> None:
@@ -145,11 +188,10 @@ def _named_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tu
     with_path, in_spec = pytree.tree_flatten_with_path((args, kwargs))
     leaves = []
     for path, value in with_path:
-        top = names[path[1].idx] if path[0].idx == 0 else path[1].key
-        label = top + pytree.keystr(path[2:])
+        label = _label(names, path)
         if isinstance(value, torch.Tensor):
             leaves.append(Leaf(label, True))
-        elif isinstance(value, CONSTANT_TYPES):
+        elif isinstance(value, (*CONSTANT_TYPES, nn.Module)):  # modules: lifted by FunctionRoot
             leaves.append(Leaf(label, False, value))
         else:
             raise UnsupportedInputError(
@@ -163,6 +205,9 @@ def _named_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tu
 
 def _parameter_names(fn: Callable[..., Any], args: tuple) -> list[str]:
     """Names for positional arguments: the parameter names, `*args` entries as `args_0`, ..."""
+    recorded = getattr(getattr(fn, "__self__", None), "positional_names", None)
+    if recorded is not None and len(recorded) == len(args):  # a program's module(): original names
+        return list(recorded)
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -244,9 +289,17 @@ def _is_persistent(module: nn.Module, fqn: str) -> bool:
     return attr not in module.get_submodule(owner)._non_persistent_buffers_set
 
 
-def _fakify(fake_mode: ti.FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
-    """A fake twin with static shapes (dynamic dimensions are opted into, later)."""
-    fake = fake_mode.from_tensor(tensor, static_shapes=True)
-    if isinstance(tensor, nn.Parameter):
+def _fakify(fake_mode: ti.FakeTensorMode, tensor: torch.Tensor, parameter: bool = False) -> torch.Tensor:
+    """A fake twin with static shapes (dynamic dimensions are opted into, later).
+
+    A tensor of another trace (an export nested in an export sees the outer trace's tensors)
+    has no data to convert: its twin is made from its metadata alone.
+    """
+    if type(tensor) in (torch.Tensor, nn.Parameter):
+        fake = fake_mode.from_tensor(tensor, static_shapes=True)
+    else:
+        with fake_mode:
+            fake = torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+    if parameter:
         fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
     return fake

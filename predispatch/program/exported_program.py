@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import fx, nn
 
+from predispatch.errors import HooksChangedError
+from predispatch.frontend.hooks import HookRecord, hook_changes, record_hooks
 from predispatch.passes import check_functional, name_placeholders, remove_copies, wrap_regions
 from predispatch.program.printing import format_program
 from predispatch.program.signature import ExportSignature, InputKind, OutputKind, OutputSpec
@@ -36,6 +38,12 @@ class ExportedProgram:
         tensors (export copies no weights; `module()` copies them).
     constants: tensor attributes lifted as CONSTANT_TENSOR inputs, by fully qualified name.
     decompositions: for each composite op the trace met, whether it was kept whole and why.
+    live_root: for a function (or a nested export), the module whose live state `module()`
+        reads and writes at each call, as the exported code itself would; None for a module
+        export, whose `module()` holds copies.
+    hooks: the module and global hooks in force at export (see `verify_hooks`).
+    state_dict_owner: the exported module, kept only when it has state_dict hooks, so that
+        `module().state_dict()` / `load_state_dict()` apply them exactly as the module does.
     """
 
     graph_module: fx.GraphModule
@@ -43,6 +51,9 @@ class ExportedProgram:
     state_dict: Mapping[str, torch.Tensor]
     constants: Mapping[str, torch.Tensor]
     decompositions: DecompositionLog
+    live_root: nn.Module | None = field(default=None, repr=False, compare=False)
+    hooks: HookRecord | None = field(default=None, repr=False, compare=False)
+    state_dict_owner: nn.Module | None = field(default=None, repr=False, compare=False)
 
     @property
     def graph(self) -> fx.Graph:
@@ -52,20 +63,43 @@ class ExportedProgram:
         """An `nn.Module` that runs the program like the original: same call, same results.
 
         It takes the original (pytree) args and kwargs, returns outputs in the original
-        structure, and applies buffer and input mutations back as eager does.  Its parameters
-        and buffers are copies, so running or training it never changes the exported model;
-        its `state_dict()` has the original module's keys.
+        structure, and applies buffer and input mutations back as eager does.  For a module
+        export, its parameters and buffers are copies, so running or training it never changes
+        the exported model; its `state_dict()` has the original module's keys.  For a function
+        export it uses the reached modules themselves, as calling the function would.
         """
         from predispatch.program.runner import ProgramModule
 
         return ProgramModule(self)
 
+    def verify_hooks(self, module: nn.Module) -> None:
+        """Raise `HooksChangedError` if `module`'s hooks (or the global module hooks) differ
+        from those in force at export: the program behaves as the module did then."""
+        changes = hook_changes(self.hooks, record_hooks(module)) if self.hooks is not None else []
+        if changes:
+            raise HooksChangedError(
+                "the module's hooks changed since export:\n    " + "\n    ".join(changes),
+                fix="export again to trace the current hooks, or restore the old ones.",
+            )
+
+    def to_torch(self) -> torch.export.ExportedProgram:
+        """This program as a `torch.export.ExportedProgram`; see predispatch/program/interop.py."""
+        from predispatch.program.interop import to_torch
+
+        return to_torch(self)
+
     def __str__(self) -> str:
         return format_program(self)
 
 
-def build_program(prepared: PreparedInputs, traced: TracedGraph) -> ExportedProgram:
-    """Name the placeholders, check the contract, and describe inputs and outputs."""
+def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool = False) -> ExportedProgram:
+    """Name the placeholders, check the contract, and describe inputs and outputs.
+
+    `live`: the program's `module()` reads state from `prepared.module` at each call (always
+    so for functions, whose modules are the user's own).
+    """
+    from predispatch.frontend import FunctionRoot
+
     gm = traced.graph_module
     inputs = (*(s.spec for s in prepared.state), *prepared.user_inputs)
     name_placeholders(gm, [spec.name for spec in inputs])
@@ -89,10 +123,14 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph) -> ExportedProg
         prepared.input_leaves,
         traced.output_leaves,
         traced.grad_mode_on_exit,
+        prepared.arg_names,
     )
     state = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is not InputKind.CONSTANT_TENSOR}
     constants = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is InputKind.CONSTANT_TENSOR}
-    return ExportedProgram(gm, signature, state, constants, traced.decompositions)
+    live_root = prepared.module if live or isinstance(prepared.module, FunctionRoot) else None
+    hooks = record_hooks(prepared.module)
+    owner = prepared.module if hooks.has_state_dict_hooks and live_root is None else None
+    return ExportedProgram(gm, signature, state, constants, traced.decompositions, live_root, hooks, owner)
 
 
 def _node_name(node: object) -> str:

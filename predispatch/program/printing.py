@@ -17,16 +17,22 @@ if TYPE_CHECKING:
 
 
 def format_graph(gm: fx.GraphModule) -> str:
-    """The graph as Python code, without provenance comments or the blank lines around them."""
+    """The graph as Python code: no provenance comments, a blank line only before a nested class.
+
+    FX groups statements by source line with blank lines and `# File:` comments; both depend
+    on where the code was traced from (a re-exported program's code lives in predispatch), so
+    both are dropped to keep the text a function of the graph alone.
+    """
     code = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
     lines = []
     for line in code.splitlines():
-        if line.strip().startswith("# File:") or line.strip().startswith("# No stacktrace"):
+        text = line.strip()
+        if not text or text.startswith("# File:") or text.startswith("# No stacktrace"):
             continue
-        if not line.strip() and (not lines or not lines[-1].strip()):
-            continue
+        if text.startswith("class ") and lines:
+            lines.append("")
         lines.append(line.rstrip())
-    return "\n".join(lines).strip()
+    return "\n".join(lines)
 
 
 def format_program(ep: ExportedProgram) -> str:

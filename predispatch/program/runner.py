@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from predispatch import _torch_internals as ti
 from predispatch.errors import InputMismatchError, user_frame
 from predispatch.program.signature import InputKind, OutputKind
 
@@ -27,6 +29,11 @@ class ProgramModule(nn.Module):
     def __init__(self, ep: ExportedProgram):
         super().__init__()
         object.__setattr__(self, "_program", ep)  # not a submodule: keeps state_dict() clean
+        object.__setattr__(self, "_live", ep.live_root)
+        if ep.live_root is not None:  # share the user's modules: state is read at each call
+            for name, child in ep.live_root.named_children():
+                self.add_module(name, child)
+            return
         for spec in ep.signature.inputs_of(*_STATE_KINDS):
             source = ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else ep.state_dict[spec.target]
             tensor = _copy(source, spec.kind)
@@ -51,9 +58,39 @@ class ProgramModule(nn.Module):
         leaves = [next(results) if leaf.is_tensor else leaf.value for leaf in sig.output_leaves]
         return pytree.tree_unflatten(leaves, sig.out_spec)
 
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """As the exported module's `state_dict()`, its state_dict hooks applied, with our tensors."""
+        owner = self._program.state_dict_owner
+        if owner is None:
+            return super().state_dict(*args, **kwargs)
+        with ti.reparametrize(owner, self._bindings()):
+            return owner.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """As the exported module's `load_state_dict()`, its hooks applied, loading into our tensors."""
+        owner = self._program.state_dict_owner
+        if owner is None:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        with ti.reparametrize(owner, self._bindings()):
+            return owner.load_state_dict(state_dict, strict=strict)
+
+    def _bindings(self) -> dict[str, torch.Tensor]:
+        """Every fully qualified name of the program's state, bound to this module's tensor."""
+        return {
+            fqn: self._lookup(spec.target)
+            for spec in self._program.signature.inputs_of(*_STATE_KINDS)
+            for fqn in (spec.target, *spec.aliases)
+        }
+
+    @property
+    def positional_names(self) -> tuple[str, ...]:
+        """The exported callable's positional parameter names (read by a re-export)."""
+        return self._program.signature.arg_names
+
     def _lookup(self, fqn: str) -> torch.Tensor:
         owner, _, attr = fqn.rpartition(".")
-        return getattr(self.get_submodule(owner), attr)
+        root = self._live if self._live is not None else self
+        return getattr(root.get_submodule(owner), attr)
 
 
 def _copy(tensor: torch.Tensor, kind: InputKind) -> torch.Tensor:
@@ -130,6 +167,8 @@ def _snapshot_saved(targets: list[torch.Tensor]):
     new values back in place, which would bump the saved tensors' versions.  Saving a copy of
     exactly those tensors keeps backward's view of the values the graph read.
     """
+    if any(type(t) not in (torch.Tensor, nn.Parameter) for t in targets):
+        return contextlib.nullcontext()  # being traced (a re-export): no autograd runs here
     storages = {t.untyped_storage().data_ptr() for t in targets}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

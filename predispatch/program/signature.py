@@ -97,6 +97,8 @@ class ExportSignature:
     grad_mode_on_exit: the grad mode forward sets for its caller by a plain
         `torch.set_grad_enabled(b)` never undone (running the program does the same); None
         when forward leaves the caller's mode as it was.
+    arg_names: the names of the positional parameters at export (`x`, `mask`), so a program's
+        `module()` can be exported again with the same names.
     """
 
     inputs: tuple[InputSpec, ...]
@@ -106,6 +108,7 @@ class ExportSignature:
     input_leaves: tuple[Leaf, ...]
     output_leaves: tuple[Leaf, ...]
     grad_mode_on_exit: bool | None = None
+    arg_names: tuple[str, ...] = ()
 
     def inputs_of(self, *kinds: InputKind) -> tuple[InputSpec, ...]:
         return tuple(s for s in self.inputs if s.kind in kinds)
@@ -126,11 +129,21 @@ class ExportSignature:
         lines.append("Outputs:")
         for s in self.outputs:
             lines.append(f"    {s.name}: {s.kind.name} target={s.target!r}")
-        constants = [leaf for leaf in self.input_leaves if not leaf.is_tensor]
+        constants = [leaf for leaf in self.input_leaves if not leaf.is_tensor and not _is_module(leaf.value)]
         if constants:
             lines.append("Constant inputs:")
             lines.extend(f"    {leaf.path} = {leaf.value!r}" for leaf in constants)
+        modules = [leaf for leaf in self.input_leaves if _is_module(leaf.value)]
+        if modules:
+            lines.append("Module inputs (their state is lifted above):")
+            lines.extend(f"    {leaf.path}: {type(leaf.value).__name__}" for leaf in modules)
         if self.grad_mode_on_exit is not None:
             state = "enabled" if self.grad_mode_on_exit else "disabled"
             lines.append(f"Leaves grad mode {state} for the caller, as forward does.")
         return "\n".join(lines)
+
+
+def _is_module(value: Any) -> bool:
+    import torch.nn
+
+    return isinstance(value, torch.nn.Module)

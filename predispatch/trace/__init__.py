@@ -7,6 +7,6 @@ stay whole).
 """
 
 from predispatch.trace.decompose import DecompositionLog, DecompositionPolicy
-from predispatch.trace.functional import TracedGraph, trace
+from predispatch.trace.functional import TracedGraph, is_tracing, trace
 
-__all__ = ["DecompositionLog", "DecompositionPolicy", "TracedGraph", "trace"]
+__all__ = ["DecompositionLog", "DecompositionPolicy", "TracedGraph", "is_tracing", "trace"]

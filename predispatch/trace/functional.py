@@ -21,8 +21,10 @@ from predispatch.errors import (
 from predispatch.frontend import PreparedInputs
 from predispatch.frontend.inputs import CONSTANT_TYPES
 from predispatch.program.signature import InputKind, Leaf
+from predispatch.trace.autograd_function import capture_autograd_functions
 from predispatch.trace.decompose import DecompositionLog, DecompositionPolicy
 from predispatch.trace.grad_history import GradHistoryKeeper
+from predispatch.trace.hooks import refuse_backward_hooks
 
 
 @dataclass(frozen=True)
@@ -60,10 +62,13 @@ class _Root(nn.Module):
         self._prepared = prepared
         self._outputs: tuple[tuple[Leaf, ...], pytree.TreeSpec] | None = None
         for i, lifted in enumerate(prepared.state):
+            # The trace swaps fakes into these slots; a nested export's state belongs to the
+            # outer trace, so an empty stand-in holds its slot.
+            tensor = lifted.tensor if type(lifted.tensor) in (torch.Tensor, nn.Parameter) else torch.empty(0)
             if lifted.spec.kind is InputKind.PARAMETER:
-                self.register_parameter(f"s{i}", lifted.tensor)
+                self.register_parameter(f"s{i}", tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor))
             else:
-                self.register_buffer(f"s{i}", lifted.tensor)
+                self.register_buffer(f"s{i}", tensor)
 
     def _without_history(self) -> list[torch.Tensor]:
         """Buffers and constants that do not require grad: their updates need no history kept."""
@@ -81,11 +86,29 @@ class _Root(nn.Module):
                 bound[fqn] = getattr(self, f"s{i}")
         args, kwargs = prepared.call_args(user_tensors)
         keeper = GradHistoryKeeper(self._without_history())
-        with ti.reparametrize(prepared.module, bound), keeper, keeper.observer():
+        with ti.reparametrize(prepared.module, bound), keeper, keeper.observer(), refuse_backward_hooks(prepared.module), capture_autograd_functions(self):
             out = prepared.module(*args, **kwargs)
         self._grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
         self._outputs = _output_leaves(out)
         return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor))
+
+
+_active_traces = 0
+
+
+def is_tracing() -> bool:
+    """Whether a predispatch trace is running (an export called now is nested in another)."""
+    return _active_traces > 0
+
+
+@contextlib.contextmanager
+def _counted():
+    global _active_traces
+    _active_traces += 1
+    try:
+        yield
+    finally:
+        _active_traces -= 1
 
 
 def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
@@ -99,12 +122,43 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
         stack.enter_context(ti.exporting_flags())
         stack.enter_context(ti.decomposition_hook(lambda op, default: policy.should_decompose(op, default, log)))
         stack.enter_context(prepared.fake_mode)
+        stack.enter_context(_counted())
         with _user_errors():
             gm, aot_signature = ti.aot_export_module(
                 root, prepared.fake_user_inputs, trace_joint=False, pre_dispatch=True
             )
+    _remove_effect_tokens(gm, len(aot_signature.input_tokens), len(aot_signature.output_tokens))
     output_leaves, out_spec = root._outputs
     return TracedGraph(gm, _mutated_inputs(gm, aot_signature), output_leaves, out_spec, log, root._grad_mode_on_exit)
+
+
+def _remove_effect_tokens(gm: fx.GraphModule, n_inputs: int, n_outputs: int) -> None:
+    """Drop AOTAutograd's effect tokens: the graph's order of effects is its node order.
+
+    Ops registered as effectful (`aten::_linalg_check_errors`, under `linalg.inv` and
+    friends) make AOTAutograd thread a token input through `with_effects` calls to a token
+    output.  An exported program runs its nodes in order, so the token carries nothing:
+    `with_effects(token, op, *args)` becomes `op(*args)` and the token input and output go.
+    """
+    if not (n_inputs or n_outputs):
+        return
+    for node in list(gm.graph.find_nodes(op="call_function", target=ti.with_effects)):
+        ti.unwrap_effects(gm, node)
+    output = gm.graph.output_node()
+    output.args = (tuple(output.args[0][n_outputs:]),)
+    for node in reversed(list(gm.graph.nodes)):  # the token getitems and with_effects calls, now unused
+        if node.op != "output" and not node.users and (node.target is ti.with_effects or _is_token_item(node)):
+            gm.graph.erase_node(node)
+    for node in list(gm.graph.find_nodes(op="placeholder"))[:n_inputs]:
+        assert not node.users, f"effect token {node} is still used"
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _is_token_item(node: fx.Node) -> bool:
+    import operator
+
+    return node.target is operator.getitem and node.args[0].target is ti.with_effects and node.args[1] == 0
 
 
 def _output_leaves(out: Any) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:
@@ -160,8 +214,8 @@ def _user_errors():
         raise TraceError(
             f"tracing failed: {type(exc).__name__}: {first_line}",
             where=where,
-            fix="rewrite the named line functionally (out-of-place ops, no metadata mutation of "
-            "inputs); the torch error is chained below.",
+            fix="the torch error chained below says what failed at the named line; if it is an "
+            "in-place metadata change of an input (x.t_(), x.resize_()), write it out of place.",
         ) from exc
 
 

@@ -37,6 +37,7 @@ never undone) gets no rebinding: nothing after it runs with grad on.
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from collections.abc import Iterable
@@ -55,16 +56,24 @@ def _called_from_exit() -> bool:
     """Whether this grad toggle is a context manager's `__exit__` (closing a region).
 
     `enable_grad().__enter__` and `no_grad().__exit__` both record `_set_grad_enabled(True)`;
-    only the Python caller tells a region's end from a nested region's start.
+    only the Python caller tells a region's end from a nested region's start.  A program's
+    own region HOP (`wrap_with_set_grad_enabled`, run when an exported program is exported
+    again) restores the mode in its `wrapper` once the body has run, i.e. once `res` is bound.
     """
     frame = sys._getframe(2)
-    for _ in range(4):
+    for _ in range(5):
         if frame is None:
             break
-        if frame.f_code.co_filename.endswith("grad_mode.py") and frame.f_code.co_name == "__exit__":
+        code = frame.f_code
+        if code.co_filename.endswith("grad_mode.py") and code.co_name == "__exit__":
             return True
+        if code.co_filename.endswith(_HOP_FILE) and code.co_name == "wrapper":
+            return "res" in frame.f_locals
         frame = frame.f_back
     return False
+
+
+_HOP_FILE = os.path.join("_higher_order_ops", "wrap.py")
 
 
 class GradHistoryKeeper(TorchFunctionMode):

@@ -1,0 +1,233 @@
+"""`to_torch`: a predispatch program as a genuine `torch.export.ExportedProgram`.
+
+Both are pre-dispatch ATen graphs with lifted state, so most programs convert as they are.
+The differences are in the calling convention, which `to_torch` rewrites on a copy:
+
+    predispatch                                  torch.export
+    one placeholder per tied tensor (aliases)    one placeholder per name, unused ones too
+    constant input leaves baked in               a placeholder per constant (ConstantArgument)
+    constant output leaves rebuilt by module()   literals in the output tuple
+    tensors a graph creates: get_attr            lifted to CONSTANT_TENSOR inputs
+    a mutated tensor attribute (CONSTANT_TENSOR) a non-persistent buffer (torch mutates buffers)
+
+What converts: every OpOverload (aten, prims, and custom ops such as predispatch::keep_history,
+which `torch.export.load` finds once `predispatch` is imported), `operator.getitem`, and the
+higher-order ops in `TORCH_HOPS` (torch's own grad-mode and autocast regions); parameters,
+buffers (persistent or not), constants, tied weights, and mutations of buffers, parameters
+and user inputs.  What is refused with `NotRepresentableError`: any other higher-order op,
+a forward that leaves grad mode changed for its caller, and constant leaves whose type
+torch's `ConstantArgument` cannot hold.  docs/format.md#torch-interop keeps the same list.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.export.graph_signature as tsig
+from torch import fx
+from torch._export.verifier import TrainingIRVerifier  # private: the lead may move it to _torch_internals
+from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+
+from predispatch.errors import NotRepresentableError
+from predispatch.frontend.inputs import unique_identifier
+from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, OutputKind
+
+if TYPE_CHECKING:
+    from predispatch.program.exported_program import ExportedProgram
+
+#: Higher-order ops torch.export knows as its own: its verifier, serializer,
+#: `run_decompositions` and `module()` handle them.  Any other HOP is refused.
+TORCH_HOPS = frozenset({"wrap_with_set_grad_enabled", "wrap_with_autocast"})
+
+#: The constant leaf types torch's `ConstantArgument` holds.
+_CONSTANT_TYPES = (int, float, bool, str, type(None))
+
+_INPUT_KIND = {
+    InputKind.PARAMETER: tsig.InputKind.PARAMETER,
+    InputKind.BUFFER: tsig.InputKind.BUFFER,
+    InputKind.CONSTANT_TENSOR: tsig.InputKind.CONSTANT_TENSOR,
+}
+_OUTPUT_KIND = {
+    OutputKind.BUFFER_MUTATION: tsig.OutputKind.BUFFER_MUTATION,
+    OutputKind.PARAMETER_MUTATION: tsig.OutputKind.PARAMETER_MUTATION,
+    OutputKind.USER_INPUT_MUTATION: tsig.OutputKind.USER_INPUT_MUTATION,
+}
+
+
+def to_torch(ep: ExportedProgram) -> torch.export.ExportedProgram:
+    """`ep` as a `torch.export.ExportedProgram` (see the module docstring for what converts).
+
+    The result passes torch's verifier and supports `torch.export.save`/`load`,
+    `run_decompositions()` and `module()`.  It shares `ep`'s tensors (as torch.export shares
+    the module's); the graph and subgraphs are copies, so torch's passes never touch `ep`.
+    """
+    _refuse_unrepresentable(ep)
+    builder = _TorchGraph(ep)
+    sig = ep.signature
+    call = ModuleCallSignature(
+        inputs=[], outputs=[], in_spec=sig.in_spec, out_spec=sig.out_spec, forward_arg_names=_forward_arg_names(ep)
+    )
+    return torch.export.ExportedProgram(
+        root=builder.root,
+        graph=builder.graph,
+        graph_signature=tsig.ExportGraphSignature(builder.input_specs, builder.output_specs),
+        state_dict=builder.state_dict,
+        range_constraints={},
+        module_call_graph=[ModuleCallEntry("", call)],
+        constants=builder.constants,
+        verifiers=[TrainingIRVerifier],
+    )
+
+
+def _refuse_unrepresentable(ep: ExportedProgram) -> None:
+    problems = _unrepresentable(ep)
+    if problems:
+        raise NotRepresentableError(
+            "torch.export.ExportedProgram cannot hold this program:\n    " + "\n    ".join(problems),
+            fix="keep using the predispatch program (ep.module(), predispatch.save), or change the model "
+            "so the named construct goes away; docs/format.md#torch-interop lists what converts.",
+        )
+
+
+def _unrepresentable(ep: ExportedProgram) -> list[str]:
+    """Everything in `ep` torch's ExportedProgram cannot express, one line each."""
+    sig, problems = ep.signature, []
+    if sig.grad_mode_on_exit is not None:
+        problems.append(f"forward leaves grad mode {'en' if sig.grad_mode_on_exit else 'dis'}abled for its caller")
+    for leaf in (*sig.input_leaves, *sig.output_leaves):
+        if not leaf.is_tensor and type(leaf.value) not in _CONSTANT_TYPES:
+            problems.append(f"{leaf.path} is a constant {type(leaf.value).__name__}; torch holds int, float, bool, str or None")
+    for path, module in ep.graph_module.named_modules():
+        for node in module.graph.nodes if isinstance(module, fx.GraphModule) else ():
+            target = node.target
+            if isinstance(target, torch._ops.HigherOrderOperator) and target.name() not in TORCH_HOPS:
+                problems.append(f"node {node.name} in {path or 'the graph'} calls the higher-order op {target.name()}")
+    return problems
+
+
+def _forward_arg_names(ep: ExportedProgram) -> list[str] | None:
+    """Positional parameter names then keyword names, as torch.export records them."""
+    in_spec = ep.signature.in_spec
+    names = list(ep.signature.arg_names)
+    if len(names) != in_spec.child(0).num_children:
+        return None
+    return names + list(in_spec.child(1).context)
+
+
+class _TorchGraph:
+    """The graph rewritten to torch's calling convention (see the module docstring).
+
+    root, graph: the module holding the (copied) subgraphs, and the new top-level graph.
+    input_specs, output_specs: torch's signature, one spec per placeholder and output.
+    state_dict, constants: torch's: persistent parameters and buffers under every name; the
+        rest (constants, non-persistent buffers, lifted graph tensors) in constants.
+    """
+
+    def __init__(self, ep: ExportedProgram):
+        self.ep = ep
+        self.graph = fx.Graph()
+        self.input_specs: list[tsig.InputSpec] = []
+        self.output_specs: list[tsig.OutputSpec] = []
+        self.state_dict: dict[str, torch.Tensor] = {}
+        self.constants: dict[str, torch.Tensor] = {}
+        self.root: dict[str, Any] = {}
+        self._env: dict[fx.Node, fx.Node] = {}
+        self._taken = {node.name for node in ep.graph.nodes}
+        mutated = {s.target for s in ep.signature.outputs_of(OutputKind.BUFFER_MUTATION)}
+        placeholders = ep.graph.find_nodes(op="placeholder")
+        for spec, node in zip(ep.signature.inputs, placeholders):
+            if spec.kind is not InputKind.USER_INPUT:
+                self._add_state(spec, node, spec.target in mutated)
+        self._lift_graph_tensors()
+        self._add_user_inputs([n for s, n in zip(ep.signature.inputs, placeholders) if s.kind is InputKind.USER_INPUT])
+        self._copy_body()
+        self._add_outputs()
+
+    def _add_state(self, spec: InputSpec, node: fx.Node, mutated: bool) -> None:
+        """One placeholder per name of the tensor (tied names share the tensor, as in torch)."""
+        tensor = self.ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else self.ep.state_dict[spec.target]
+        for i, fqn in enumerate((spec.target, *spec.aliases)):
+            name = node.name if i == 0 else unique_identifier(PLACEHOLDER_PREFIX[spec.kind] + fqn, self._taken)
+            placeholder = self._placeholder(name, node.meta)
+            if i == 0:
+                self._env[node] = placeholder
+            self._add_state_input(spec, fqn, placeholder.name, tensor, mutated)
+
+    def _add_state_input(self, spec: InputSpec, fqn: str, name: str, tensor: torch.Tensor, mutated: bool) -> None:
+        kind, persistent = _INPUT_KIND[spec.kind], spec.persistent
+        if spec.kind is InputKind.CONSTANT_TENSOR and mutated:  # torch mutates buffers, not constants
+            kind, persistent = tsig.InputKind.BUFFER, False
+        if kind is tsig.InputKind.BUFFER and persistent is None:
+            persistent = True
+        store = self.state_dict if kind is tsig.InputKind.PARAMETER or persistent is True else self.constants
+        store[fqn] = tensor
+        self.input_specs.append(tsig.InputSpec(kind, tsig.TensorArgument(name), fqn, persistent))
+
+    def _lift_graph_tensors(self) -> None:
+        """Tensors the top-level graph reads by get_attr become CONSTANT_TENSOR inputs, as torch
+        lifts them (its verifier allows only subgraphs as top-level attributes)."""
+        for node in self.ep.graph.find_nodes(op="get_attr"):
+            value = _attribute(self.ep.graph_module, node.target)
+            if isinstance(value, torch.Tensor):
+                placeholder = self._placeholder(unique_identifier(f"c_{node.target}", self._taken), node.meta)
+                self._env[node] = placeholder
+                self.constants[node.target] = value
+                arg = tsig.TensorArgument(placeholder.name)
+                self.input_specs.append(tsig.InputSpec(tsig.InputKind.CONSTANT_TENSOR, arg, node.target))
+            else:  # a subgraph: a copy, so torch's passes cannot change ep's
+                self.root[node.target] = copy.deepcopy(value)
+
+    def _add_user_inputs(self, tensor_placeholders: list[fx.Node]) -> None:
+        """Every input leaf in pytree order: tensors as before, constants as placeholders."""
+        tensors = iter(tensor_placeholders)
+        for leaf in self.ep.signature.input_leaves:
+            if leaf.is_tensor:
+                node = next(tensors)
+                self._env[node] = self._placeholder(node.name, node.meta)
+                self.input_specs.append(tsig.InputSpec(tsig.InputKind.USER_INPUT, tsig.TensorArgument(node.name), None))
+            else:
+                placeholder = self._placeholder(unique_identifier(leaf.path, self._taken), {"val": leaf.value})
+                arg = tsig.ConstantArgument(placeholder.name, leaf.value)
+                self.input_specs.append(tsig.InputSpec(tsig.InputKind.USER_INPUT, arg, None))
+
+    def _copy_body(self) -> None:
+        for node in self.ep.graph.nodes:
+            if node.op not in ("placeholder", "output") and node not in self._env:
+                self._env[node] = self.graph.node_copy(node, self._env.__getitem__)
+
+    def _add_outputs(self) -> None:
+        """Mutations, then every output leaf in pytree order (constants as literals)."""
+        sig = self.ep.signature
+        values = list(self.ep.graph.output_node().args[0])
+        placeholders = {node.name: self._env[node] for node in self.ep.graph.find_nodes(op="placeholder")}
+        outputs = []
+        for spec, value in zip(sig.mutations, values):
+            outputs.append(self._env[value])
+            target = placeholders[spec.target].name if spec.kind is OutputKind.USER_INPUT_MUTATION else spec.target
+            arg = tsig.TensorArgument(outputs[-1].name)
+            self.output_specs.append(tsig.OutputSpec(_OUTPUT_KIND[spec.kind], arg, target))
+        results = iter(values[len(sig.mutations) :])
+        for leaf in sig.output_leaves:
+            if leaf.is_tensor:
+                outputs.append(self._env[next(results)])
+                arg = tsig.TensorArgument(outputs[-1].name)
+            else:
+                outputs.append(leaf.value)
+                arg = tsig.ConstantArgument("", leaf.value)
+            self.output_specs.append(tsig.OutputSpec(tsig.OutputKind.USER_OUTPUT, arg, None))
+        self.graph.output(tuple(outputs))
+
+    def _placeholder(self, name: str, meta: dict) -> fx.Node:
+        """A placeholder named `name` if FX allows it (it renames Python builtins: `input_1`)."""
+        node = self.graph.placeholder(name)
+        self._taken.add(node.name)
+        node.meta = dict(meta)
+        return node
+
+
+def _attribute(module: torch.nn.Module, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module

@@ -1,0 +1,57 @@
+"""Custom `torch.autograd.Function`s keep their backward, traced once.
+
+Note [Capturing autograd.Function]
+----------------------------------
+torch's export inlines a Function's forward and drops its backward: a program trained from it
+differentiates the forward's ops, which is wrong whenever the custom backward is not the
+forward's derivative (a straight-through estimator, gradient clipping, a fused kernel's
+hand-written gradient).  predispatch keeps both:
+
+    autograd_function_apply = torch.ops.higher_order.autograd_function_apply(
+        straight_through_fwd_0, straight_through_bwd_0, mul,
+        non_differentiable_idx = [], saved_for_backward_idx = [0])
+    round_1 = autograd_function_apply[0]
+
+`straight_through_fwd_0` maps the operands (the tensor leaves of the arguments) to
+`((*outputs), (*saved))`; `straight_through_bwd_0` maps `(*output_grads, *saved)` to one gradient
+per operand (None where none flows).  Both are functional pre-dispatch graphs, nested under the
+program's graph module, so printing, `check_functional` and `wrap_regions` see them.
+
+Why torch's `autograd_function_apply`: it is the HOP torch itself (Dynamo) uses for exactly this
+pair of graphs, and its eager implementation runs them inside a real `autograd.Function`, so
+`ep.module()` differentiates with the user's backward and AOTAutograd/torch.compile downstream
+trace the same backward into their joint graphs.  It does not dispatch (its `__call__` runs
+the Function directly), so the trace reaches the graph through a trace-time HOP of our own
+(`hop.py`) that dispatches through functionalization, proxy, autograd and fake levels and emits
+torch's op.
+
+Traced once: while the user's forward is traced, `Function.apply` is intercepted (`capture.py`).
+At the first call the user's forward runs once, on fresh fake tensors in a nested functional
+trace; what it left on ctx (saved tensors, attributes, marks) becomes data; the backward is
+traced from fakes of the output gradients and saved values, never running forward again.
+AOTAutograd runs the module's forward twice (a metadata pass, then the capture pass): calls are
+cached by their order in the pass and replayed from the graphs in the second.  Functions called
+inside a captured forward or backward are inlined, as eager runs them under no_grad.
+
+Choices that follow eager by value, not by bookkeeping:
+- `ctx.needs_input_grad` is True for every floating tensor argument: the program may be trained
+  with any of them requiring grad; autograd drops the gradients nobody asked for.
+- Gradients reaching backward are always tensors (zeros for unused outputs), as with the default
+  `set_materialize_grads(True)`; a backward written for `set_materialize_grads(False)` that
+  treats None as zero computes the same values.
+- An output that aliases an input is returned as a copy (eager returns a view); values match.
+- `ctx.mark_dirty(x)`: the forward graph returns x's new value and the outer graph writes it
+  back into x, as functionalization does for any in-place op.
+
+Note [Grad mode inside Function subgraphs]
+------------------------------------------
+The forward subgraph always runs with grad off (inside `autograd.Function.forward`), the backward
+with `create_graph`'s mode; grad-mode toggles in user code (`torch.no_grad()` in forward,
+`@once_differentiable` on backward) change no value there, so they are dropped from the
+subgraphs.  Autocast toggles do change values: they become `wrap_with_autocast` regions.
+"""
+
+from predispatch.trace.autograd_function.capture import INLINED, capture_autograd_functions
+from predispatch.trace.autograd_function.record import CapturedCall
+
+__all__ = ["INLINED", "CapturedCall", "capture_autograd_functions"]

@@ -1,0 +1,425 @@
+"""Trace one `Function.apply` call into a forward and a backward subgraph, each functional.
+
+Both traces run outside the outer trace (`ti.outside_trace`), on fresh fake tensors of the
+arguments' shapes, with the same decomposition policy as the outer graph.  Forward graph:
+
+    def forward(self, x: "f32[3]"):
+        round_1: "f32[3]" = torch.ops.aten.round.default(x)
+        return ((round_1,), (x,))                       # (outputs, saved)
+
+Backward graph, traced from fakes of the outputs' gradients and of the saved values:
+
+    def forward(self, grad_out: "f32[3]", saved_x: "f32[3]"):
+        abs_1: "f32[3]" = torch.ops.aten.abs.default(saved_x)
+        ...
+        return (mul,)                                   # one gradient per operand, or None
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from predispatch import _torch_internals as ti
+from predispatch.errors import AutogradFunctionError, DataDependentError, PredispatchError, user_frame
+from predispatch.frontend.inputs import CONSTANT_TYPES
+from predispatch.passes.name_placeholders import name_placeholders
+from predispatch.trace.autograd_function.record import (
+    BackwardCtx,
+    CapturedCall,
+    ForwardCtx,
+    OutputLeaf,
+    SavedAttribute,
+    SavedSlot,
+    is_differentiable,
+)
+
+aten = torch.ops.aten
+
+_FIX = (
+    "write the Function's forward and backward with torch operations on their arguments only "
+    "(see docs/autograd_function.md); an opaque kernel can be wrapped in torch.library.custom_op "
+    "with a fake implementation."
+)
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """One `Function.apply` call as the trace meets it.
+
+    function: the Function class.
+    args: the positional arguments (keywords already bound, as `Function.apply` binds them).
+    """
+
+    function: type
+    args: tuple[Any, ...]
+
+    def operands(self) -> list[torch.Tensor]:
+        """The tensor leaves of the arguments, in pytree order: the HOP's operands."""
+        return [x for x in pytree.tree_leaves(self.args) if isinstance(x, torch.Tensor)]
+
+    def key(self) -> tuple:
+        """What identifies this call across AOTAutograd's two passes (see `CapturedCall.key`)."""
+        leaves, spec = pytree.tree_flatten(self.args)
+        return (self.function, str(spec), tuple(_leaf_key(x) for x in leaves))
+
+    def with_operands(self, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+        """The arguments with their tensor leaves replaced, in order, by `tensors`."""
+        leaves, spec = pytree.tree_flatten(self.args)
+        it = iter(tensors)
+        return pytree.tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+
+def _leaf_key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+    return ("constant", type(x), x) if isinstance(x, CONSTANT_TYPES) else ("object", type(x))
+
+
+@dataclass
+class _ForwardRecord:
+    """What forward left on its ctx, turned into indices while its tensors are alive (scratch)."""
+
+    outputs: tuple[OutputLeaf, ...] = ()
+    returns_tuple: bool = False
+    non_differentiable: tuple[int, ...] = ()
+    dirty: tuple[tuple[int, int], ...] = ()
+    saved_layout: tuple[int | None, ...] = ()  # ctx.save_for_backward order: saved index or None
+    attributes: tuple[SavedAttribute, ...] = ()
+    materialize_grads: bool = True
+    saved_count: int = 0
+    num_outputs: int = 0
+    graph_names: list[str] = field(default_factory=list)  # backward placeholder names for saved values
+
+
+def capture_call(site: CallSite, fake_mode: ti.FakeTensorMode) -> CapturedCall:
+    """Trace `site`'s forward once and its backward from what forward saved; see the module docstring."""
+    needs_input_grad = tuple(is_differentiable(a) for a in site.args)
+    with ti.outside_trace():
+        with fake_mode:
+            operands = tuple(_fresh_fake(t) for t in site.operands())
+        forward, record = _trace_forward(site, operands, needs_input_grad, fake_mode)
+        backward = _trace_backward(site, forward, record, needs_input_grad, fake_mode)
+    return CapturedCall(
+        site.function,
+        site.key(),
+        forward,
+        backward,
+        record.outputs,
+        record.returns_tuple,
+        record.non_differentiable,
+        tuple(i for i in record.saved_layout if i is not None),
+        record.dirty,
+    )
+
+
+def _fresh_fake(t: torch.Tensor) -> torch.Tensor:
+    """A new fake tensor of `t`'s metadata, known to no tracer (call inside the fake mode)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+
+# --- forward -------------------------------------------------------------------------------
+
+
+def _trace_forward(site: CallSite, operands, needs_input_grad, fake_mode) -> tuple[fx.GraphModule, _ForwardRecord]:
+    """The forward graph `(*operands) -> ((*outputs), (*saved))`, and what forward recorded."""
+    record = _ForwardRecord()
+
+    def forward(*tensors):
+        ctx = ForwardCtx(needs_input_grad)
+        out = _run_user_forward(site.function, ctx, site.with_operands(tensors))
+        return _record_forward(site, ctx, out, tensors, record)
+
+    with _located(site.function, "forward"), torch.no_grad():
+        gm, mutated = ti.trace_functional(forward, operands, fake_mode)
+    _check_forward_mutations(site, record, mutated)
+    _tidy(gm, _operand_names(site))
+    _clone_aliased_outputs(gm, fake_mode)
+    return gm, record
+
+
+def _run_user_forward(function: type, ctx: ForwardCtx, args: tuple) -> Any:
+    """Call forward as `Function.apply` would: with ctx first, or then `setup_context`."""
+    if has_setup_context(function):
+        out = function.forward(*args)
+        function.setup_context(ctx, args, out)
+        return out
+    return function.forward(ctx, *args)
+
+
+def has_setup_context(function: type) -> bool:
+    from torch.autograd.function import _SingleLevelFunction
+
+    return function.setup_context is not _SingleLevelFunction.setup_context
+
+
+def _record_forward(site: CallSite, ctx: ForwardCtx, out: Any, inputs: tuple, record: _ForwardRecord):
+    """Fill `record` from forward's result and ctx; return the graph's `(outputs, saved)`."""
+    returns_tuple = isinstance(out, tuple)
+    tensors, leaves = [], []
+    for i, value in enumerate(out if returns_tuple else (out,)):
+        if isinstance(value, torch.Tensor):
+            leaves.append(OutputLeaf(len(tensors)))
+            tensors.append(value)
+        elif isinstance(value, CONSTANT_TYPES):
+            leaves.append(OutputLeaf(None, value))
+        else:
+            raise _refusal(site.function, "forward", f"output {i} has type {type(value).__name__}, neither a tensor nor a constant.")
+    saved, layout = _saved_tensors(ctx)
+    attributes = _saved_attributes(ctx, saved)
+    record.outputs, record.returns_tuple, record.num_outputs = tuple(leaves), returns_tuple, len(tensors)
+    record.non_differentiable = tuple(_index_in(site, t, tensors, "ctx.mark_non_differentiable", "an output") for t in getattr(ctx, "non_differentiable", ()))
+    record.dirty = tuple(_dirty(site, t, tensors, inputs) for t in getattr(ctx, "dirty_tensors", ()))
+    record.saved_layout, record.attributes, record.saved_count = layout, attributes, len(saved)
+    record.materialize_grads = ctx.materialize_grads
+    record.graph_names = _saved_names(ctx, saved, inputs, site)
+    return tuple(tensors), tuple(saved)
+
+
+def _saved_tensors(ctx: ForwardCtx) -> tuple[list[torch.Tensor], tuple[int | None, ...]]:
+    """Tensors from `ctx.save_for_backward`, and where each lands (None stays None)."""
+    saved, layout = [], []
+    for t in getattr(ctx, "to_save", None) or ():
+        layout.append(None if t is None else len(saved))
+        if t is not None:
+            saved.append(t)
+    return saved, tuple(layout)
+
+
+def _saved_attributes(ctx: ForwardCtx, saved: list[torch.Tensor]) -> tuple[SavedAttribute, ...]:
+    """User attributes of ctx; tensor leaves join `saved` and are replaced by their slots."""
+    attributes = []
+    for name, value in ctx.user_attributes().items():
+        leaves, spec = pytree.tree_flatten(value)
+        kept = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                kept.append(SavedSlot(len(saved)))
+                saved.append(leaf)
+            else:
+                kept.append(leaf)
+        attributes.append(SavedAttribute(name, spec, tuple(kept)))
+    return tuple(attributes)
+
+
+def _saved_names(ctx, saved, inputs, site) -> list[str]:
+    """Readable backward placeholder names for the saved values: `saved_x`, `ctx_scale`, ..."""
+    arg_names = _operand_names(site)
+    names = []
+    for i, t in enumerate(saved):
+        same_input = next((arg_names[j] for j, x in enumerate(inputs) if x is t), None)
+        names.append(f"saved_{same_input or i}")
+    return names  # attribute tensors are renamed `ctx_<attr>` by `_saved_input_names`
+
+
+def _index_in(site: CallSite, t: Any, candidates: list, what: str, kind: str) -> int:
+    for i, c in enumerate(candidates):
+        if c is t:
+            return i
+    raise _refusal(site.function, "forward", f"{what} was given a tensor that is not {kind} of forward.")
+
+
+def _dirty(site: CallSite, t: torch.Tensor, outputs: list, inputs: tuple) -> tuple[int, int]:
+    """`(output index, operand index)` of a tensor passed to `ctx.mark_dirty`."""
+    operand = _index_in(site, t, list(inputs), "ctx.mark_dirty", "an input")
+    output = _index_in(site, t, outputs, "ctx.mark_dirty", "returned by")
+    return output, operand
+
+
+def _check_forward_mutations(site: CallSite, record: _ForwardRecord, mutated: tuple[int, ...]) -> None:
+    """An input changed in place must have been passed to `ctx.mark_dirty` (eager's own rule)."""
+    dirty = {operand for _, operand in record.dirty}
+    for position in mutated:
+        if position not in dirty:
+            raise _refusal(
+                site.function,
+                "forward",
+                f"forward changes its input {_operand_names(site)[position]!r} in place without ctx.mark_dirty, "
+                "so autograd (eager and exported) would compute wrong gradients.",
+                fix="call ctx.mark_dirty(x) and return x, or compute out of place (x = x * 2).",
+            )
+
+
+# --- backward ------------------------------------------------------------------------------
+
+
+def _trace_backward(site: CallSite, forward: fx.GraphModule, record: _ForwardRecord, needs_input_grad, fake_mode) -> fx.GraphModule:
+    """The backward graph `(*output_grads, *saved) -> (*operand_grads)`."""
+    outputs, saved = forward.graph.output_node().args[0]
+    with fake_mode:
+        fakes = tuple(_fresh_fake(n.meta["val"]) for n in (*outputs, *saved))
+    n = len(outputs)
+
+    def backward(*inputs):
+        ctx = _backward_ctx(record, inputs[n:], needs_input_grad)
+        grads = [inputs[leaf.index] if leaf.index is not None else None for leaf in record.outputs]
+        return _operand_grads(site, _run_user_backward(site.function, ctx, grads))
+
+    with _located(site.function, "backward"), torch.no_grad():
+        gm, mutated = ti.trace_functional(backward, fakes, fake_mode)
+    if any(i >= n for i in mutated):
+        raise _refusal(
+            site.function, "backward", "backward changes a saved tensor in place, which a functional graph cannot do.",
+            fix="compute out of place in backward (y = x * 2 instead of x.mul_(2)).",
+        )
+    _tidy(gm, [*_grad_names(n), *_saved_input_names(record)])
+    return gm
+
+
+def _backward_ctx(record: _ForwardRecord, saved: tuple, needs_input_grad) -> BackwardCtx:
+    saved_tensors = tuple(None if i is None else saved[i] for i in record.saved_layout)
+    attributes = {}
+    for attribute in record.attributes:
+        leaves = [saved[x.index] if isinstance(x, SavedSlot) else x for x in attribute.leaves]
+        attributes[attribute.name] = pytree.tree_unflatten(leaves, attribute.spec)
+    return BackwardCtx(needs_input_grad, record.materialize_grads, saved_tensors, attributes)
+
+
+def _run_user_backward(function: type, ctx: BackwardCtx, grads: list) -> Any:
+    """Call the user's `backward` (or `vjp`) as the autograd engine would."""
+    base = torch.autograd.Function
+    user_fn = function.vjp if function.vjp is not base.vjp else function.backward
+    if getattr(function, "boxed_grads_call", False):
+        return user_fn(ctx, list(grads))
+    return user_fn(ctx, *grads)
+
+
+def _operand_grads(site: CallSite, result: Any) -> tuple[torch.Tensor | None, ...]:
+    """One gradient per operand from backward's result (one per argument), checked as eager checks it."""
+    grads = result if isinstance(result, tuple) else (result,)
+    args = site.args
+    if len(grads) < len(args) or any(g is not None for g in grads[len(args):]):
+        raise _refusal(site.function, "backward", f"backward returned {len(grads)} gradients; forward has {len(args)} arguments.",
+                       fix="return one gradient per forward argument (None for arguments without one).")
+    out = []
+    for i, (arg, grad) in enumerate(zip(args, grads)):
+        if grad is not None and not isinstance(arg, torch.Tensor):
+            raise _refusal(site.function, "backward", f"backward returned a gradient for argument {i}, which is not a tensor.",
+                           fix="return None for arguments that are not tensors.")
+        if grad is not None and not isinstance(grad, torch.Tensor):
+            raise _refusal(site.function, "backward", f"backward returned a {type(grad).__name__} for argument {i}.",
+                           fix="return a tensor or None for each argument.")
+        leaves = [x for x in pytree.tree_leaves(arg) if isinstance(x, torch.Tensor)]
+        out.extend([grad] if isinstance(arg, torch.Tensor) else [None] * len(leaves))
+    return tuple(out)
+
+
+# --- graph tidying -------------------------------------------------------------------------
+
+
+def _tidy(gm: fx.GraphModule, names: list[str]) -> None:
+    """Drop grad-mode toggles, wrap autocast regions, name placeholders; see Note [Grad mode inside Function subgraphs]."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            gm.graph.erase_node(node)
+    from predispatch.passes.wrap_regions import TOGGLES, wrap_regions
+
+    if any(n.op == "call_function" and n.target in TOGGLES for n in gm.graph.nodes):
+        wrap_regions(gm)
+    name_placeholders(gm, _unique_names(names))
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _clone_aliased_outputs(gm: fx.GraphModule, fake_mode) -> None:
+    """Clone forward outputs that alias an input or an earlier output.
+
+    A HOP's outputs must be new tensors: the outer trace tracks each output as its own value.
+    Eager autograd returns such outputs as views; the values are the same.
+    """
+    outputs, saved = gm.graph.output_node().args[0]
+    seen = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in gm.graph.find_nodes(op="placeholder")}
+    new_outputs = []
+    for node in outputs:
+        storage = StorageWeakRef(node.meta["val"].untyped_storage())
+        if storage in seen:
+            with gm.graph.inserting_before(gm.graph.output_node()):
+                clone = gm.graph.call_function(aten.clone.default, (node,))
+            with fake_mode:
+                clone.meta["val"] = node.meta["val"].clone()
+            node = clone
+        seen.add(StorageWeakRef(node.meta["val"].untyped_storage()))
+        new_outputs.append(node)
+    gm.graph.output_node().args = ((tuple(new_outputs), saved),)
+    gm.recompile()
+
+
+def _operand_names(site: CallSite) -> list[str]:
+    """Placeholder names for the operands: forward's parameter names (`x`, `weight`, `args_1`)."""
+    params = list(inspect.signature(site.function.forward).parameters.values())
+    if not has_setup_context(site.function):
+        params = params[1:]  # ctx
+    names = []
+    for i, arg in enumerate(site.args):
+        base = params[i].name if i < len(params) and params[i].kind is not inspect.Parameter.VAR_POSITIONAL else f"args_{i}"
+        count = sum(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(arg))
+        names.extend([base] if isinstance(arg, torch.Tensor) else [f"{base}_{j}" for j in range(count)])
+    return names
+
+
+def _grad_names(n: int) -> list[str]:
+    return ["grad_out"] if n == 1 else [f"grad_out_{i}" for i in range(n)]
+
+
+def _saved_input_names(record: _ForwardRecord) -> list[str]:
+    names = list(record.graph_names)
+    for attribute in record.attributes:
+        slots = [x for x in attribute.leaves if isinstance(x, SavedSlot)]
+        for j, slot in enumerate(slots):
+            names[slot.index] = f"ctx_{attribute.name}" if len(slots) == 1 else f"ctx_{attribute.name}_{j}"
+    return names
+
+
+def _unique_names(names: list[str]) -> list[str]:
+    """Valid, distinct identifiers (`x`, `x_1`, ...)."""
+    out, used = [], set()
+    for name in names:
+        name = re.sub(r"\W", "_", name)
+        candidate, k = name, 1
+        while candidate in used:
+            candidate, k = f"{name}_{k}", k + 1
+        used.add(candidate)
+        out.append(candidate)
+    return out
+
+
+# --- errors --------------------------------------------------------------------------------
+
+
+def _refusal(function: type, phase: str, what: str, fix: str = _FIX) -> AutogradFunctionError:
+    return AutogradFunctionError(f"autograd.Function {function.__qualname__} ({phase}): {what}", where=user_frame(), fix=fix)
+
+
+@contextlib.contextmanager
+def _located(function: type, phase: str) -> Iterator[None]:
+    """Turn a failure while tracing `phase` into an error naming the Function and the user's line."""
+    try:
+        yield
+    except PredispatchError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure is re-raised with context
+        name, where = function.__qualname__, user_frame(exc.__traceback__)
+        chain = [exc, exc.__cause__, exc.__context__]
+        if any(isinstance(e, ti.DATA_DEPENDENT_ERRORS) for e in chain):
+            raise DataDependentError(
+                f"the {phase} of autograd.Function {name} branches on, or converts, a value inside a "
+                "tensor, which export cannot know (it traces shapes, not values).",
+                where=where,
+                fix=f"make the {phase} static, compute both sides and pick with torch.where, or "
+                "move the data-dependent part into a torch.library.custom_op.",
+            ) from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AutogradFunctionError(
+            f"the {phase} of autograd.Function {name} cannot be traced: {type(exc).__name__}: {first}",
+            where=where,
+            fix=_FIX,
+        ) from exc

@@ -1,0 +1,184 @@
+"""Plain functions that call modules, nested exports, and re-export of a program's module()."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+from helpers import assert_same_tree, clone_tree
+from test_export import ConvBN, Masked
+from test_regions import EMA, Nested
+from torch import nn
+
+import predispatch
+from predispatch import InputKind
+
+torch.manual_seed(0)
+encoder = nn.Linear(4, 4)  # a module held in a global
+norm = nn.BatchNorm1d(4)
+
+
+def make_closure():
+    scale = nn.Linear(4, 4, bias=False)  # a module held in a closure
+
+    def fn(x, head):  # `head`: a module passed as an argument
+        return head(F.relu(norm(encoder(x)))) + scale(x)
+
+    return fn, scale
+
+
+class FunctionsCallingModules(TestCase):
+    maxDiff = None
+
+    def test_globals_closures_and_arguments_are_lifted(self):
+        fn, scale = make_closure()
+        head, x = nn.Linear(4, 4), torch.randn(5, 4)
+        ep = predispatch.export(fn, (x, head))
+        self.assertExpectedInline(str(ep), """\
+ExportedProgram:
+    class GraphModule(torch.nn.Module):
+        def forward(self, p_scale_weight: "f32[4, 4]", p_norm_weight: "f32[4]", p_norm_bias: "f32[4]", p_encoder_weight: "f32[4, 4]", p_encoder_bias: "f32[4]", p_head_weight: "f32[4, 4]", p_head_bias: "f32[4]", b_norm_running_mean: "f32[4]", b_norm_running_var: "f32[4]", b_norm_num_batches_tracked: "i64[]", x: "f32[5, 4]"):
+            linear: "f32[5, 4]" = torch.ops.aten.linear.default(x, p_encoder_weight, p_encoder_bias);  p_encoder_weight = p_encoder_bias = None
+            add: "i64[]" = torch.ops.aten.add.Tensor(b_norm_num_batches_tracked, 1);  b_norm_num_batches_tracked = None
+            _native_batch_norm_legit_functional = torch.ops.aten._native_batch_norm_legit_functional.default(linear, p_norm_weight, p_norm_bias, b_norm_running_mean, b_norm_running_var, True, 0.1, 1e-05);  linear = p_norm_weight = p_norm_bias = b_norm_running_mean = b_norm_running_var = None
+            getitem: "f32[5, 4]" = _native_batch_norm_legit_functional[0]
+            getitem_3: "f32[4]" = _native_batch_norm_legit_functional[3]
+            getitem_4: "f32[4]" = _native_batch_norm_legit_functional[4];  _native_batch_norm_legit_functional = None
+            relu: "f32[5, 4]" = torch.ops.aten.relu.default(getitem);  getitem = None
+            linear_1: "f32[5, 4]" = torch.ops.aten.linear.default(relu, p_head_weight, p_head_bias);  relu = p_head_weight = p_head_bias = None
+            linear_2: "f32[5, 4]" = torch.ops.aten.linear.default(x, p_scale_weight);  x = p_scale_weight = None
+            add_1: "f32[5, 4]" = torch.ops.aten.add.Tensor(linear_1, linear_2);  linear_1 = linear_2 = None
+            return (getitem_3, getitem_4, add, add_1)
+
+Graph signature:
+    Inputs:
+        p_scale_weight: PARAMETER target='scale.weight'
+        p_norm_weight: PARAMETER target='norm.weight'
+        p_norm_bias: PARAMETER target='norm.bias'
+        p_encoder_weight: PARAMETER target='encoder.weight'
+        p_encoder_bias: PARAMETER target='encoder.bias'
+        p_head_weight: PARAMETER target='head.weight'
+        p_head_bias: PARAMETER target='head.bias'
+        b_norm_running_mean: BUFFER target='norm.running_mean'
+        b_norm_running_var: BUFFER target='norm.running_var'
+        b_norm_num_batches_tracked: BUFFER target='norm.num_batches_tracked'
+        x: USER_INPUT target='x'
+    Outputs:
+        getitem_3: BUFFER_MUTATION target='norm.running_mean'
+        getitem_4: BUFFER_MUTATION target='norm.running_var'
+        add: BUFFER_MUTATION target='norm.num_batches_tracked'
+        add_1: USER_OUTPUT target='output'
+    Module inputs (their state is lifted above):
+        head: Linear""")
+        self.assertEqual(ep.graph.find_nodes(op="get_attr"), [])  # nothing baked in as a constant
+
+    def test_program_runs_like_the_function_and_updates_its_modules(self):
+        fn, scale = make_closure()
+        head, x = nn.Linear(4, 4), torch.randn(5, 4)
+        before = copy.deepcopy(norm.state_dict())
+        ep = predispatch.export(fn, (x, head))
+        assert_same_tree(norm.state_dict(), before)  # export itself changes nothing
+        actual = ep.module()(x, head)
+        after_program = copy.deepcopy(norm.state_dict())
+        norm.load_state_dict(before)
+        expected = fn(x, head)
+        assert_same_tree(actual, expected)
+        assert_same_tree(after_program, norm.state_dict())  # the running stats moved the same way
+        self.assertEqual(after_program["num_batches_tracked"].item(), before["num_batches_tracked"].item() + 1)
+
+    def test_gradients_reach_the_modules_parameters(self):
+        fn, scale = make_closure()
+        head, x = nn.Linear(4, 4), torch.randn(5, 4)
+        norm.eval()
+        try:
+            program = predispatch.export(fn, (x, head)).module()
+            program(x, head).sum().backward()
+            grads = [p.grad.clone() for p in (*encoder.parameters(), *scale.parameters())]
+            for p in (*encoder.parameters(), *scale.parameters(), *head.parameters()):
+                p.grad = None
+            fn(x, head).sum().backward()
+            for got, p in zip(grads, (*encoder.parameters(), *scale.parameters())):
+                torch.testing.assert_close(got, p.grad, rtol=0, atol=0)
+        finally:
+            norm.train()
+
+    def test_bound_method(self):
+        model = Masked()
+        x = torch.randn(2, 4)
+        ep = predispatch.export(model.forward, (x,))
+        self.assertEqual([s.target for s in ep.signature.inputs_of(InputKind.PARAMETER)], ["self.lin.weight", "self.lin.bias"])
+        assert_same_tree(ep.module()(x), model(x))
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, h):
+        self.calls += 1
+        with torch.no_grad():
+            gate = torch.sigmoid(h.mean())
+        return self.lin(h) * gate
+
+
+class LibraryThatExports(nn.Module):
+    """Calls predispatch.export on a submodule inside its own forward, as a library might."""
+
+    def __init__(self, nested: bool):
+        super().__init__()
+        self.nested = nested
+        self.pre = nn.Linear(4, 4)
+        self.inner = Inner()
+
+    def forward(self, x):
+        h = self.pre(x)
+        if self.nested:
+            return predispatch.export(self.inner, (h,)).module()(h)
+        return self.inner(h)
+
+
+class NestedExport(TestCase):
+    def test_inner_program_is_inlined_like_flat_code(self):
+        x = torch.randn(3, 4)
+        flat, nested = LibraryThatExports(nested=False), LibraryThatExports(nested=True)
+        nested.load_state_dict(flat.state_dict())
+        ep_flat = predispatch.export(flat, (x,))
+        ep_nested = predispatch.export(nested, (x,))
+        self.assertEqual(str(ep_nested), str(ep_flat))
+        # Run eagerly, the library's own export would train copies; the program means the flat code.
+        program, x1, x2 = ep_nested.module(), x.clone().requires_grad_(), x.clone().requires_grad_()
+        assert_same_tree(program(x1), flat(x2))
+        program(x1).sum().backward(), flat(x2).sum().backward()
+        assert_same_tree(x1.grad, x2.grad)
+        for p, q in zip(program.parameters(), flat.parameters()):
+            assert_same_tree(p.grad, q.grad)
+
+    def test_nested_export_leaves_modules_untouched(self):
+        model = LibraryThatExports(nested=True)
+        before = copy.deepcopy(model.state_dict())
+        predispatch.export(model, (torch.randn(3, 4),))
+        assert_same_tree(model.state_dict(), before)
+        self.assertIsInstance(model.inner.lin.weight, nn.Parameter)
+
+
+class ReExport(TestCase):
+    def test_reexport_of_program_module_is_stable(self):
+        cases = [
+            (ConvBN().train(), (torch.randn(2, 3, 6, 6),), {}),
+            (Nested(), (torch.randn(3),), {}),
+            (EMA(), (torch.randn(4, 3),), {}),
+            (Masked(), (torch.randn(2, 4),), {"mask": torch.rand(2, 4) > 0.5, "scale": 0.5}),
+        ]
+        for model, args, kwargs in cases:
+            with self.subTest(type(model).__name__):
+                first = predispatch.export(model, args, kwargs)
+                second = predispatch.export(first.module(), args, kwargs)
+                self.assertEqual(str(second), str(first))
+                third = predispatch.export(second.module(), args, kwargs)
+                self.assertEqual(str(third), str(first))
+                program = copy.deepcopy(first.module())
+                assert_same_tree(second.module()(*clone_tree(args), **kwargs), program(*clone_tree(args), **kwargs))

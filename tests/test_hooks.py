@@ -1,0 +1,217 @@
+"""Module hooks: forward hooks traced, backward hooks refused by name, state_dict hooks honoured,
+and hook changes after export detected."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from expecttest import TestCase
+from helpers import assert_same_tree, export_and_check, graph
+from torch import nn
+
+import predispatch
+from predispatch import errors
+
+HERE = os.path.abspath(__file__)
+
+
+def message(exc: BaseException) -> str:
+    return re.sub(r"test_hooks\.py:\d+", "test_hooks.py:N", str(exc).replace(HERE, "test_hooks.py"))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x, scale=1.0):
+        return self.out(torch.relu(self.lin(x))) * scale
+
+
+def double_input(module, args):
+    return (args[0] * 2,)
+
+
+def add_one(module, args, output):
+    return output + 1
+
+
+def kwargs_pre_hook(module, args, kwargs):
+    return args, {**kwargs, "scale": kwargs.get("scale", 1.0) * 3}
+
+
+def kwargs_hook(module, args, kwargs, output):
+    return output - kwargs["scale"]
+
+
+class ForwardHooks(TestCase):
+    maxDiff = None
+
+    def test_pre_hook_and_hook(self):
+        net = Net()
+        net.lin.register_forward_pre_hook(double_input)
+        net.lin.register_forward_hook(add_one)
+        ep = export_and_check(net, (torch.randn(4, 3),))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]", p_out_weight: "f32[2, 3]", p_out_bias: "f32[2]", x: "f32[4, 3]"):
+        mul: "f32[4, 3]" = torch.ops.aten.mul.Tensor(x, 2);  x = None
+        linear: "f32[4, 3]" = torch.ops.aten.linear.default(mul, p_lin_weight, p_lin_bias);  mul = p_lin_weight = p_lin_bias = None
+        add: "f32[4, 3]" = torch.ops.aten.add.Tensor(linear, 1);  linear = None
+        relu: "f32[4, 3]" = torch.ops.aten.relu.default(add);  add = None
+        linear_1: "f32[4, 2]" = torch.ops.aten.linear.default(relu, p_out_weight, p_out_bias);  relu = p_out_weight = p_out_bias = None
+        mul_1: "f32[4, 2]" = torch.ops.aten.mul.Tensor(linear_1, 1.0);  linear_1 = None
+        return (mul_1,)""")
+
+    def test_with_kwargs_prepend_and_always_call(self):
+        net = Net()
+        order = []
+        net.register_forward_pre_hook(kwargs_pre_hook, with_kwargs=True)
+        net.register_forward_hook(kwargs_hook, with_kwargs=True, always_call=True)
+        net.lin.register_forward_hook(lambda m, a, o: order.append("second") or o * 2)
+        net.lin.register_forward_hook(lambda m, a, o: order.append("first") or o + 5, prepend=True)
+        export_and_check(net, (torch.randn(4, 3),), {"scale": 0.5})
+        self.assertEqual(order[:2], ["first", "second"])
+
+    def test_global_hooks(self):
+        pre = nn.modules.module.register_module_forward_pre_hook(lambda m, a: None)
+        post = nn.modules.module.register_module_forward_hook(
+            lambda m, a, o: o * 0.5 if isinstance(m, nn.Linear) else o
+        )
+        try:
+            export_and_check(Net(), (torch.randn(4, 3),))
+        finally:
+            pre.remove()
+            post.remove()
+
+    def test_region_in_hook(self):
+        net = Net()
+
+        def count(module, args):
+            with torch.no_grad():
+                module.calls = getattr(module, "calls", 0) + 1
+            return (args[0].detach() + args[0],)
+
+        net.out.register_forward_pre_hook(count)
+        export_and_check(net, (torch.randn(4, 3),))
+
+
+def print_grads(module, grad_input, grad_output):
+    print(grad_output)
+
+
+class BackwardHooks(TestCase):
+    maxDiff = None
+
+    def test_full_backward_hook_is_refused(self):
+        net = Net()
+        net.out.register_full_backward_hook(print_grads)
+        with pytest.raises(errors.UnsupportedHookError) as info:
+            predispatch.export(net, (torch.randn(4, 3),))
+        self.assertExpectedInline(message(info.value), """\
+module 'out' (Linear) has a backward hook, print_grads defined at test_hooks.py:N, which a traced program would silently drop.
+  at test_hooks.py:N (return self.out(torch.relu(self.lin(x))) * scale)
+  fix: remove it before export (handle.remove()), or move its effect into the forward as an autograd.Function whose backward does the same.
+  see docs/errors.md#unsupportedhookerror""")
+
+    def test_backward_pre_hook_is_refused(self):
+        net = Net()
+        net.lin.register_full_backward_pre_hook(lambda m, g: (g[0] * 2,))
+        with pytest.raises(errors.UnsupportedHookError) as info:
+            predispatch.export(net, (torch.randn(4, 3),))
+        self.assertIn("module 'lin' (Linear) has a backward hook", message(info.value))
+
+    def test_global_backward_hook_is_refused(self):
+        handle = nn.modules.module.register_module_full_backward_hook(print_grads)
+        try:
+            with pytest.raises(errors.UnsupportedHookError) as info:
+                predispatch.export(Net(), (torch.randn(4, 3),))
+        finally:
+            handle.remove()
+        self.assertIn("a global module backward hook is registered (print_grads defined at", message(info.value))
+
+    def test_tensor_register_hook_is_refused(self):
+        class Hooked(nn.Module):
+            def forward(self, x):
+                h = x * 2
+                h.register_hook(lambda g: g * 10)
+                return h.sum()
+
+        with pytest.raises(errors.UnsupportedHookError) as info:
+            predispatch.export(Hooked(), (torch.randn(3),))
+        self.assertIn("at test_hooks.py:N (h.register_hook(lambda g: g * 10))", message(info.value))
+
+    def test_refusal_leaves_hooks_in_place(self):
+        net = Net()
+        handle = net.out.register_full_backward_hook(print_grads)
+        with pytest.raises(errors.UnsupportedHookError):
+            predispatch.export(net, (torch.randn(4, 3),))
+        self.assertEqual(list(net.out._backward_hooks.values()), [print_grads])
+        self.assertIs(torch.Tensor.register_hook, torch._tensor.Tensor.register_hook)
+        handle.remove()
+
+
+class Renamed(nn.Module):
+    """Saves its weight under an old key and accepts the old key on load, via state_dict hooks."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self._register_state_dict_hook(Renamed._rename_out)
+        self._register_load_state_dict_pre_hook(Renamed._rename_in)
+
+    @staticmethod
+    def _rename_out(module, state_dict, prefix, local_metadata):
+        state_dict[prefix + "legacy_weight"] = state_dict.pop(prefix + "lin.weight")
+
+    @staticmethod
+    def _rename_in(state_dict, prefix, *args):
+        if prefix + "legacy_weight" in state_dict:
+            state_dict[prefix + "lin.weight"] = state_dict.pop(prefix + "legacy_weight")
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class StateDictHooks(TestCase):
+    def test_program_state_dict_applies_module_hooks(self):
+        model = Renamed()
+        program = predispatch.export(model, (torch.randn(2, 3),)).module()
+        self.assertEqual(sorted(program.state_dict()), sorted(model.state_dict()))
+        assert_same_tree(dict(program.state_dict()), dict(model.state_dict()))
+
+    def test_weights_move_between_module_and_program(self):
+        model, other = Renamed(), Renamed()
+        program = predispatch.export(model, (torch.randn(2, 3),)).module()
+        program.load_state_dict(other.state_dict())
+        x = torch.randn(2, 3)
+        assert_same_tree(program(x), other(x))
+        model.load_state_dict(program.state_dict())
+        assert_same_tree(model(x), other(x))
+
+
+class HookChanges(TestCase):
+    def test_unchanged_hooks_verify(self):
+        net = Net()
+        net.lin.register_forward_hook(add_one)
+        ep = predispatch.export(net, (torch.randn(4, 3),))
+        ep.verify_hooks(net)
+
+    def test_added_and_removed_hooks_are_reported(self):
+        net = Net()
+        handle = net.lin.register_forward_hook(add_one)
+        ep = predispatch.export(net, (torch.randn(4, 3),))
+        handle.remove()
+        net.out.register_forward_pre_hook(double_input)
+        with pytest.raises(errors.HooksChangedError) as info:
+            ep.verify_hooks(net)
+        self.assertExpectedInline(message(info.value), """\
+the module's hooks changed since export:
+    added forward_pre_hook on 'out': test_hooks.double_input
+    removed forward_hook on 'lin': test_hooks.add_one
+  fix: export again to trace the current hooks, or restore the old ones.
+  see docs/errors.md#hookschangederror""")
