@@ -24,6 +24,7 @@ def export(
     *,
     preserve: Iterable[Any] = (),
     decompose: Iterable[Any] = (),
+    dynamic_shapes: Any = None,
 ) -> ExportedProgram:
     """Capture `module_or_fn(*args, **kwargs)` as a functional pre-dispatch ATen program.
 
@@ -33,6 +34,8 @@ def export(
         kwargs: keyword example inputs.
         preserve: composite ops (OpOverloads or names like "aten.linear") to keep whole.
         decompose: composite ops to always decompose.
+        dynamic_shapes: which input dimensions are symbolic, exactly as `torch.export.export`
+            takes them (`{"x": {0: torch.export.Dim("batch", min=1, max=64)}}`).
 
     Tracing runs on fake tensors: no real compute, no copy of the weights.  The module and
     torch's global state are left exactly as they were, whether export succeeds or raises.
@@ -42,7 +45,7 @@ def export(
         with ti.suspended_tracing(), isolated(modules_of(module_or_fn, args, kwargs)):
             return _export_nested(module_or_fn, args, kwargs, policy)
     with isolated(modules_of(module_or_fn, args, kwargs)):
-        prepared = prepare(module_or_fn, args, kwargs)
+        prepared = prepare(module_or_fn, args, kwargs, dynamic_shapes)
         traced = trace(prepared, policy)
     return build_program(prepared, traced)
 

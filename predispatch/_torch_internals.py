@@ -21,6 +21,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch._higher_order_ops.effects import with_effects
 from torch.export._remove_effect_tokens_pass import _replace_with_effects_node
+from torch._export.non_strict_utils import make_fake_inputs, produce_guards_and_solve_constraints
+from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from torch.nn.utils.stateless import _reparametrize_module
 
 # custom autograd.Function capture (trace/autograd_function.py)
@@ -36,11 +38,16 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = [
+    "ConstraintViolationError",
     "DATA_DEPENDENT_ERRORS",
+    "make_fake_inputs",
+    "produce_guards_and_solve_constraints",
     "HigherOrderOperator",
     "ProxyTorchDispatchMode",
     "autograd_function_apply",
     "detect_fake_mode",
+    "discarding_unbacked_symbols",
+    "is_traced_tensor",
     "disable_proxy_modes_tracing",
     "outside_trace",
     "trace_functional",
@@ -261,3 +268,18 @@ def trace_functional(
     with fake_mode:
         gm = make_fx(functional, pre_dispatch=True)(*args)
     return gm, tuple(mutated)
+
+
+def discarding_unbacked_symbols(fake_mode: FakeTensorMode):
+    """Symbols for data-dependent values (`.item()`) created now are used and dropped inside
+    a subgraph: the outer trace must not look for them among its own outputs."""
+    if fake_mode.shape_env is None:
+        return contextlib.nullcontext()
+    return fake_mode.shape_env.ignore_fresh_unbacked_symbols()
+
+
+def is_traced_tensor(value: Any) -> bool:
+    """Whether `value` is a tensor of a running trace (fake or functional), not a real constant."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(value, torch.Tensor) and (is_fake(value) or isinstance(value, FunctionalTensor))

@@ -202,3 +202,18 @@ class AutogradFunctionError(PredispatchError):
     """
 
     anchor = "autogradfunctionerror"
+
+
+class DynamicShapeError(PredispatchError):
+    """A dimension marked dynamic cannot be, or a program was called outside its shape range.
+
+    Cause (export): the code forces a dimension marked dynamic (`torch.export.Dim`) to a fixed
+    value or a narrower range, e.g. `x.view(4, -1)` or a comparison with a constant; torch's
+    message lists the specializations it found and suggested fixes.
+    Cause (call): an input size is outside the range recorded for its symbol, or two dimensions
+    that share a symbol differ.
+    Fix: follow the suggested `dynamic_shapes` fix, mark the dimension static, or call the
+    program with sizes in range.
+    """
+
+    anchor = "dynamicshapeerror"

@@ -112,10 +112,6 @@ OP_DB_XFAILS: dict[str, Known] = {
     "linalg.lstsq.grad_oriented": _LSTSQ,
     "nn.functional.ctc_loss": _data("aten._ctc_loss has no fake kernel for its data-dependent output sizes"),
     # predispatch bugs: remove the entry with the fix (the case then XPASSes).
-    "item": _bug(
-        "a symbolic scalar output (SymFloat from .item()) is rejected with UnsupportedOutputError; "
-        "torch.export returns it as a graph output"
-    ),
     # torch limitations.
     "broadcast_shapes": _torch(
         "a torch.Size output comes back as a plain tuple: pytree unflattens torch.Size to tuple "

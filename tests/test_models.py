@@ -26,12 +26,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from helpers import assert_same_tree, state_bits
 from torch import nn
 
 import predispatch
 from predispatch.passes import mutable_ops
+from predispatch.program.printing import format_graph
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.models
@@ -82,7 +84,25 @@ def _whisper_inputs() -> tuple[tuple, dict]:
 
 
 def _wav2vec2_inputs() -> tuple[tuple, dict]:
-    return (torch.randn(2, 800),), {"labels": torch.randint(1, VOCAB, (2, 5))}
+    return (torch.randn(2, 800),), {}
+
+
+def _ctc_loss(out: Any) -> torch.Tensor:
+    """Wav2Vec2ForCTC's own loss starts with `if labels.max() >= vocab_size: raise`, a branch on
+    a tensor's value (data-dependent, not exportable); the same CTC loss is taken outside."""
+    log_probs = out.logits.log_softmax(-1).transpose(0, 1)
+    frames, batch = log_probs.shape[:2]
+    targets = torch.arange(1, 11).reshape(batch, 5)
+    return F.ctc_loss(log_probs, targets, torch.full((batch,), frames), torch.full((batch,), 5))
+
+
+_CUSTOM_OP_AUTOGRAD = (
+    "a custom op with torch.library register_autograd (transformers::grouped_mm_fallback) raises "
+    "AutogradFunctionError: its autograd is a generated autograd.Function whose forward "
+    "redispatches the op below Autograd; predispatch/trace/autograd_function captures it like a "
+    "user Function and retraces that forward with make_fx, where the redispatch meets a "
+    "FunctionalTensor without its mode"
+)
 
 
 @dataclass(frozen=True)
@@ -92,12 +112,14 @@ class ModelCase:
     name: the test id.
     build: makes the model (random weights, seeded by the caller).
     inputs: makes `(args, kwargs)`; kwargs carry `labels` so the output has a `loss`.
+    loss: the training loss, from the model's output.
     xfail: mode ("eval"/"train") -> why that mode is expected to fail.
     """
 
     name: str
     build: Callable[[], nn.Module]
     inputs: Callable[[], tuple[tuple, dict]]
+    loss: Callable[[Any], torch.Tensor] = lambda out: out.loss
     xfail: dict[str, str] = field(default_factory=dict)
 
 
@@ -125,6 +147,7 @@ def _cases() -> list[ModelCase]:
                 T.MixtralConfig(**DECODER, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)
             ),
             _lm_inputs,
+            xfail=dict.fromkeys(("eval", "train"), _CUSTOM_OP_AUTOGRAD),
         ),
         ModelCase(
             "qwen2_moe",
@@ -182,6 +205,7 @@ def _cases() -> list[ModelCase]:
                                  layerdrop=0.0, mask_time_prob=0.0, ctc_loss_reduction="mean")
             ),
             _wav2vec2_inputs,
+            _ctc_loss,
         ),
     ]
 
@@ -190,10 +214,15 @@ CASES = _cases()
 
 
 @pytest.fixture(autouse=True)
-def _quiet_transformers():
+def _quiet_and_deterministic():
+    """Deterministic kernels: eager's own backward of `weight[index]` (index_put with
+    accumulate) sums in a varying order on CPU, which would make bitwise checks flaky."""
     verbosity = transformers.logging.get_verbosity()
+    deterministic = torch.are_deterministic_algorithms_enabled()
     transformers.logging.set_verbosity_error()
+    torch.use_deterministic_algorithms(True)
     yield
+    torch.use_deterministic_algorithms(deterministic)
     transformers.logging.set_verbosity(verbosity)
 
 
@@ -220,8 +249,8 @@ def test_model(case: ModelCase, mode: str):
     expected = _run(eager, args, kwargs)
     actual = _run(program, args, kwargs)
     assert_same_tree(actual, expected)
-    expected.loss.backward()
-    actual.loss.backward()
+    case.loss(expected).backward()
+    case.loss(actual).backward()
     named = dict(program.named_parameters())
     for name, param in eager.named_parameters():
         assert_same_tree(named[name].grad, param.grad)
@@ -255,22 +284,32 @@ def test_meta_model_exports_without_weights():
     assert all(t.is_meta for t in ep.state_dict.values())
     assert all(t.is_meta for t in ep.module().state_dict().values())
     reference = predispatch.export(real, (ids,))
-    assert _op_sequence(ep) == _op_sequence(reference)
-    assert ep.signature.inputs == reference.signature.inputs
+    assert ep.signature == reference.signature
 
 
-def _op_sequence(ep: predispatch.ExportedProgram) -> list[str]:
-    return [str(n.target) for n in ep.graph.nodes]
+_META_DEVICE_BAKED_IN = (
+    "the graph bakes the meta device in: fake state is made on the device of the real state "
+    "(predispatch/frontend/inputs.py _fakify), so factory ops and metadata asserts record "
+    "device=meta (aten.arange(..., device=meta), aten._assert_tensor_metadata(device=meta)) and "
+    "meta kernels pick other strides than CPU ones (SDPA's output: an extra clone before a view)"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=_META_DEVICE_BAKED_IN)
+def test_meta_model_graph_equals_real_models():
+    torch.manual_seed(0)
+    config = _small_llama_config()
+    real = transformers.LlamaForCausalLM(config).eval()
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(config).eval()
+    ids = _ids()
+    assert format_graph(predispatch.export(meta, (ids,)).graph_module) == format_graph(
+        predispatch.export(real, (ids,)).graph_module
+    )
 
 
 @pytest.mark.parametrize("assign", [True, False], ids=["assign", "to_empty-copy"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="the graph bakes the meta device into factory ops and metadata asserts "
-    "(aten.arange(..., device=meta), aten._assert_tensor_metadata(device=meta)): fake state is "
-    "made on the device of the real state (predispatch/frontend/inputs.py _fakify), so running "
-    "with real weights mixes meta and cpu tensors",
-)
+@pytest.mark.xfail(strict=True, reason=_META_DEVICE_BAKED_IN)
 def test_meta_model_runs_with_loaded_weights(assign: bool):
     torch.manual_seed(0)
     config = _small_llama_config()

@@ -51,7 +51,9 @@ def table_differences(shipped: AuditTable | None, fresh: AuditTable, limit: int 
         return [f"no shipped table at {TABLE_PATH}"]
     found = []
     if shipped.torch_version != fresh.torch_version:
-        found.append(f"torch version: shipped {shipped.torch_version}, installed {fresh.torch_version}")
+        found.append(
+            f"torch version: shipped {shipped.torch_version}, installed {fresh.torch_version}"
+        )
     if shipped.policy != fresh.policy:
         found.append("policy text differs")
     for key in sorted(set(shipped.entries) | set(fresh.entries)):

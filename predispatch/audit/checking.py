@@ -42,7 +42,7 @@ from predispatch.audit.ops import (
     kernel_callable,
     outputs_may_alias,
 )
-from predispatch.audit.samples import Sample
+from predispatch.audit.samples import Sample, seed_everything
 from predispatch.audit.table import Reason
 
 # Checks raise on bad data and do nothing else; an op kept whole raises exactly as eager
@@ -98,8 +98,13 @@ class _Input:
 
 def check(op: OpOverload, kernel: Kernel, sample: Sample) -> RunResult:
     """Run ``kernel`` of ``op`` on a fresh copy of ``sample`` and report every violation."""
-    args, kwargs = sample.materialize()
-    inputs = _inputs(op, args, kwargs)
+    seed_everything()  # a run must not depend on which runs came before it in this process
+    try:
+        args, kwargs = sample.materialize()
+        inputs = _inputs(op, args, kwargs)
+    except Exception as e:  # noqa: BLE001  (an exotic tensor the copies cannot handle)
+        return RunResult(sample.label, kernel, f"could not copy the sample: {_one_line(e)}",
+                         (), False)
     mode = EffectMode({k: i.name for i in inputs for k in storages_of(i.tensor)})
     try:
         with warnings.catch_warnings(), mode:
@@ -116,7 +121,8 @@ def check(op: OpOverload, kernel: Kernel, sample: Sample) -> RunResult:
 
 def _judge_run(op: OpOverload, kernel: Kernel, sample: Sample, inputs: list[_Input],
                mode: EffectMode, out: Any) -> RunResult:
-    violations = [*_mutations(op, inputs, mode), *_aliasing(op, inputs, out), *mode.violations(op)]
+    violations = [*_mutations(op, inputs, mode), *_aliasing(op, inputs, out),
+                  *mode.violations(op)]
     realised = _realises_declared_alias(op, inputs, out)
     blind = unchecked_outputs(op, out)
     error = f"cannot inspect the memory of {blind[0]}" if blind and not violations else None
@@ -170,7 +176,8 @@ class EffectMode(TorchDispatchMode):
         if self.data_dependent:
             yield Violation(
                 Reason.DATA_DEPENDENT,
-                f"reads tensor data to decide shapes or control flow (via {self.data_dependent[0]})",
+                "reads tensor data to decide shapes or control flow "
+                f"(via {self.data_dependent[0]})",
             )
         if self.side_effects:
             yield Violation(Reason.SIDE_EFFECT, f"has a side effect (via {self.side_effects[0]})")

@@ -214,7 +214,8 @@ _PROGRAMS: dict[str, Callable[[], object]] = {
     "conv1d-same": lambda: F.conv1d(_r(2, 3, 8), _r(4, 3, 3), padding="same"),
     "conv3d": lambda: F.conv3d(_r(1, 2, 4, 4, 4), _r(3, 2, 3, 3, 3)),
     "thnn_conv2d": lambda: torch._C._nn.thnn_conv2d(_r(1, 2, 5, 5), _r(3, 2, 3, 3), [3, 3]),
-    "slow_conv3d": lambda: torch._C._nn.slow_conv3d(_r(1, 2, 4, 4, 4), _r(3, 2, 3, 3, 3), [3, 3, 3]),
+    "slow_conv3d": lambda: torch._C._nn.slow_conv3d(_r(1, 2, 4, 4, 4), _r(3, 2, 3, 3, 3),
+                                                    [3, 3, 3]),
     "channel_shuffle": lambda: torch.native_channel_shuffle(_r(1, 4, 3, 3), 2),
     "embedding_bag-default": lambda: torch.ops.aten.embedding_bag.default(
         _r(5, 4), torch.tensor([0, 2, 1, 3]), torch.tensor([0, 2])),
@@ -245,6 +246,10 @@ _PROGRAMS: dict[str, Callable[[], object]] = {
     "to_sparse-twice": lambda: _r(3, 4).to_sparse().to_sparse(),
     "sparse_coo_tensor": lambda: torch.sparse_coo_tensor(torch.tensor([[0, 1], [2, 0]]),
                                                          _r(2), (3, 4)),
+    "sparse_coo_tensor-no-size": lambda: torch.sparse_coo_tensor(torch.tensor([[0, 1], [2, 0]]),
+                                                                 _r(2)),
+    "sparse_csr_tensor-no-size": lambda: torch.sparse_csr_tensor(
+        torch.tensor([0, 1, 2]), torch.tensor([0, 1]), _r(2)),
     "sparse_csr_tensor": lambda: torch.sparse_csr_tensor(torch.tensor([0, 1, 2]),
                                                          torch.tensor([0, 1]), _r(2), (2, 2)),
     "reshape_from_tensor": lambda: torch._reshape_from_tensor(_r(3, 4), torch.tensor([4, 3])),

@@ -4,9 +4,10 @@ Some CIA kernels segfault on arguments they do not expect (``native_batch_norm``
 kernel, in evaluation mode without running statistics, calls a C++ kernel that dereferences
 a missing tensor), and the schema-built samples find such arguments.  ``try``/``except``
 cannot catch a segfault, so the jobs run in a forked child that streams each result back
-before starting the next; when the child dies, the job it was running is recorded as
-crashed and a new child carries on after it.  A job that runs past ``timeout_s`` is treated
-the same way.
+before starting the next.  When the child dies, a fresh child retries the job it was running
+(an earlier job may have corrupted memory and left the crash to an innocent one); a job that
+kills a fresh child as its first job is recorded as crashed, and the next child carries on
+after it.  A job that runs past ``timeout_s`` is treated the same way.
 
 The child runs torch single-threaded: an OpenMP pool inherited across ``fork`` can deadlock,
 and the audit's tensors are too small to gain from threads anyway.
@@ -14,6 +15,7 @@ and the audit's tensors are too small to gain from threads anyway.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import select
@@ -33,15 +35,18 @@ def run_isolated(
     on_crash: Callable[[J, str], R],
     timeout_s: float = 60.0,
 ) -> list[R]:
-    """``[run(job) for job in jobs]``, with ``on_crash(job, why)`` for jobs that kill the process."""
+    """``[run(job) for job in jobs]``, but ``on_crash(job, why)`` for a job that kills its child."""
     results: list[Any] = [None] * len(jobs)
     start = 0
     while start < len(jobs):
         done, why = _run_child(jobs, run, start, results, timeout_s)
         if done == len(jobs):
             break
-        results[done] = on_crash(jobs[done], why)
-        start = done + 1
+        if done == start:  # it died on its first job: the job itself is to blame
+            results[done] = on_crash(jobs[done], why)
+            start = done + 1
+        else:  # an earlier job may have corrupted memory: retry this one in a fresh child
+            start = done
     return results
 
 
@@ -77,6 +82,7 @@ def _run_child(jobs: Sequence[J], run: Callable[[J], R], start: int, results: li
 def _child(jobs: Sequence[J], run: Callable[[J], R], start: int, write_fd: int) -> None:
     code = 0
     try:
+        faulthandler.disable()  # a crash is an expected outcome here, not a bug to dump
         torch.set_num_threads(1)
         for index in range(start, len(jobs)):
             frame = pickle.dumps((index, run(jobs[index])))

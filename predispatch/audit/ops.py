@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,9 @@ class Kernel(enum.Enum):
 
     An op may have both: a C++ kernel (what eager runs, and what a graph that keeps the op
     whole runs) and a Python ``py_impl`` kernel (what ``op.decompose`` and the Python
-    dispatcher prefer while tracing).  Either one lying is enough to decompose.
+    dispatcher prefer while tracing).  Either one lying is enough to decompose.  CPP means
+    "registered with the dispatcher": for a custom op defined through ``torch.library`` it
+    is the Python function given to ``Library.impl``.
     """
 
     CPP = "C++"
@@ -125,12 +128,15 @@ def argument_is_mutable(op: OpOverload, name: str) -> bool:
 
 def _mutable_detail(op: OpOverload, argument: str) -> str:
     base = op._schema.name.split("::")[1]
-    if base.endswith("_") and not base.endswith("__"):
-        kind = f"in-place variant of aten.{base[:-1]}"
-    elif argument.startswith("out") or "out" in op._overloadname:
-        kind = "out= variant"
+    dunder = re.fullmatch(r"__i(\w+)__", base)
+    if any(a.name == argument and a.kwarg_only for a in op._schema.arguments):
+        kind = "an out= variant"
+    elif dunder:
+        kind = f"the in-place variant of aten.__{dunder.group(1)}__"
+    elif base.endswith("_"):
+        kind = f"the in-place variant of aten.{base[:-1]}"
     else:
-        kind = "no functional variant"
+        kind = "a declared in-place write"
     return f"schema mutates '{argument}' ({kind}); a functional graph holds no mutations"
 
 

@@ -31,10 +31,49 @@ differs from a fresh run, and `tests/test_audit.py` fails when it is stale for t
 """
 
 
+_RATIONALE = """## Why the policy is what it is
+
+* **What a run checks.** Each CIA kernel runs on a private copy of each sample under a
+  dispatch mode that sees its inner ops. Inputs are compared before and after (version
+  counter, bytes, size/strides/storage), and the mode names the inner op that wrote to an
+  input's storage. Outputs are compared with inputs and with each other by StorageImpl
+  (sparse outputs by their index and value tensors), against the alias sets the schema
+  declares. Inner ops tagged `nondeterministic_seeded`, `data_dependent_output` or
+  `dynamic_output_shape` (a boolean-mask `index` only), `_local_scalar_dense`, and ops that
+  return nothing and mutate nothing are recorded too.
+* **Both kernels.** Some ops have a C++ kernel and a Python `py_impl` one. The C++ kernel is
+  what runs when the graph keeps the op whole; the Python one is what tracing decomposes
+  with. `aten.dropout` is honest in Python (it clones) and returns its input in C++ when not
+  training, so either kernel lying decomposes the op.
+* **UNVERIFIED ops decompose.** PRESERVE is a claim that the schema can be trusted, and it
+  needs evidence; decomposing a truthful composite costs graph size, keeping a lying one
+  whole gives a wrong graph. The unverified ops are backward helpers, sparse, quantized and
+  fbgemm entry points, and vmap internals that ordinary forward programs do not reach.
+* **Declared randomness does not block.** A preserved random op draws exactly as eager does
+  at runtime; what breaks a functional graph is randomness its schema hides (passes such as
+  CSE trust the `nondeterministic_seeded` tag). `aten.scaled_dot_product_attention` with
+  `dropout_p > 0` draws, but is tagged, so it is PRESERVE with `draws_random` noted;
+  untagged draws are `draws_random_untagged` and decompose.
+* **Checks are not side effects.** `aten._linalg_check_errors` and the `_assert_*` ops only
+  raise on bad data; an op kept whole raises exactly as eager would, so `linalg_inv` and
+  friends are not decomposed for them.
+* **Schema-mutable ops are not run.** In-place and out= variants can never be kept whole in
+  a functional graph, so their entry cites the schema.
+* **Limits.** PRESERVE means no lie showed on the samples, not a proof. Samples are CPU
+  tensors: a branch taken only for other devices (`to` a CUDA device), layouts or dtypes no
+  sample has stays unseen. The schema-built calls therefore try every common dtype and
+  the input's own shape, because lies hide on the no-op branch (`_cast_Float` on a float
+  tensor, `sum_to_size` to the size it has, `chalf` on a complex32 tensor). A kernel that
+  crashes the interpreter (torch 2.13's `native_batch_norm` Python kernel in evaluation
+  mode without running statistics segfaults) loses only that run: runs happen in a forked
+  child, and a fresh child retries the run that was executing when a child died.
+"""
+
+
 def render_markdown(table: AuditTable) -> str:
     counts = table.summary()
     lines = [_INTRO, f"torch {table.torch_version}: {_counts_line(counts)}.", "", "## Policy", "",
-             table.policy, ""]
+             table.policy, "", _RATIONALE]
     for verdict in (Verdict.MUST_DECOMPOSE, Verdict.UNVERIFIED, Verdict.PRESERVE):
         lines += _section(table, verdict, counts[verdict])
     return "\n".join(lines).rstrip() + "\n"

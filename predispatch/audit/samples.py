@@ -1,6 +1,6 @@
 """Sample calls for CIA ops, and how they are found.
 
-Three sources, in the order their labels sort:
+Three sources, each named by its label prefix:
 
 * ``op_db:<OpInfo>#k``: torch's OpInfo samples (CPU, float32 where supported).  Running an
   OpInfo tells us nothing about which CIA overloads it reaches, so each sample runs under
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import random
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +65,13 @@ class Sample:
     def label(self) -> str:
         chain = f" via {' > '.join(self.via)}" if self.via else ""
         return f"{self.source}{chain}"
+
+    @classmethod
+    def call(cls, op: OpOverload, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None,
+             source: str = "given") -> Sample:
+        """A sample from explicit arguments (copied), for tests and custom ops."""
+        args, kwargs = exact_copy((tuple(args), dict(kwargs or {})))
+        return cls(str(op), source, (), tuple(args), kwargs)
 
     def materialize(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """A fresh copy of the arguments, so a mutating kernel cannot spoil the next run."""
@@ -129,15 +138,28 @@ class ReachRecorder(PreDispatchMode):
         return func(*args, **kwargs) if out is NotImplemented else out
 
 
+def seed_everything(seed: int = 0) -> None:
+    """Seed torch, ``random`` and numpy: some OpInfo generators draw choices from ``random``."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
+
+
 def record(programs: Iterable[Program], cia: frozenset[OpOverload], bank: SampleBank,
            progress: Callable[[str], None] | None = None) -> None:
     """Run each program under a ReachRecorder; a program that raises just stops early."""
     for n, program in enumerate(programs):
         if progress and n % 500 == 0:
             progress(f"recording samples: {n} programs run")
-        torch.manual_seed(0)
+        seed_everything()
         try:
-            with enable_python_dispatcher(), ReachRecorder(cia, bank, program.source):
+            with warnings.catch_warnings(), enable_python_dispatcher(), \
+                    ReachRecorder(cia, bank, program.source):
+                warnings.simplefilter("ignore")
                 program.run()
         except Exception:  # noqa: BLE001, S112  (a broken sample loses only its own calls)
             continue
@@ -173,7 +195,7 @@ def _first_samples(info: Any, dtype: torch.dtype, n: int) -> list[Any]:
     ``OpInfo.sample_inputs`` wraps the generator in test-tracking machinery that walks the
     Python stack (``inspect.stack()``) for every OpInfo: four fifths of the audit's time.
     """
-    torch.manual_seed(0)
+    seed_everything()
     try:
         samples = info.sample_inputs_func(info, "cpu", dtype, False)
         return list(itertools.islice(samples, n))
@@ -223,7 +245,7 @@ def schema_samples(op: OpOverload) -> list[Sample]:
     """One call per variant, or none when an argument has no obvious value."""
     found = []
     for name, variant in _VARIANTS.items():
-        torch.manual_seed(0)
+        seed_everything()
         call = _schema_call(op, variant)
         if call is not None:
             found.append(Sample(str(op), f"schema:{name}", (), *call))
@@ -290,7 +312,8 @@ def exact_copy(tree: Any) -> Any:
             return x
         x = x.detach()
         key = storage_key(x)
-        if key is None or x.layout != torch.strided or x.is_quantized or type(x) is not torch.Tensor:
+        plain = type(x) is torch.Tensor and x.layout == torch.strided and not x.is_quantized
+        if key is None or not plain:
             return x.clone()
         if key not in storages:
             storages[key] = x.untyped_storage().clone()

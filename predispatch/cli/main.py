@@ -8,6 +8,7 @@ exit code (see `failures.ExitCode`); `--traceback` shows where they came from.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import shutil
 import sys
@@ -16,11 +17,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 import predispatch
 from predispatch.cli.failures import EXIT_CODES_HELP, CommandError, ExitCode, MissingError, UsageError
-from predispatch.cli.specs import ParsedInputs, SpecError, make_example, parse_inputs
+from predispatch.cli.specs import (
+    ParsedInputs,
+    SpecError,
+    TensorSpec,
+    dynamic_shapes,
+    make_example,
+    parse_dim_range,
+    parse_inputs,
+)
 from predispatch.cli.targets import Target, load_model, parse_target
 from predispatch.errors import PredispatchError
 
@@ -111,11 +121,13 @@ def _export(ns: argparse.Namespace) -> predispatch.ExportedProgram:
                          fix='give example inputs as shapes and dtypes, e.g. --inputs "f32[2,16]"')
     target = _target(ns.source)
     parsed = _parse_specs(ns.inputs, ns.kwargs)
+    dims = _dims(parsed, ns.dim or [])
     preserve, decompose = _op_names(ns.preserve), _op_names(ns.decompose)
     model = load_model(target)
     _set_mode(model, ns.mode, target)
+    shapes = _dynamic_shapes(model, parsed, dims, target) if dims else None
     args, kwargs = make_example((parsed.args, parsed.kwargs))
-    return predispatch.export(model, args, kwargs, preserve=preserve, decompose=decompose)
+    return predispatch.export(model, args, kwargs, preserve=preserve, decompose=decompose, dynamic_shapes=shapes)
 
 
 def _target(text: str) -> Target:
@@ -136,6 +148,38 @@ def _parse_specs(inputs: str, kwargs: str | None) -> ParsedInputs:
     if both:
         raise UsageError(f"keyword input {both[0]!r} is given in both --inputs and --kwargs")
     return ParsedInputs(parsed.args, {**parsed.kwargs, **extra.kwargs})
+
+
+def _dims(parsed: ParsedInputs, ranges: list[str]) -> dict[str, Any]:
+    """One `torch.export.Dim` per dynamic dimension name in the specs, with its --dim range."""
+    sizes: dict[str, int] = {}
+    for spec in (leaf for leaf in pytree.tree_leaves((parsed.args, parsed.kwargs)) if isinstance(leaf, TensorSpec)):
+        for name, size in zip(spec.dims, spec.shape):
+            if name and sizes.setdefault(name, size) != size:
+                raise UsageError(f"dynamic dimension {name!r} has example size {sizes[name]} in one input and {size} "
+                                 "in another", fix="give a dimension one example size everywhere it appears")
+    bounds = {}
+    for text in ranges:
+        try:
+            name, low, high = parse_dim_range(text)
+        except SpecError as exc:
+            raise UsageError(f"--dim: {exc}") from exc
+        if name not in sizes:
+            used = ", ".join(sizes) or "none (name one as f32[batch=4,16])"
+            raise UsageError(f"--dim {name!r}: no input has a dimension named {name!r}",
+                             fix=f"dynamic dimensions in the inputs: {used}")
+        bounds[name] = {"min": low, "max": high}
+    return {name: torch.export.Dim(name, **bounds.get(name, {})) for name in sizes}
+
+
+def _dynamic_shapes(model: Any, parsed: ParsedInputs, dims: dict[str, Any], target: Target) -> dict[str, Any]:
+    """torch.export's `dynamic_shapes`, by parameter name of the model's forward (or the function)."""
+    fn = model.forward if isinstance(model, nn.Module) else model
+    try:
+        bound = inspect.signature(fn).bind(*parsed.args, **parsed.kwargs)
+    except TypeError as exc:
+        raise UsageError(f"the inputs do not fit {target}'s signature {inspect.signature(fn)}: {exc}") from exc
+    return {name: dynamic_shapes(value, dims) for name, value in bound.arguments.items()}
 
 
 def _set_mode(model: Any, mode: str | None, target: Target) -> None:
@@ -231,6 +275,8 @@ input specs:
     mask=b8[5,5]           a keyword input
     3, 0.5, True, None, 'mean'    constants (baked into the program)
     (f32[2], f32[3])  [i64[4]]  {ids: i64[2,5], mask: b8[2,5]}    tuple, list, dict
+    f32[batch=4,16]        a dynamic dimension named batch, example size 4 (the same name in
+                           several inputs is the same size); --dim batch=1..64 sets its range
   dtypes: f16 bf16 f32 f64 c64 c128 i8 i16 i32 i64 u8 b8, or torch names
   (float32, bfloat16, int64, long, bool, ...).  Values do not matter, export traces shapes
   and dtypes: floats are random normal (seed 0), integers 0, bools True.
@@ -275,6 +321,8 @@ def _add_model_options(p: argparse.ArgumentParser, source: str, source_help: str
     p.add_argument("--inputs", metavar="SPEC", required=inputs_required,
                    help='positional (and name=... keyword) example inputs, e.g. "f32[2,5,16], i64[2,5]"')
     p.add_argument("--kwargs", metavar="SPEC", help='keyword example inputs, e.g. "mask=b8[5,5]"')
+    p.add_argument("--dim", action="append", metavar="NAME=MIN..MAX",
+                   help="the range of a dynamic dimension named in the specs (f32[batch=4,16]); repeatable")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--train", dest="mode", action="store_const", const="train",
                       help="put the model in training mode first (default: leave it as created, which is training mode for a new module)")

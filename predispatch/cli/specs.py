@@ -6,11 +6,16 @@
     --inputs "(f32[2], f32[3]), {ids: i64[4]}" a tuple and a dict argument ([...] is a list;
                                               (...) is a tuple even with one element)
     --kwargs "mask=b8[5,5], scale=0.5"        keyword inputs only
+    --inputs "f32[batch=4,16], i64[batch=4]"  a dynamic dimension, `batch`, example size 4,
+                                              the same symbol in both inputs
 
 A tensor is `DTYPE[d0,d1,...]` (`f32[]` is a 0-dim tensor).  DTYPE is a short name as FX
 prints it (`f32`, `bf16`, `i64`, `b8`) or a torch name (`float32`, `long`, `bool`).  The
 values do not matter to export, which traces shapes and dtypes only: floating tensors are
 filled with a seeded normal sample, integer tensors with zeros, bool tensors with True.
+
+A named dimension (`batch=4`) is dynamic: the program works for other sizes of it.  Its range
+is torch.export's default unless given (`--dim batch=1..64`, parsed by `parse_dim_range`).
 
 `parse_inputs(text)` returns data (`ParsedInputs` with `TensorSpec` leaves); `make_example(tree)`
 turns it into tensors.  Errors raise `SpecError`, which points at the column and, for a dtype,
@@ -59,14 +64,20 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A tensor to make: its dtype and shape."""
+    """A tensor to make: its dtype and example shape, and which dimensions are dynamic.
+
+    dims: per dimension, the name of its dynamic dimension (`batch` in `f32[batch=4,8]`) or
+        None for a static one; empty when every dimension is static.
+    """
 
     dtype: torch.dtype
     shape: tuple[int, ...]
+    dims: tuple[str | None, ...] = ()
 
     def __str__(self) -> str:
         short = {v: k for k, v in SHORT_DTYPES.items()}.get(self.dtype, str(self.dtype).replace("torch.", ""))
-        return f"{short}[{','.join(map(str, self.shape))}]"
+        names = self.dims or (None,) * len(self.shape)
+        return f"{short}[{','.join(f'{n}={d}' if n else str(d) for n, d in zip(names, self.shape))}]"
 
 
 @dataclass(frozen=True)
@@ -111,7 +122,32 @@ def make_example(tree: Any, seed: int = 0) -> Any:
             return torch.ones(spec.shape, dtype=torch.bool)
         return torch.zeros(spec.shape, dtype=spec.dtype)
 
-    return pytree.tree_map(make, tree, is_leaf=lambda x: isinstance(x, TensorSpec))
+    return pytree.tree_map_only(TensorSpec, make, tree)
+
+
+def dim_names(tree: Any) -> list[str]:
+    """The dynamic dimension names used in `tree`, in order of first use."""
+    specs = [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, TensorSpec)]
+    return list(dict.fromkeys(n for spec in specs for n in spec.dims if n))
+
+
+def parse_dim_range(text: str) -> tuple[str, int | None, int | None]:
+    """`batch=2..64`, `batch=..64`, `batch=2..` -> (name, min, max)."""
+    match = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(\d*)\s*\.\.\s*(\d*)\s*", text)
+    if match is None:
+        raise SpecError("a dimension range is NAME=MIN..MAX", text, 0, "example: --dim batch=1..64 (either bound may be left out)")
+    name, low, high = match.groups()
+    return name, int(low) if low else None, int(high) if high else None
+
+
+def dynamic_shapes(tree: Any, dims: dict[str, Any]) -> Any:
+    """`tree` with each TensorSpec replaced by torch.export's `{index: Dim}` (None when static)."""
+
+    def shape_of(spec: TensorSpec) -> dict[int, Any] | None:
+        marked = {i: dims[n] for i, n in enumerate(spec.dims) if n}
+        return marked or None
+
+    return pytree.tree_map_only(TensorSpec, shape_of, tree)
 
 
 def describe(parsed: ParsedInputs) -> str:
@@ -239,18 +275,23 @@ class _Parser:
         if dtype is None:
             raise SpecError(f"unknown dtype {name!r}", self.text, column, f"allowed dtypes: {allowed_dtypes()}")
         self.take("[")
-        shape = []
+        shape, dims = [], []
         while self.peek()[1] != "]":
+            name = None
+            if self.peek()[0] == "name" and self.peek(1)[1] == "=":
+                name = self.take()[1]
+                self.take("=")
             kind, text, col = self.take()
             if kind != "number" or not text.isdigit():
                 found = repr(text) if kind != "end" else "the end of the spec"
                 raise SpecError(f"a dimension must be a non-negative integer, found {found}",
-                                self.text, col, "example: f32[2,5,16]")
+                                self.text, col, "example: f32[2,5,16], or f32[batch=2,5,16] for a dynamic dimension")
             shape.append(int(text))
+            dims.append(name)
             if self.peek()[1] == ",":
                 self.take(",")
         self.take("]")
-        return TensorSpec(dtype, tuple(shape))
+        return TensorSpec(dtype, tuple(shape), tuple(dims) if any(dims) else ())
 
     def mapping(self) -> dict[str, Any]:
         self.take("{")

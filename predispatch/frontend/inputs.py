@@ -15,6 +15,7 @@ from torch import nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import UnsupportedInputError, user_frame
+from predispatch.frontend.dynamic import DynamicInputs, fake_dynamic_inputs
 from predispatch.frontend.reachable import modules_reached
 from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, Leaf
 
@@ -47,6 +48,7 @@ class PreparedInputs:
     fake_mode: the FakeTensorMode (with a ShapeEnv) every fake tensor below belongs to.
     fake_state: fake twins of `state`, in order.
     fake_user_inputs: fake twins of the tensor leaves, in order.
+    dynamic: torch's dynamic-shape bookkeeping when `dynamic_shapes` was given, else None.
     """
 
     module: nn.Module
@@ -58,6 +60,7 @@ class PreparedInputs:
     fake_mode: ti.FakeTensorMode
     fake_state: tuple[torch.Tensor, ...]
     fake_user_inputs: tuple[torch.Tensor, ...]
+    dynamic: DynamicInputs | None = None
 
     def call_args(self, user_tensors: tuple[torch.Tensor, ...]) -> tuple[tuple, dict]:
         """Rebuild `(args, kwargs)` from tensors for the tensor leaves and the recorded constants."""
@@ -76,28 +79,32 @@ class FunctionRoot(nn.Module):
 
     def __init__(self, fn: Callable[..., Any], modules: dict[str, nn.Module]):
         super().__init__()
-        object.__setattr__(self, "fn", fn)  # a bound method's module must not become a child twice
+        # `forward` is the function itself, so its signature (argument names, defaults) is the
+        # module's: torch's dynamic-shape helpers bind `dynamic_shapes` against it.
+        object.__setattr__(self, "forward", fn)
         for name, module in modules.items():
             self.add_module(name, module)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
 
-
-def prepare(module_or_fn: Any, args: Any, kwargs: Any) -> PreparedInputs:
+def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = None) -> PreparedInputs:
     """Validate, name, lift and fakify; see the module docstring."""
     args, kwargs = _check_args(args, kwargs)
     register_dataclasses((args, kwargs))
     module, signature_of = as_module(module_or_fn, args, kwargs)
     leaves, in_spec = _named_leaves(signature_of, args, kwargs)
     state = lift_state(module)
-    fake_mode = ti.new_fake_mode()
-    flat = pytree.tree_leaves((args, kwargs))
+    dynamic = fake_dynamic_inputs(module, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
+    fake_mode = dynamic.fake_mode if dynamic else ti.new_fake_mode()
     fake_state = tuple(_fakify(fake_mode, s.tensor, s.spec.kind is InputKind.PARAMETER) for s in state)
-    fake_user = tuple(_fakify(fake_mode, x) for x in flat if isinstance(x, torch.Tensor))
+    if dynamic:
+        flat = pytree.tree_leaves((dynamic.fake_args, dynamic.fake_kwargs))
+        fake_user = tuple(x for x in flat if isinstance(x, torch.Tensor))
+    else:
+        flat = pytree.tree_leaves((args, kwargs))
+        fake_user = tuple(_fakify(fake_mode, x) for x in flat if isinstance(x, torch.Tensor))
     user_specs = _user_input_specs(leaves, taken={s.spec.name for s in state})
     arg_names = tuple(_parameter_names(signature_of, args))
-    return PreparedInputs(module, state, user_specs, arg_names, leaves, in_spec, fake_mode, fake_state, fake_user)
+    return PreparedInputs(module, state, user_specs, arg_names, leaves, in_spec, fake_mode, fake_state, fake_user, dynamic)
 
 
 def as_module(obj: Any, args: tuple = (), kwargs: dict | None = None) -> tuple[nn.Module, Callable[..., Any]]:

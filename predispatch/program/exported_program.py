@@ -99,6 +99,7 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
     so for functions, whose modules are the user's own).
     """
     from predispatch.frontend import FunctionRoot
+    from predispatch.frontend.dynamic import shape_record
 
     gm = traced.graph_module
     inputs = (*(s.spec for s in prepared.state), *prepared.user_inputs)
@@ -124,6 +125,7 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
         traced.output_leaves,
         traced.grad_mode_on_exit,
         prepared.arg_names,
+        shape_record(prepared.fake_mode, gm.graph.find_nodes(op="placeholder")[len(prepared.state):]),
     )
     state = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is not InputKind.CONSTANT_TENSOR}
     constants = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is InputKind.CONSTANT_TENSOR}

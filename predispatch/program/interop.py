@@ -60,8 +60,9 @@ def to_torch(ep: ExportedProgram) -> torch.export.ExportedProgram:
     """`ep` as a `torch.export.ExportedProgram` (see the module docstring for what converts).
 
     The result passes torch's verifier and supports `torch.export.save`/`load`,
-    `run_decompositions()` and `module()`.  It shares `ep`'s tensors (as torch.export shares
-    the module's); the graph and subgraphs are copies, so torch's passes never touch `ep`.
+    `run_decompositions()` and `module()`.  Everything in it is a copy: torch's `module()`
+    writes buffer mutations into the program's own state tensors, and torch's passes rewrite
+    graphs, and neither may reach `ep` or the model it was exported from.
     """
     _refuse_unrepresentable(ep)
     builder = _TorchGraph(ep)
@@ -147,7 +148,7 @@ class _TorchGraph:
 
     def _add_state(self, spec: InputSpec, node: fx.Node, mutated: bool) -> None:
         """One placeholder per name of the tensor (tied names share the tensor, as in torch)."""
-        tensor = self.ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else self.ep.state_dict[spec.target]
+        tensor = _copy(self.ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else self.ep.state_dict[spec.target])
         for i, fqn in enumerate((spec.target, *spec.aliases)):
             name = node.name if i == 0 else unique_identifier(PLACEHOLDER_PREFIX[spec.kind] + fqn, self._taken)
             placeholder = self._placeholder(name, node.meta)
@@ -173,11 +174,11 @@ class _TorchGraph:
             if isinstance(value, torch.Tensor):
                 placeholder = self._placeholder(unique_identifier(f"c_{node.target}", self._taken), node.meta)
                 self._env[node] = placeholder
-                self.constants[node.target] = value
+                self.constants[node.target] = _copy(value)
                 arg = tsig.TensorArgument(placeholder.name)
                 self.input_specs.append(tsig.InputSpec(tsig.InputKind.CONSTANT_TENSOR, arg, node.target))
             else:  # a subgraph: a copy, so torch's passes cannot change ep's
-                self.root[node.target] = copy.deepcopy(value)
+                self.root[node.target] = _subgraph_copy(value)
 
     def _add_user_inputs(self, tensor_placeholders: list[fx.Node]) -> None:
         """Every input leaf in pytree order: tensors as before, constants as placeholders."""
@@ -230,4 +231,21 @@ class _TorchGraph:
 def _attribute(module: torch.nn.Module, target: str) -> Any:
     for part in target.split("."):
         module = getattr(module, part)
+    return module
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy with the same kind (Parameter or not) and `requires_grad`."""
+    copy_ = tensor.detach().clone()
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(copy_, requires_grad=tensor.requires_grad)
+    return copy_.requires_grad_(tensor.requires_grad)
+
+
+def _subgraph_copy(module: fx.GraphModule) -> fx.GraphModule:
+    """A copy whose tensors (created inside a region) stay out of torch's `module().state_dict()`:
+    they are the graph's own constants, not the model's state."""
+    module = copy.deepcopy(module)
+    for sub in module.modules():
+        sub._non_persistent_buffers_set.update(sub._buffers)
     return module

@@ -10,8 +10,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from predispatch import _torch_internals as ti
-from predispatch.errors import InputMismatchError, user_frame
-from predispatch.program.signature import InputKind, OutputKind
+from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
+from predispatch.program.signature import InputKind, OutputKind, ShapeRecord
 
 if TYPE_CHECKING:
     from predispatch.program.exported_program import ExportedProgram
@@ -132,14 +132,46 @@ def _user_tensors(ep: ExportedProgram, args: tuple, kwargs: dict) -> list[torch.
         if leaf.is_tensor:
             _check_tensor(leaf.path, value, next(examples))
             tensors.append(value)
-        elif type(value) is not type(leaf.value) or value != leaf.value:
+        elif type(value) is not type(leaf.value) or (value is not leaf.value and value != leaf.value):
             raise InputMismatchError(
                 f"input {leaf.path!r} was {leaf.value!r} at export and is {value!r} now; "
                 "constants are baked into the program.",
                 where=user_frame(),
                 fix="call with the exported value, or export again with this one.",
             )
+    if sig.shapes.is_dynamic:
+        paths = [leaf.path for leaf in sig.input_leaves if leaf.is_tensor]
+        _check_symbols(sig.shapes, paths, tensors)
     return tensors
+
+
+def _check_symbols(shapes: ShapeRecord, paths: list[str], tensors: list[torch.Tensor]) -> None:
+    """Bind each symbol to the size it has in this call; check equal symbols, ranges, expressions."""
+    import sympy
+
+    bound: dict[str, int] = {}
+    derived = []
+    for path, tensor, dims in zip(paths, tensors, shapes.input_shapes):
+        for i, (dim, size) in enumerate(zip(dims, tensor.shape)):
+            if isinstance(dim, str) and dim.isidentifier():
+                if bound.setdefault(dim, size) != size:
+                    _shape_error(f"{path}.shape[{i}] is {size} but {dim} is {bound[dim]} from an earlier input")
+            elif isinstance(dim, str):
+                derived.append((path, i, dim, size))
+    for name, lo, hi in shapes.ranges:
+        if name in bound and not (lo <= bound[name] and (hi is None or bound[name] <= hi)):
+            _shape_error(f"{name} = {bound[name]} is outside its range [{lo}, {'inf' if hi is None else hi}]")
+    for path, i, expr, size in derived:
+        if int(sympy.sympify(expr).subs(bound)) != size:
+            _shape_error(f"{path}.shape[{i}] is {size} but must equal {expr} = {sympy.sympify(expr).subs(bound)}")
+
+
+def _shape_error(what: str) -> None:
+    raise DynamicShapeError(
+        f"this call's shapes do not fit the program: {what}.",
+        where=user_frame(),
+        fix="call with sizes inside the ranges print(ep) shows, or export again with wider dynamic_shapes.",
+    )
 
 
 def _check_tensor(path: str, value: Any, example: Any) -> None:
@@ -149,8 +181,9 @@ def _check_tensor(path: str, value: Any, example: Any) -> None:
         )
     if example is None:
         return
-    static = all(isinstance(d, int) for d in example.shape)
-    if value.dtype != example.dtype or (static and tuple(value.shape) != tuple(example.shape)):
+    wrong_rank = value.dim() != len(example.shape)
+    static_dims = [(a, e) for a, e in zip(value.shape, example.shape) if isinstance(e, int)]
+    if value.dtype != example.dtype or wrong_rank or any(a != e for a, e in static_dims):
         raise InputMismatchError(
             f"input {path!r} was exported as {example.dtype} {tuple(example.shape)} and is "
             f"{value.dtype} {tuple(value.shape)} now.",

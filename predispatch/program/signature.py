@@ -75,13 +75,48 @@ class Leaf:
     """One leaf of the user's inputs or outputs, in pytree order.
 
     path: the leaf's pytree path (`x`, `kwargs['mask']`, `['logits']`).
-    is_tensor: tensor leaves are graph inputs/outputs; the others are constants baked in.
+    is_tensor: the leaf is a graph input/output: a tensor, or (outputs only) a scalar computed
+        from data such as `x.sum().item()`; the other leaves are constants baked in.
     value: the constant's value (None for tensor leaves).
     """
 
     path: str
     is_tensor: bool
     value: Any = None
+
+
+@dataclass(frozen=True)
+class ShapeRecord:
+    """The program's shapes in symbols.
+
+    input_shapes: for each user tensor input, its sizes as ints or symbol expressions ("s0").
+    ranges: for each symbol, its inclusive `(min, max)`; max None when unbounded.
+    guards: the conditions on symbols the trace discovered, as text; "runtime: ..." ones are
+        checks on data-dependent values (`torch._check(n > 0)`) torch defers to run time.
+    origins: for each symbol, the input dimension it was made for (`x.size()[0]`).
+    """
+
+    input_shapes: tuple[tuple[int | str, ...], ...] = ()
+    ranges: tuple[tuple[str, int, int | None], ...] = ()
+    guards: tuple[str, ...] = ()
+    origins: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def is_dynamic(self) -> bool:
+        return bool(self.ranges or self.guards)
+
+    def __str__(self) -> str:
+        lines = []
+        if self.ranges:
+            lines.append("Range constraints:")
+            origin = dict(self.origins)
+            for sym, lo, hi in self.ranges:
+                where = f"  ({origin[sym]})" if sym in origin else ""
+                lines.append(f"    {sym}: [{lo}, {'inf' if hi is None else hi}]{where}")
+        if self.guards:
+            lines.append("Shape guards:")
+            lines.extend(f"    {g}" for g in self.guards)
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -99,6 +134,7 @@ class ExportSignature:
         when forward leaves the caller's mode as it was.
     arg_names: the names of the positional parameters at export (`x`, `mask`), so a program's
         `module()` can be exported again with the same names.
+    shapes: user input shapes in symbols, symbol ranges and shape guards (dynamic exports).
     """
 
     inputs: tuple[InputSpec, ...]
@@ -109,6 +145,7 @@ class ExportSignature:
     output_leaves: tuple[Leaf, ...]
     grad_mode_on_exit: bool | None = None
     arg_names: tuple[str, ...] = ()
+    shapes: ShapeRecord = ShapeRecord()
 
     def inputs_of(self, *kinds: InputKind) -> tuple[InputSpec, ...]:
         return tuple(s for s in self.inputs if s.kind in kinds)
@@ -137,6 +174,8 @@ class ExportSignature:
         if modules:
             lines.append("Module inputs (their state is lifted above):")
             lines.extend(f"    {leaf.path}: {type(leaf.value).__name__}" for leaf in modules)
+        if self.shapes.is_dynamic:
+            lines.append(str(self.shapes))
         if self.grad_mode_on_exit is not None:
             state = "enabled" if self.grad_mode_on_exit else "disabled"
             lines.append(f"Leaves grad mode {state} for the caller, as forward does.")

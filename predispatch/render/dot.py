@@ -122,17 +122,13 @@ def _legend(pic: Picture) -> list[str]:
     """One plaintext node with a table of the node and cluster kinds this picture uses."""
     used_nodes = [k for k in NODE_STYLE if any(n.kind is k for n in pic.nodes)]
     used_clusters = [k for k in CLUSTER_STYLE if any(c.kind is k for c in pic.clusters)]
-    rows = [
-        f'<tr><td bgcolor="{NODE_STYLE[k][0]}" color="{NODE_STYLE[k][1]}" border="1" width="14"></td>'
-        f'<td align="left">{html.escape(NODE_STYLE[k][2])}</td></tr>'
-        for k in used_nodes
-    ]
-    rows += [
-        f'<tr><td bgcolor="{CLUSTER_STYLE[k][0]}" color="{CLUSTER_STYLE[k][1]}" border="1" width="14"></td>'
-        f'<td align="left">{html.escape(CLUSTER_STYLE[k][2])}</td></tr>'
-        for k in used_clusters
-    ]
-    table = f'<table border="0" cellborder="0" cellspacing="2" cellpadding="2">{"".join(rows)}</table>'
+    styles = [NODE_STYLE[k] for k in used_nodes] + [CLUSTER_STYLE[k] for k in used_clusters]
+    rows = {
+        text: f'<tr><td bgcolor="{fill}" color="{border}" border="1" width="14"></td>'
+        f'<td align="left">{html.escape(text)}</td></tr>'
+        for fill, border, text in styles
+    }
+    table = f'<table border="0" cellborder="0" cellspacing="2" cellpadding="2">{"".join(rows.values())}</table>'
     return [f'  legend [shape=plaintext, style="", fontsize=9, label={_html_label(table)}];']
 
 

@@ -48,11 +48,12 @@ def _summary(pic: Picture) -> str:
 
     inputs = ", ".join(_plural(count(k), NODE_STYLE[k][2]) for k in _INPUTS if count(k))
     ops = count(NodeKind.OP, NodeKind.COMPOSITE, NodeKind.CUSTOM_OP, NodeKind.CALL)
-    regions = sum(c.kind is not ClusterKind.SUBGRAPH for c in pic.clusters)
+    regions = sum(c.kind in (ClusterKind.GRAD_DISABLED, ClusterKind.GRAD_ENABLED, ClusterKind.AUTOCAST) for c in pic.clusters)
+    functions = sum(c.kind is ClusterKind.FUNCTION for c in pic.clusters)
     return (
         f"inputs: {inputs or 'none'} · {_plural(ops, 'op')}, {count(NodeKind.COMPOSITE)} kept whole as composites · "
-        f"{_plural(regions, 'region')} · outputs: {count(NodeKind.USER_OUTPUT)} user, "
-        f"{_plural(count(NodeKind.MUTATION), 'mutation')}"
+        f"{_plural(regions, 'region')}, {_plural(functions, 'captured Function')} · "
+        f"outputs: {count(NodeKind.USER_OUTPUT)} user, {_plural(count(NodeKind.MUTATION), 'mutation')}"
     )
 
 
@@ -140,17 +141,18 @@ def _chip(pic: Picture, n: PictureNode) -> str:
 
 
 def _legend(pic: Picture) -> str:
-    items = [
-        f'<li><span class="swatch k-{k.value}"></span>{html.escape(style[2])}</li>'
+    """One entry per node and cluster style the picture uses."""
+    items = {
+        style[2]: f'<li><span class="swatch k-{k.value}"></span>{html.escape(style[2])}</li>'
         for k, style in NODE_STYLE.items()
         if any(n.kind is k for n in pic.nodes)
-    ]
-    items += [
-        f'<li><span class="swatch g-{k.value}"></span>{html.escape(style[2])}</li>'
+    }
+    items.update({
+        style[2]: f'<li><span class="swatch g-{k.value}"></span>{html.escape(style[2])}</li>'
         for k, style in CLUSTER_STYLE.items()
         if any(c.kind is k for c in pic.clusters)
-    ]
-    return f'<ul class="legend">{"".join(items)}</ul>'
+    })
+    return f'<ul class="legend">{"".join(items.values())}</ul>'
 
 
 def _css() -> str:
@@ -175,7 +177,7 @@ main{padding:0 20px 30px}
 .inputs{display:flex;flex-wrap:wrap;gap:6px}.inputs h2{width:100%}
 .node{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px;border:1.5px solid;
  border-left-width:6px;border-radius:5px;padding:3px 8px;margin:3px 0;display:grid;
- grid-template-columns:17em 27em 11em 1fr;column-gap:12px;align-items:baseline}
+ grid-template-columns:14em 23em 9em 1fr;column-gap:12px;align-items:baseline}
 .node>span{overflow-wrap:anywhere}
 .chip{display:inline-flex;margin:0;gap:8px}
 .name{font-weight:700}

@@ -17,8 +17,8 @@ NODE_STYLE: dict[NodeKind, tuple[str, str, str]] = {
     NodeKind.COMPOSITE: ("#fff3a8", "#a88a00", "composite kept whole"),
     NodeKind.CUSTOM_OP: ("#fbdde8", "#b0406a", "non-aten op (predispatch::keep_history, ...)"),
     NodeKind.CALL: ("#eeeeee", "#555555", "higher-order op call"),
-    NodeKind.SUBGRAPH_INPUT: ("#f6f6f6", "#999999", "subgraph input"),
-    NodeKind.SUBGRAPH_OUTPUT: ("#f6f6f6", "#999999", "subgraph output"),
+    NodeKind.SUBGRAPH_INPUT: ("#f6f6f6", "#999999", "subgraph input or output"),
+    NodeKind.SUBGRAPH_OUTPUT: ("#f6f6f6", "#999999", "subgraph input or output"),
     NodeKind.USER_OUTPUT: ("#e4e4e4", "#333333", "user output"),
     NodeKind.MUTATION: ("#f8c9c4", "#c0392b", "mutation output (written back)"),
 }

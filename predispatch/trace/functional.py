@@ -19,6 +19,7 @@ from predispatch.errors import (
     user_frame,
 )
 from predispatch.frontend import PreparedInputs
+from predispatch.frontend.dynamic import check_constraints
 from predispatch.frontend.inputs import CONSTANT_TYPES
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
@@ -90,7 +91,7 @@ class _Root(nn.Module):
             out = prepared.module(*args, **kwargs)
         self._grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
         self._outputs = _output_leaves(out)
-        return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor))
+        return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, _GRAPH_OUTPUT_TYPES) and not _is_static(x))
 
 
 _active_traces = 0
@@ -128,6 +129,8 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
                 root, prepared.fake_user_inputs, trace_joint=False, pre_dispatch=True
             )
     _remove_effect_tokens(gm, len(aot_signature.input_tokens), len(aot_signature.output_tokens))
+    if prepared.dynamic is not None:
+        check_constraints(prepared.dynamic, gm)
     output_leaves, out_spec = root._outputs
     return TracedGraph(gm, _mutated_inputs(gm, aot_signature), output_leaves, out_spec, log, root._grad_mode_on_exit)
 
@@ -161,14 +164,28 @@ def _is_token_item(node: fx.Node) -> bool:
     return node.target is operator.getitem and node.args[0].target is ti.with_effects and node.args[1] == 0
 
 
+#: What a graph can return: tensors, and scalars computed from data (`x.sum().item()`, `idx.shape[0]`).
+_GRAPH_OUTPUT_TYPES = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+_SCALAR_TYPE = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
+
+
+def _is_static(value: Any) -> bool:
+    """A symbolic scalar that turned out to be a known number is a constant, not a graph output."""
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and value.node.expr.is_number
+
+
 def _output_leaves(out: Any) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:
-    """Check and describe the user's return value: tensor leaves and constant leaves."""
+    """Check and describe the user's return value: graph outputs (tensors, symbolic scalars) and constants."""
     with_path, spec = pytree.tree_flatten_with_path(out)
     leaves = []
     for path, value in with_path:
         label = "output" + pytree.keystr(path)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, _GRAPH_OUTPUT_TYPES) and not _is_static(value):
             leaves.append(Leaf(label, True))
+        elif _is_static(value):
+            leaves.append(Leaf(label, False, _SCALAR_TYPE[type(value)](value)))
         elif isinstance(value, CONSTANT_TYPES):
             leaves.append(Leaf(label, False, value))
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,15 +13,29 @@ import torch
 from torch.utils.checkpoint import CheckpointFunction
 
 from predispatch import _torch_internals as ti
+from predispatch.errors import AutogradFunctionError, user_frame
 from predispatch.trace.autograd_function.hop import TracedCall, function_call
 from predispatch.trace.autograd_function.record import CapturedCall
 from predispatch.trace.autograd_function.subgraphs import CallSite, capture_call, has_setup_context
 
-#: Functions whose `apply` runs as before (forward inlined), and why that is right for them.
-INLINED: dict[type, str] = {
-    CheckpointFunction: "reentrant checkpointing recomputes forward in backward: its gradient is "
-    "the forward's own derivative, which the inlined forward already gives",
-    TracedCall: "predispatch's own trace-time Function, never differentiated",
+#: torch's own `Function.apply`, what every call not captured runs (also under a nested export).
+_TORCH_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+
+
+def _run_checkpointed(cls, function, preserve_rng_state, *args):
+    return function(*args)
+
+
+#: Functions export runs another way instead of capturing, and why that is right for each.
+RUN_INSTEAD: dict[type, tuple[Callable[..., Any], str]] = {
+    TracedCall: (_TORCH_APPLY, "predispatch's own trace-time Function; it is never differentiated."),
+    CheckpointFunction: (
+        _run_checkpointed,
+        "reentrant activation checkpointing: its backward recomputes the forward and differentiates "
+        "it, so its gradient is the forward's own, and that backward (autograd.backward with side "
+        "effects on .grad) cannot be traced; the program runs the checkpointed function plainly "
+        "(same values and gradients, without the memory saving).",
+    ),
 }
 
 
@@ -41,9 +55,6 @@ class _Calls:
 
 _EXPORTS: weakref.WeakKeyDictionary[object, _Calls] = weakref.WeakKeyDictionary()
 
-#: torch's own `Function.apply`, what every call not captured runs (also under a nested export).
-_TORCH_APPLY = torch.autograd.Function.__dict__["apply"].__func__
-
 
 @contextlib.contextmanager
 def capture_autograd_functions(owner: object) -> Iterator[None]:
@@ -57,7 +68,11 @@ def capture_autograd_functions(owner: object) -> Iterator[None]:
     original = torch.autograd.Function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
-        if calls.depth > 0 or cls in INLINED or torch._C._are_functorch_transforms_active():
+        if cls.__qualname__.startswith("AutogradFunctionApply."):
+            raise _compiled_region_refusal()
+        if cls in RUN_INSTEAD:
+            return RUN_INSTEAD[cls][0](cls, *args, **kwargs)
+        if calls.depth > 0 or _is_torch_own(cls) or torch._C._are_functorch_transforms_active():
             return _TORCH_APPLY(cls, *args, **kwargs)
         return _apply(calls, cls, _bind(cls, args, kwargs))
 
@@ -66,6 +81,25 @@ def capture_autograd_functions(owner: object) -> Iterator[None]:
         yield
     finally:
         torch.autograd.Function.apply = original
+
+
+def _compiled_region_refusal() -> AutogradFunctionError:
+    """torch.cond & co. trace their branches with Dynamo, which turns a Function into torch's
+    `autograd_function_apply`; running that inlines the forward and drops the backward."""
+    return AutogradFunctionError(
+        "a custom autograd.Function is called inside torch.cond (or another region torch traces "
+        "with Dynamo); torch hands it to export inlined, so its backward would be lost.",
+        where=user_frame(),
+        fix="call the Function outside the torch.cond branches: compute it once before, or compute "
+        "both sides and select with torch.where.",
+    )
+
+
+def _is_torch_own(cls: type) -> bool:
+    """torch's own Functions implement ops, not models: the autograd kernel of every
+    `torch.library.custom_op` (`predispatch::keep_history` too) and of HOPs runs one, from inside
+    the dispatcher, and the op or HOP is what the graph records.  Left to torch as before."""
+    return cls.__module__ == "torch" or cls.__module__.startswith("torch.")
 
 
 def _bind(cls: type, args: tuple, kwargs: dict) -> tuple:

@@ -16,6 +16,7 @@ so the user's Python never runs here: AOTAutograd's two passes both replay the s
 
 from __future__ import annotations
 
+import operator
 import re
 
 import torch
@@ -50,15 +51,27 @@ def _emit(mode, call: CapturedCall, *operands):
     tracer = mode.tracer
     base = _snake(call.function.__name__)
     for suffix, graph in (("fwd", call.forward), ("bwd", call.backward)):
-        tracer.root.register_module(tracer.get_fresh_qualname(f"{base}_{suffix}_"), graph)
+        name = tracer.get_fresh_qualname(f"{base}_{suffix}_")
+        graph.__class__.__name__ = name  # each GraphModule has a class of its own: name it as it prints
+        tracer.root.register_module(name, graph)
     args = (call.forward, call.backward, *(tracer.unwrap_proxy(t) for t in operands))
     proxy = tracer.create_proxy("call_function", ti.autograd_function_apply, args, call.node_kwargs())
-    return ti.track_tensor_tree(outputs, proxy, constant=None, tracer=tracer)
+    tracked = ti.track_tensor_tree(outputs, proxy, constant=None, tracer=tracer)
+    _name_outputs(proxy.node, call)
+    return tracked
+
+
+def _name_outputs(node: torch.fx.Node, call: CapturedCall) -> None:
+    """Name each `getitem` of the HOP after the forward graph's output (`round_1`, not `getitem`)."""
+    names = [n.name for n in call.forward.graph.output_node().args[0][0]]
+    for user in list(node.users):
+        if user.target is operator.getitem:
+            user._rename(names[user.args[1]])
 
 
 @function_call.py_impl(ti.FakeTensorMode)
 def _fake(mode, call: CapturedCall, *operands):
-    with mode:
+    with mode, ti.discarding_unbacked_symbols(mode):
         outputs, _saved = call.forward(*operands)
     return tuple(outputs)
 

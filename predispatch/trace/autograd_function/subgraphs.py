@@ -21,7 +21,7 @@ import contextlib
 import inspect
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from predispatch import _torch_internals as ti
 from predispatch.errors import AutogradFunctionError, DataDependentError, PredispatchError, user_frame
 from predispatch.frontend.inputs import CONSTANT_TYPES
 from predispatch.passes.name_placeholders import name_placeholders
+from predispatch.passes.wrap_regions import TOGGLES, wrap_regions
 from predispatch.trace.autograd_function.record import (
     BackwardCtx,
     CapturedCall,
@@ -85,20 +86,26 @@ def _leaf_key(x: Any) -> Any:
     return ("constant", type(x), x) if isinstance(x, CONSTANT_TYPES) else ("object", type(x))
 
 
-@dataclass
+@dataclass(frozen=True)
 class _ForwardRecord:
-    """What forward left on its ctx, turned into indices while its tensors are alive (scratch)."""
+    """What forward returned and left on its ctx, as indices and constants.
 
-    outputs: tuple[OutputLeaf, ...] = ()
-    returns_tuple: bool = False
-    non_differentiable: tuple[int, ...] = ()
-    dirty: tuple[tuple[int, int], ...] = ()
-    saved_layout: tuple[int | None, ...] = ()  # ctx.save_for_backward order: saved index or None
-    attributes: tuple[SavedAttribute, ...] = ()
-    materialize_grads: bool = True
-    saved_count: int = 0
-    num_outputs: int = 0
-    graph_names: list[str] = field(default_factory=list)  # backward placeholder names for saved values
+    outputs, returns_tuple, non_differentiable, dirty: as in `CapturedCall`.
+    saved_layout: per tensor given to `ctx.save_for_backward`, its index among the saved values
+        (None where forward saved None).
+    attributes: the user's ctx attributes, tensors replaced by saved-value slots.
+    materialize_grads: the `ctx.set_materialize_grads` setting.
+    saved_names: backward placeholder names for the saved values (`saved_x`, `ctx_sign`).
+    """
+
+    outputs: tuple[OutputLeaf, ...]
+    returns_tuple: bool
+    non_differentiable: tuple[int, ...]
+    dirty: tuple[tuple[int, int], ...]
+    saved_layout: tuple[int | None, ...]
+    attributes: tuple[SavedAttribute, ...]
+    materialize_grads: bool
+    saved_names: tuple[str, ...]
 
 
 def capture_call(site: CallSite, fake_mode: ti.FakeTensorMode) -> CapturedCall:
@@ -132,16 +139,20 @@ def _fresh_fake(t: torch.Tensor) -> torch.Tensor:
 
 def _trace_forward(site: CallSite, operands, needs_input_grad, fake_mode) -> tuple[fx.GraphModule, _ForwardRecord]:
     """The forward graph `(*operands) -> ((*outputs), (*saved))`, and what forward recorded."""
-    record = _ForwardRecord()
+    records: list[_ForwardRecord] = []  # filled while forward's tensors are alive
 
     def forward(*tensors):
         ctx = ForwardCtx(needs_input_grad)
         out = _run_user_forward(site.function, ctx, site.with_operands(tensors))
-        return _record_forward(site, ctx, out, tensors, record)
+        record, outputs, saved = _describe_forward(site, ctx, out, tensors)
+        records.append(record)
+        return outputs, saved
 
-    with _located(site.function, "forward"), torch.no_grad():
+    with _located(site.function, "forward"), torch.no_grad():  # eager runs forward with grad off
         gm, mutated = ti.trace_functional(forward, operands, fake_mode)
+    (record,) = records
     _check_forward_mutations(site, record, mutated)
+    _check_reads_only_arguments(site, gm, "forward")
     _tidy(gm, _operand_names(site))
     _clone_aliased_outputs(gm, fake_mode)
     return gm, record
@@ -162,8 +173,8 @@ def has_setup_context(function: type) -> bool:
     return function.setup_context is not _SingleLevelFunction.setup_context
 
 
-def _record_forward(site: CallSite, ctx: ForwardCtx, out: Any, inputs: tuple, record: _ForwardRecord):
-    """Fill `record` from forward's result and ctx; return the graph's `(outputs, saved)`."""
+def _describe_forward(site: CallSite, ctx: ForwardCtx, out: Any, inputs: tuple):
+    """`(record, outputs, saved)`: what forward did, and the forward graph's two output tuples."""
     returns_tuple = isinstance(out, tuple)
     tensors, leaves = [], []
     for i, value in enumerate(out if returns_tuple else (out,)):
@@ -173,16 +184,21 @@ def _record_forward(site: CallSite, ctx: ForwardCtx, out: Any, inputs: tuple, re
         elif isinstance(value, CONSTANT_TYPES):
             leaves.append(OutputLeaf(None, value))
         else:
-            raise _refusal(site.function, "forward", f"output {i} has type {type(value).__name__}, neither a tensor nor a constant.")
+            raise _refusal(site.function, "forward", f"output {i} has type {type(value).__name__}, neither a tensor nor a constant.",
+                           fix="return tensors and constants (int, float, bool, str, None) only.")
     saved, layout = _saved_tensors(ctx)
     attributes = _saved_attributes(ctx, saved)
-    record.outputs, record.returns_tuple, record.num_outputs = tuple(leaves), returns_tuple, len(tensors)
-    record.non_differentiable = tuple(_index_in(site, t, tensors, "ctx.mark_non_differentiable", "an output") for t in getattr(ctx, "non_differentiable", ()))
-    record.dirty = tuple(_dirty(site, t, tensors, inputs) for t in getattr(ctx, "dirty_tensors", ()))
-    record.saved_layout, record.attributes, record.saved_count = layout, attributes, len(saved)
-    record.materialize_grads = ctx.materialize_grads
-    record.graph_names = _saved_names(ctx, saved, inputs, site)
-    return tuple(tensors), tuple(saved)
+    record = _ForwardRecord(
+        tuple(leaves),
+        returns_tuple,
+        tuple(_non_differentiable(site, t, tensors) for t in getattr(ctx, "non_differentiable", ())),
+        tuple(_dirty(site, t, tensors, inputs) for t in getattr(ctx, "dirty_tensors", ())),
+        layout,
+        attributes,
+        ctx.materialize_grads,
+        _saved_names(site, saved, inputs, attributes),
+    )
+    return record, tuple(tensors), tuple(saved)
 
 
 def _saved_tensors(ctx: ForwardCtx) -> tuple[list[torch.Tensor], tuple[int | None, ...]]:
@@ -211,27 +227,35 @@ def _saved_attributes(ctx: ForwardCtx, saved: list[torch.Tensor]) -> tuple[Saved
     return tuple(attributes)
 
 
-def _saved_names(ctx, saved, inputs, site) -> list[str]:
-    """Readable backward placeholder names for the saved values: `saved_x`, `ctx_scale`, ..."""
+def _saved_names(site: CallSite, saved: list, inputs: tuple, attributes: tuple[SavedAttribute, ...]) -> tuple[str, ...]:
+    """Backward placeholder names: `saved_x` for a saved input, `saved_<i>` else, `ctx_<attr>` for attributes."""
     arg_names = _operand_names(site)
-    names = []
-    for i, t in enumerate(saved):
-        same_input = next((arg_names[j] for j, x in enumerate(inputs) if x is t), None)
-        names.append(f"saved_{same_input or i}")
-    return names  # attribute tensors are renamed `ctx_<attr>` by `_saved_input_names`
+    names = [f"saved_{next((arg_names[j] for j, x in enumerate(inputs) if x is t), i)}" for i, t in enumerate(saved)]
+    for attribute in attributes:
+        slots = [x for x in attribute.leaves if isinstance(x, SavedSlot)]
+        for j, slot in enumerate(slots):
+            names[slot.index] = f"ctx_{attribute.name}" if len(slots) == 1 else f"ctx_{attribute.name}_{j}"
+    return tuple(names)
 
 
-def _index_in(site: CallSite, t: Any, candidates: list, what: str, kind: str) -> int:
+def _index_in(site: CallSite, t: Any, candidates: list, problem: str, fix: str) -> int:
+    """Position of `t` (by identity) among `candidates`; refuse with `problem` when absent."""
     for i, c in enumerate(candidates):
         if c is t:
             return i
-    raise _refusal(site.function, "forward", f"{what} was given a tensor that is not {kind} of forward.")
+    raise _refusal(site.function, "forward", problem, fix=fix)
+
+
+def _non_differentiable(site: CallSite, t: torch.Tensor, outputs: list) -> int:
+    return _index_in(site, t, outputs, "ctx.mark_non_differentiable was given a tensor forward does not return.",
+                     "mark only tensors that forward returns.")
 
 
 def _dirty(site: CallSite, t: torch.Tensor, outputs: list, inputs: tuple) -> tuple[int, int]:
     """`(output index, operand index)` of a tensor passed to `ctx.mark_dirty`."""
-    operand = _index_in(site, t, list(inputs), "ctx.mark_dirty", "an input")
-    output = _index_in(site, t, outputs, "ctx.mark_dirty", "returned by")
+    fix = "mark only inputs that forward changes in place, and return them from forward (as eager requires)."
+    operand = _index_in(site, t, list(inputs), "ctx.mark_dirty was given a tensor that is not an input of forward.", fix)
+    output = _index_in(site, t, outputs, "ctx.mark_dirty was given an input that forward does not return.", fix)
     return output, operand
 
 
@@ -246,6 +270,23 @@ def _check_forward_mutations(site: CallSite, record: _ForwardRecord, mutated: tu
                 f"forward changes its input {_operand_names(site)[position]!r} in place without ctx.mark_dirty, "
                 "so autograd (eager and exported) would compute wrong gradients.",
                 fix="call ctx.mark_dirty(x) and return x, or compute out of place (x = x * 2).",
+            )
+
+
+def _check_reads_only_arguments(site: CallSite, gm: fx.GraphModule, phase: str) -> None:
+    """Refuse a subgraph that baked in a tensor of the outer trace (a closure, not an argument).
+
+    Such a tensor reaches the nested trace as a constant: the program would hold a fake
+    tensor where the model's weight or an earlier result should flow, and no gradient.
+    """
+    for node in gm.graph.find_nodes(op="get_attr"):
+        if ti.is_traced_tensor(getattr(gm, node.target, None)):
+            raise _refusal(
+                site.function, phase,
+                f"{phase} reads a tensor that is not one of its arguments (a closure over a module "
+                "weight or an earlier result), which would be frozen into the program.",
+                fix=f"pass the tensor to {site.function.__name__}.apply(...) as an argument and "
+                "return a gradient for it from backward.",
             )
 
 
@@ -271,7 +312,8 @@ def _trace_backward(site: CallSite, forward: fx.GraphModule, record: _ForwardRec
             site.function, "backward", "backward changes a saved tensor in place, which a functional graph cannot do.",
             fix="compute out of place in backward (y = x * 2 instead of x.mul_(2)).",
         )
-    _tidy(gm, [*_grad_names(n), *_saved_input_names(record)])
+    _check_reads_only_arguments(site, gm, "backward")
+    _tidy(gm, [*_grad_names(n), *record.saved_names])
     return gm
 
 
@@ -294,23 +336,34 @@ def _run_user_backward(function: type, ctx: BackwardCtx, grads: list) -> Any:
 
 
 def _operand_grads(site: CallSite, result: Any) -> tuple[torch.Tensor | None, ...]:
-    """One gradient per operand from backward's result (one per argument), checked as eager checks it."""
+    """One gradient per operand from backward's result (one per argument), checked as eager checks it.
+
+    A tensor nested in a container argument is an operand autograd does not differentiate
+    (only top-level tensor arguments are inputs of the Function): it gets None.
+    """
     grads = result if isinstance(result, tuple) else (result,)
-    args = site.args
-    if len(grads) < len(args) or any(g is not None for g in grads[len(args):]):
-        raise _refusal(site.function, "backward", f"backward returned {len(grads)} gradients; forward has {len(args)} arguments.",
-                       fix="return one gradient per forward argument (None for arguments without one).")
-    out = []
-    for i, (arg, grad) in enumerate(zip(args, grads)):
-        if grad is not None and not isinstance(arg, torch.Tensor):
-            raise _refusal(site.function, "backward", f"backward returned a gradient for argument {i}, which is not a tensor.",
-                           fix="return None for arguments that are not tensors.")
-        if grad is not None and not isinstance(grad, torch.Tensor):
-            raise _refusal(site.function, "backward", f"backward returned a {type(grad).__name__} for argument {i}.",
-                           fix="return a tensor or None for each argument.")
-        leaves = [x for x in pytree.tree_leaves(arg) if isinstance(x, torch.Tensor)]
-        out.extend([grad] if isinstance(arg, torch.Tensor) else [None] * len(leaves))
+    if len(grads) < len(site.args) or any(g is not None for g in grads[len(site.args):]):
+        raise _refusal(
+            site.function, "backward", f"backward returned {len(grads)} gradient(s) for the {len(site.args)} arguments of forward.",
+            fix="return one gradient per forward argument (None for arguments without one).",
+        )
+    out: list[torch.Tensor | None] = []
+    for i, (arg, grad) in enumerate(zip(site.args, grads)):
+        _check_gradient(site, i, arg, grad)
+        nested = sum(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(arg))
+        out.extend([grad] if isinstance(arg, torch.Tensor) else [None] * nested)
     return tuple(out)
+
+
+def _check_gradient(site: CallSite, i: int, arg: Any, grad: Any) -> None:
+    if grad is None:
+        return
+    if not isinstance(arg, torch.Tensor):
+        raise _refusal(site.function, "backward", f"backward returned a gradient for argument {i}, which is not a tensor.",
+                       fix="return None for arguments that are not tensors.")
+    if not isinstance(grad, torch.Tensor):
+        raise _refusal(site.function, "backward", f"backward returned a {type(grad).__name__} for argument {i}.",
+                       fix="return a tensor or None for each argument.")
 
 
 # --- graph tidying -------------------------------------------------------------------------
@@ -321,11 +374,9 @@ def _tidy(gm: fx.GraphModule, names: list[str]) -> None:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             gm.graph.erase_node(node)
-    from predispatch.passes.wrap_regions import TOGGLES, wrap_regions
-
+    name_placeholders(gm, _unique_names(names))
     if any(n.op == "call_function" and n.target in TOGGLES for n in gm.graph.nodes):
         wrap_regions(gm)
-    name_placeholders(gm, _unique_names(names))
     gm.graph.lint()
     gm.recompile()
 
@@ -343,7 +394,7 @@ def _clone_aliased_outputs(gm: fx.GraphModule, fake_mode) -> None:
         storage = StorageWeakRef(node.meta["val"].untyped_storage())
         if storage in seen:
             with gm.graph.inserting_before(gm.graph.output_node()):
-                clone = gm.graph.call_function(aten.clone.default, (node,))
+                clone = gm.graph.create_node("call_function", aten.clone.default, (node,), name="clone")
             with fake_mode:
                 clone.meta["val"] = node.meta["val"].clone()
             node = clone
@@ -370,15 +421,6 @@ def _grad_names(n: int) -> list[str]:
     return ["grad_out"] if n == 1 else [f"grad_out_{i}" for i in range(n)]
 
 
-def _saved_input_names(record: _ForwardRecord) -> list[str]:
-    names = list(record.graph_names)
-    for attribute in record.attributes:
-        slots = [x for x in attribute.leaves if isinstance(x, SavedSlot)]
-        for j, slot in enumerate(slots):
-            names[slot.index] = f"ctx_{attribute.name}" if len(slots) == 1 else f"ctx_{attribute.name}_{j}"
-    return names
-
-
 def _unique_names(names: list[str]) -> list[str]:
     """Valid, distinct identifiers (`x`, `x_1`, ...)."""
     out, used = [], set()
@@ -396,7 +438,20 @@ def _unique_names(names: list[str]) -> list[str]:
 
 
 def _refusal(function: type, phase: str, what: str, fix: str = _FIX) -> AutogradFunctionError:
-    return AutogradFunctionError(f"autograd.Function {function.__qualname__} ({phase}): {what}", where=user_frame(), fix=fix)
+    """An error about `function`'s `phase` found after tracing it: it points at the method itself."""
+    where = _defined_at(function, phase) or user_frame()
+    return AutogradFunctionError(f"autograd.Function {function.__qualname__} ({phase}): {what}", where=where, fix=fix)
+
+
+def _defined_at(function: type, phase: str) -> str | None:
+    """`file:line (def backward(ctx, grad):)`: where the user's forward or backward is defined."""
+    method = inspect.unwrap(function.forward if phase == "forward" else function.backward)
+    try:
+        lines, first = inspect.getsourcelines(method)
+        offset = next(i for i, line in enumerate(lines) if line.lstrip().startswith("def "))
+        return f"{inspect.getsourcefile(method)}:{first + offset} ({lines[offset].strip()})"
+    except (OSError, TypeError, StopIteration):
+        return None
 
 
 @contextlib.contextmanager
@@ -407,19 +462,19 @@ def _located(function: type, phase: str) -> Iterator[None]:
     except PredispatchError:
         raise
     except Exception as exc:  # noqa: BLE001 - every failure is re-raised with context
-        name, where = function.__qualname__, user_frame(exc.__traceback__)
+        name, where = function.__qualname__, user_frame(exc.__traceback__) or _defined_at(function, phase)
         chain = [exc, exc.__cause__, exc.__context__]
         if any(isinstance(e, ti.DATA_DEPENDENT_ERRORS) for e in chain):
             raise DataDependentError(
-                f"the {phase} of autograd.Function {name} branches on, or converts, a value inside a "
-                "tensor, which export cannot know (it traces shapes, not values).",
+                f"autograd.Function {name} ({phase}): {phase} branches on, or converts, a value inside "
+                "a tensor, which export cannot know (it traces shapes, not values).",
                 where=where,
                 fix=f"make the {phase} static, compute both sides and pick with torch.where, or "
                 "move the data-dependent part into a torch.library.custom_op.",
             ) from exc
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise AutogradFunctionError(
-            f"the {phase} of autograd.Function {name} cannot be traced: {type(exc).__name__}: {first}",
+            f"autograd.Function {name} ({phase}): {phase} cannot be traced: {type(exc).__name__}: {first}",
             where=where,
             fix=_FIX,
         ) from exc

@@ -1,0 +1,274 @@
+"""Speed and memory of `predispatch.export` against `torch.export`, as ratios, in one run.
+
+    python benchmarks/run.py [--reps 5] [--out benchmarks/results.md]
+
+Four measurements, on the models of benchmarks/models.py (train mode, loss in the graph):
+
+1. Export wall time of `predispatch.export`, of `torch.export.export(..., strict=False)` and of
+   `torch.export.export(...).run_decompositions({})` (torch's way to a functional graph), each
+   the median of `--reps` warm repetitions (one untimed warm-up first, tools interleaved), as
+   ratios, with the time per graph node (each tool's own node count).
+2. Depth scaling: a Llama-style decoder (hidden 64) at 2, 8 and 32 layers; time per layer.
+3. Peak memory of exporting the 7-billion-parameter Llama built on the meta device, each tool
+   in a fresh process (benchmarks/peak_memory.py: the process's own peak resident memory).
+4. Forward time of `ep.module()` against the eager model (median of many calls).
+
+Targets (issue 7): predispatch at most 0.5x export+run_decompositions and at most 1.0x plain
+torch.export (median over the models); time per layer flat with depth; 7B export under 4 GiB.
+Prints markdown and writes it to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+import predispatch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from models import BENCHES, llama  # noqa: E402  (a sibling file, not a package)
+
+#: How each tool exports `(model, args, kwargs)`; every one returns an object with `.graph`.
+TOOLS: dict[str, Callable[[Any, tuple, dict], Any]] = {
+    "predispatch": lambda m, a, k: predispatch.export(m, a, k),
+    "torch.export": lambda m, a, k: torch.export.export(m, a, k, strict=False),
+    "torch.export+decomp": lambda m, a, k: torch.export.export(m, a, k, strict=False).run_decompositions({}),
+}
+DEPTHS = (2, 8, 32)
+
+
+@dataclass(frozen=True)
+class ExportTimes:
+    """Median warm export seconds and graph sizes of one model, per tool.
+
+    seconds / nodes: tool -> value; a tool that failed is absent, its error in `errors`.
+    """
+
+    name: str
+    seconds: dict[str, float]
+    nodes: dict[str, int]
+    errors: dict[str, str]
+
+    def ratio(self, tool: str, baseline: str) -> float | None:
+        if tool in self.seconds and baseline in self.seconds:
+            return self.seconds[tool] / self.seconds[baseline]
+        return None
+
+
+def time_exports(name: str, model: Any, args: tuple, kwargs: dict, reps: int, tools: list[str]) -> ExportTimes:
+    """Warm up each tool once, then time `reps` rounds, the tools interleaved in each round."""
+    nodes, errors = {}, {}
+    for tool in tools:
+        try:
+            nodes[tool] = len(TOOLS[tool](model, args, kwargs).graph.nodes)
+        except Exception as exc:  # noqa: BLE001 - a failing tool is reported, not fatal
+            errors[tool] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
+    samples: dict[str, list[float]] = {tool: [] for tool in nodes}
+    for _ in range(reps):
+        for tool in samples:
+            gc.collect()
+            start = time.perf_counter()
+            TOOLS[tool](model, args, kwargs)
+            samples[tool].append(time.perf_counter() - start)
+    return ExportTimes(name, {t: statistics.median(s) for t, s in samples.items()}, nodes, errors)
+
+
+def forward_ratio(model: Any, args: tuple, kwargs: dict, calls: int = 30) -> tuple[float, float] | None:
+    """Median seconds of one forward call: (eager, ep.module()), from the same RNG state."""
+    try:
+        program = predispatch.export(model, args, kwargs).module()
+    except Exception:  # noqa: BLE001
+        return None
+    times = {}
+    for label, fn in (("eager", model), ("program", program)):
+        for _ in range(3):
+            fn(*args, **kwargs)
+        samples = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            fn(*args, **kwargs)
+            samples.append(time.perf_counter() - start)
+        times[label] = statistics.median(samples)
+    return times["eager"], times["program"]
+
+
+def peak_memory(tool: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(HERE / "peak_memory.py"), tool], capture_output=True, text=True, env=os.environ.copy()
+    )
+    if done.returncode != 0:
+        return {"tool": tool, "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---- rendering ----------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "fail" if value is None else format(value, spec)
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def export_table(rows: list[ExportTimes]) -> list[str]:
+    pd, te, rd = "predispatch", "torch.export", "torch.export+decomp"
+    lines = [
+        "| model | predispatch s | torch.export s | export+decomp s | pd / torch.export | pd / export+decomp "
+        "| pd µs/node (nodes) | torch.export µs/node (nodes) | export+decomp µs/node (nodes) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        per_node = [
+            f"{1e6 * r.seconds[t] / r.nodes[t]:.0f} ({r.nodes[t]})" if t in r.seconds else "fail" for t in (pd, te, rd)
+        ]
+        lines.append(
+            f"| {r.name} | {_fmt(r.seconds.get(pd), '.3f')} | {_fmt(r.seconds.get(te), '.3f')} "
+            f"| {_fmt(r.seconds.get(rd), '.3f')} | {_fmt(r.ratio(pd, te), '.2f')}x | {_fmt(r.ratio(pd, rd), '.2f')}x "
+            f"| {' | '.join(per_node)} |"
+        )
+    to_te, to_rd = _median([r.ratio(pd, te) for r in rows]), _median([r.ratio(pd, rd) for r in rows])
+    lines.append(f"| **median** | | | | **{_fmt(to_te, '.2f')}x** | **{_fmt(to_rd, '.2f')}x** | | | |")
+    lines.append("")
+    lines.append(f"Targets: pd / torch.export <= 1.0x: **{_verdict(to_te, 1.0)}**; "
+                 f"pd / export+decomp <= 0.5x: **{_verdict(to_rd, 0.5)}**.")
+    for r in rows:
+        for tool, error in r.errors.items():
+            lines.append(f"- {r.name}, {tool} failed: `{error}`")
+    return lines
+
+
+def _verdict(value: float | None, target: float) -> str:
+    return "n/a" if value is None else ("met" if value <= target else "not met")
+
+
+def depth_table(rows: list[ExportTimes]) -> list[str]:
+    lines = [
+        "| layers | predispatch s | ms/layer | µs/node (nodes) | torch.export s | ms/layer | µs/node (nodes) | pd / torch.export |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for depth, r in zip(DEPTHS, rows):
+        cells = []
+        for tool in ("predispatch", "torch.export"):
+            if tool in r.seconds:
+                s, n = r.seconds[tool], r.nodes[tool]
+                cells += [f"{s:.3f}", f"{1e3 * s / depth:.1f}", f"{1e6 * s / n:.0f} ({n})"]
+            else:
+                cells += ["fail"] * 3
+        lines.append(f"| {depth} | {' | '.join(cells)} | {_fmt(r.ratio('predispatch', 'torch.export'), '.2f')}x |")
+    marginal = _marginal(rows)
+    lines.append("")
+    lines.append("Marginal cost of a layer, (t(32) - t(2)) / 30: " + ", ".join(
+        f"{tool} {_fmt(ms, '.1f')} ms" for tool, ms in marginal.items()))
+    return lines
+
+
+def _marginal(rows: list[ExportTimes]) -> dict[str, float | None]:
+    first, last = rows[0], rows[-1]
+    return {
+        tool: (1e3 * (last.seconds[tool] - first.seconds[tool]) / (DEPTHS[-1] - DEPTHS[0]))
+        if tool in first.seconds and tool in last.seconds else None
+        for tool in ("predispatch", "torch.export")
+    }
+
+
+def memory_table(results: list[dict]) -> list[str]:
+    lines = ["| process | peak RSS MiB (VmHWM) | export s | nodes |", "|---|---:|---:|---:|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['tool']} | fail: `{r['error'][:120]}` | | |")
+        else:
+            lines.append(f"| {r['tool']} | {r['peak_rss_mib']:.0f} | {r['seconds']:.2f} | {r['nodes'] or ''} |")
+    pd = next((r for r in results if r["tool"] == "predispatch" and "error" not in r), None)
+    if pd:
+        lines += ["", f"{pd['parameters'] / 1e9:.2f} billion parameters on the meta device. Target: predispatch under "
+                  f"4096 MiB: **{_verdict(pd['peak_rss_mib'], 4096)}**. Peaks are read from /proc/self/status, not "
+                  "`ru_maxrss`, which a child inherits from its parent (Note [Peak memory of a child process] in "
+                  "benchmarks/peak_memory.py)."]
+    return lines
+
+
+def forward_table(rows: list[tuple[str, tuple[float, float] | None]]) -> list[str]:
+    lines = ["| model | eager ms | ep.module() ms | ep.module() / eager |", "|---|---:|---:|---:|"]
+    ratios = []
+    for name, times in rows:
+        if times is None:
+            lines.append(f"| {name} | fail | fail | |")
+            continue
+        eager, program = times
+        ratios.append(program / eager)
+        lines.append(f"| {name} | {1e3 * eager:.2f} | {1e3 * program:.2f} | {program / eager:.2f}x |")
+    lines.append(f"| **median** | | | **{_fmt(_median(ratios), '.2f')}x** |")
+    return lines
+
+
+def header(reps: int) -> list[str]:
+    return [
+        "# predispatch benchmarks",
+        "",
+        f"`python benchmarks/run.py --reps {reps}`: torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"Python {platform.python_version()}, {os.cpu_count()} CPUs ({platform.machine()}), torch threads "
+        f"{torch.get_num_threads()}. Times are medians of {reps} warm repetitions (one untimed warm-up, tools "
+        "interleaved); models in train mode with their loss in the graph (benchmarks/models.py).",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (default 5)")
+    parser.add_argument("--out", type=Path, default=HERE / "results.md", help="where to write the markdown")
+    parser.add_argument("--models", nargs="*", help="only these models (default: all)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["export", "depth", "memory", "forward"])
+    opts = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+
+    benches = [b for b in BENCHES if not opts.models or b.name in opts.models]
+    out = header(opts.reps)
+    if "export" not in opts.skip:
+        rows = []
+        for bench in benches:
+            rows.append(time_exports(bench.name, *bench.make(), opts.reps, list(TOOLS)))
+            print(f"  export {bench.name}: {rows[-1].seconds}", file=sys.stderr, flush=True)
+        out += ["", "## Export time", "", *export_table(rows)]
+    if "depth" not in opts.skip:
+        rows = []
+        for depth in DEPTHS:
+            torch.manual_seed(0)
+            model = llama(depth).train()
+            ids = torch.randint(0, 128, (2, 16))
+            rows.append(time_exports(f"llama-{depth}", model, (ids,), {"labels": ids}, opts.reps,
+                                     ["predispatch", "torch.export"]))
+            print(f"  depth {depth}: {rows[-1].seconds}", file=sys.stderr, flush=True)
+        out += ["", "## Depth scaling (Llama-style decoder, hidden 64)", "", *depth_table(rows)]
+    if "memory" not in opts.skip:
+        results = [peak_memory(tool) for tool in ("baseline", "predispatch", "torch.export")]
+        print(f"  memory: {results}", file=sys.stderr, flush=True)
+        out += ["", "## Peak memory: 7B Llama on the meta device (fresh process each)", "", *memory_table(results)]
+    if "forward" not in opts.skip:
+        rows = [(bench.name, forward_ratio(*bench.make())) for bench in benches]
+        out += ["", "## Forward time: ep.module() against eager (train mode, grad enabled)", "", *forward_table(rows)]
+    text = "\n".join(out) + "\n"
+    print(text)
+    opts.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

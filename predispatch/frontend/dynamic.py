@@ -1,0 +1,111 @@
+"""Dynamic dimensions, in torch.export's own vocabulary.
+
+`export(..., dynamic_shapes=...)` takes exactly what `torch.export.export` takes (a pytree of
+`torch.export.Dim`s matching the inputs, by argument name or position), so users learn one
+way.  The work is torch's: `make_fake_inputs` makes fakes whose marked dimensions are symbols
+with the requested ranges, and after the trace `produce_guards_and_solve_constraints` refuses
+a dimension the code specialized, with torch's suggested fix.  What predispatch adds is the
+record kept in the program: each input's shape in symbols, each symbol's range, and the
+guards the trace discovered, so calls are checked and the program prints them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from predispatch import _torch_internals as ti
+from predispatch.errors import DynamicShapeError, user_frame
+from predispatch.program.signature import ShapeRecord
+
+
+@dataclass(frozen=True)
+class DynamicInputs:
+    """What `make_fake_inputs` returns that the post-trace check needs again."""
+
+    fake_mode: ti.FakeTensorMode
+    fake_args: tuple
+    fake_kwargs: dict
+    equalities: Any
+    original_signature: Any
+    dynamic_shapes: Any
+
+
+def fake_dynamic_inputs(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> DynamicInputs:
+    """Fakes of the user inputs with symbolic dimensions where `dynamic_shapes` asks."""
+    try:
+        made = ti.make_fake_inputs(module, args, kwargs, dynamic_shapes)
+    except Exception as exc:  # torch's UserError for a malformed spec
+        raise DynamicShapeError(
+            f"dynamic_shapes does not match the inputs: {exc}",
+            where=user_frame(),
+            fix="give one entry per argument (by name in a dict, or by position), each a dict "
+            "{dim: torch.export.Dim(...)} or a tuple with None for static dimensions.",
+        ) from exc
+    fake_mode, fake_args, fake_kwargs, equalities, signature, shapes = made
+    return DynamicInputs(fake_mode, tuple(fake_args), dict(fake_kwargs), equalities, signature, shapes)
+
+
+def check_constraints(dynamic: DynamicInputs, gm: fx.GraphModule) -> None:
+    """Refuse dimensions marked dynamic that the code specialized (torch's solver, torch's message)."""
+    try:
+        ti.produce_guards_and_solve_constraints(
+            dynamic.fake_mode, gm, dynamic.dynamic_shapes, dynamic.equalities, dynamic.original_signature
+        )
+    except ti.ConstraintViolationError as exc:
+        raise DynamicShapeError(
+            "a dimension marked dynamic cannot be dynamic in this code:\n" + str(exc),
+            where=user_frame(),
+            fix="apply the suggested dynamic_shapes fix above, or mark the dimension static.",
+        ) from exc
+
+
+def shape_record(fake_mode: ti.FakeTensorMode, user_placeholders: list[fx.Node]) -> ShapeRecord:
+    """Read symbols, ranges and guards off the traced graph's user inputs and the ShapeEnv."""
+    shapes, symbols = [], {}
+    for node in user_placeholders:
+        val = node.meta.get("val")
+        dims = tuple(_dim(d, symbols) for d in val.shape) if isinstance(val, torch.Tensor) else ()
+        shapes.append(dims)
+    env = fake_mode.shape_env
+    ranges = tuple((name, *_bounds(env, sym)) for name, sym in sorted(symbols.items()))
+    guards = tuple(str(g.expr) for g in env.guards) if symbols else ()
+    guards += tuple(f"runtime: {a.expr}" for asserts in env.deferred_runtime_asserts.values() for a in asserts)
+    origins = tuple((name, _origin(env, sym)) for name, sym in sorted(symbols.items()) if _origin(env, sym))
+    return ShapeRecord(tuple(shapes), ranges, guards, origins)
+
+
+def _origin(env: Any, sym: Any) -> str:
+    """The input dimension a symbol was made for, as `x.size()[0]` (torch's source name, shortened)."""
+    sources = env.var_to_sources.get(sym) or []
+    return sources[0].name.replace("L['", "").replace("']", "", 1) if sources else ""
+
+
+def _dim(d: int | torch.SymInt, symbols: dict) -> int | str:
+    if isinstance(d, int):
+        return d
+    expr = d.node.expr
+    if expr.is_number:
+        return int(expr)
+    for sym in expr.free_symbols:
+        symbols[str(sym)] = sym
+    return str(expr)
+
+
+def _bounds(env: Any, sym: Any) -> tuple[int, int | None]:
+    """A size symbol's inclusive range; an unbounded maximum is None."""
+    vr = env.var_to_range.get(sym)
+    if vr is None:
+        return 0, None
+    return _finite(vr.lower) or 0, _finite(vr.upper)
+
+
+def _finite(bound: Any) -> int | None:
+    """A sympy bound as an int, None for an infinite one (torch's `int_oo` is not `is_finite=False`)."""
+    try:
+        return int(bound)
+    except (OverflowError, TypeError, AttributeError, ValueError):
+        return None

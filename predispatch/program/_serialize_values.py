@@ -1,0 +1,393 @@
+"""Values, pytree specs and tensors as data: the leaves of predispatch's file format.
+
+A value is JSON where JSON is unambiguous (null, true, 3, 0.5, "s", [..]) and a one-key
+object tagged by type otherwise:
+
+    {"node": "add"}  {"tuple": [..]}  {"dict": [[k, v], ..]}  {"float": "inf"}
+    {"dtype": "float32"}  {"device": "cpu"}  {"layout": "strided"}  {"memory_format": "channels_last"}
+    {"class": "collections:namedtuple"}              only in pytree contexts
+    {"tensor": {"shape", "stride", ...}}             only in node meta (fake tensors: no data)
+
+Tensors with data go to safetensors, with a JSON record each for what safetensors does not keep
+(stride, Parameter-ness, requires_grad, device).  Classes are found without importing anything:
+see Note [What load trusts] in serialize.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import sys
+from collections import defaultdict, namedtuple
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from predispatch.errors import SerializationError
+
+
+def _torch_names(kind: type) -> dict[str, Any]:
+    """torch's public values of one kind by name (`float32`, `strided`, `channels_last`)."""
+    return {name: value for name, value in vars(torch).items() if isinstance(value, kind) and not name.startswith("_")}
+
+
+def parse_device(name: str) -> torch.device:
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z_]+(:\d{1,4})?", name):
+        raise SerializationError(f"{name!r} is not a device name.")
+    return torch.device(name)
+
+
+def _named_value(kind: type) -> tuple[type, Callable[[Any], str], Callable[[str], Any]]:
+    names = _torch_names(kind)
+    return kind, lambda value: str(value).removeprefix("torch."), lambda name: names[name]
+
+
+#: torch's enum-like values: tag -> (type, name of a value, value of a name).
+TORCH_VALUES: dict[str, tuple[type, Callable[[Any], str], Callable[[str], Any]]] = {
+    "dtype": _named_value(torch.dtype),
+    "layout": _named_value(torch.layout),
+    "memory_format": _named_value(torch.memory_format),
+    "device": (torch.device, str, parse_device),
+}
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def encode(value: Any, where: str, *, classes: bool = False, tensors: bool = False) -> Any:
+    """`value` as JSON data (see the module docstring); `classes` and `tensors` allow type
+    references (pytree contexts) and tensor metadata (node meta)."""
+    if value is None or isinstance(value, (bool, str)) or type(value) is int:
+        return value
+    if type(value) is float:
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if isinstance(value, fx.Node):
+        return {"node": value.name}
+    if isinstance(value, (list, tuple, dict)):
+        return _encode_container(value, where, classes=classes, tensors=tensors)
+    for tag, (kind, name_of, _) in TORCH_VALUES.items():
+        if isinstance(value, kind) and _round_trips(tag, value):
+            return {tag: name_of(value)}
+    if tensors and isinstance(value, torch.Tensor):
+        return {"tensor": _tensor_meta(value, where)}
+    if classes and isinstance(value, type):
+        return {"class": class_name(value, where)}
+    hint = " Dynamic shapes are not part of format version 1." if isinstance(value, _SYMBOLIC) else ""
+    raise SerializationError(f"{where}: a {type(value).__name__} ({short(value)}) has no encoding in format version 1.{hint}")
+
+
+def _round_trips(tag: str, value: Any) -> bool:
+    """Whether a torch value's name reads back as the value (a dtype torch does not export does not)."""
+    _, name_of, value_of = TORCH_VALUES[tag]
+    try:
+        return value_of(name_of(value)) == value
+    except (KeyError, SerializationError):
+        return False
+
+
+def _encode_container(value: Any, where: str, **allow: bool) -> Any:
+    if isinstance(value, list):
+        return [encode(v, f"{where}[{i}]", **allow) for i, v in enumerate(value)]
+    if type(value) is tuple:
+        return {"tuple": [encode(v, f"{where}[{i}]", **allow) for i, v in enumerate(value)]}
+    if isinstance(value, dict):
+        return {"dict": [[encode(k, where, **allow), encode(v, f"{where}[{k!r}]", **allow)] for k, v in value.items()]}
+    raise SerializationError(f"{where}: a {type(value).__name__} has no encoding in format version 1 (only plain tuples).")
+
+
+def _tensor_meta(t: torch.Tensor, where: str) -> dict:
+    """A tensor's metadata (node meta "val" is a fake tensor: there is no data to keep)."""
+    sizes = (*t.shape, *t.stride(), t.storage_offset())
+    if not all(type(s) is int for s in sizes):
+        raise SerializationError(f"{where}: a tensor of symbolic shape {tuple(t.shape)}; dynamic shapes are not part of format version 1.")
+    if t.layout != torch.strided:
+        raise SerializationError(f"{where}: a {t.layout} tensor; format version 1 holds strided tensors only.")
+    return {
+        "shape": list(t.shape),
+        "stride": list(t.stride()),
+        "storage_offset": t.storage_offset(),
+        "dtype": TORCH_VALUES["dtype"][1](t.dtype),
+        "device": str(t.device),
+        "requires_grad": t.requires_grad,
+    }
+
+
+def short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True)
+class Refs:
+    """What decoded values may refer to, by where they sit in the file.
+
+    nodes: graph nodes defined so far, by name (in node arguments).
+    class_check: which classes a {"class": ...} may name (in pytree contexts); None: none.
+    fake_mode: the mode {"tensor": ...} metadata becomes fake tensors in (in node meta).
+    """
+
+    nodes: Mapping[str, fx.Node] | None = None
+    class_check: Callable[[type], bool] | None = None
+    fake_mode: Any = None
+
+
+_PLAIN = Refs()
+
+
+def decode(data: Any, where: str, refs: Refs = _PLAIN) -> Any:
+    if data is None or isinstance(data, (bool, int, float, str)):
+        return data
+    if isinstance(data, list):
+        return [decode(v, f"{where}[{i}]", refs) for i, v in enumerate(data)]
+    if isinstance(data, dict) and len(data) == 1:
+        ((tag, payload),) = data.items()
+        decoder = _DECODERS.get(tag)
+        if decoder is not None:
+            return decoder(payload, where, refs)
+    raise SerializationError(f"{where}: {short(data)} is not a value format version 1 knows.")
+
+
+def expect(data: Any, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(data, kind) or (kind is int and isinstance(data, bool)):
+        raise SerializationError(f"{where}: expected {getattr(kind, '__name__', kind)}, found {short(data)}.")
+    return data
+
+
+def _decode_node_ref(name: Any, where: str, refs: Refs) -> fx.Node:
+    if refs.nodes is None or not isinstance(name, str) or name not in refs.nodes:
+        raise SerializationError(f"{where}: refers to node {short(name)}, which is not defined before it.")
+    return refs.nodes[name]
+
+
+def _decode_float(name: Any, where: str, refs: Refs) -> float:
+    if name not in ("inf", "-inf", "nan"):
+        raise SerializationError(f"{where}: {short(name)} is not a non-finite float.")
+    return float(name)
+
+
+def _decode_dict(pairs: Any, where: str, refs: Refs) -> dict:
+    result = {}
+    for pair in expect(pairs, list, where):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise SerializationError(f"{where}: a dict entry is {short(pair)}, not a [key, value] pair.")
+        key = decode(pair[0], where, refs)
+        if not isinstance(key, (str, int, float, bool, type(None), tuple)):
+            raise SerializationError(f"{where}: {short(key)} cannot be a dict key.")
+        result[key] = decode(pair[1], f"{where}[{key!r}]", refs)
+    return result
+
+
+def _decode_class(name: Any, where: str, refs: Refs) -> type:
+    cls = find_class(expect(name, str, where), where)
+    if refs.class_check is None or not isinstance(cls, type) or not refs.class_check(cls):
+        raise SerializationError(f"{where}: {name} is not a class a pytree spec may name here.")
+    return cls
+
+
+def _decode_tensor_meta(meta: Any, where: str, refs: Refs) -> torch.Tensor:
+    """A fake tensor with the saved metadata (node meta), made in the load's fake mode."""
+    if refs.fake_mode is None:
+        raise SerializationError(f"{where}: tensor metadata is only valid in node meta.")
+    meta = expect(meta, dict, where)
+    shape, stride = ints(meta.get("shape"), where), ints(meta.get("stride"), where)
+    offset = expect(meta.get("storage_offset"), int, where)
+    dtype = decode_named("dtype", meta.get("dtype"), where)
+    device = parse_device(meta.get("device"))
+    if len(shape) != len(stride) or offset < 0:
+        raise SerializationError(f"{where}: inconsistent tensor metadata {short(meta)}.")
+    with refs.fake_mode:
+        if offset == 0:
+            fake = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        else:
+            extent = offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1 if all(shape) else offset
+            fake = torch.empty(extent, dtype=dtype, device=device).as_strided(shape, stride, offset)
+    return fake.requires_grad_(True) if expect(meta.get("requires_grad"), bool, where) else fake
+
+
+def ints(data: Any, where: str) -> list[int]:
+    values = expect(data, list, where)
+    if not all(type(v) is int and v >= 0 for v in values):
+        raise SerializationError(f"{where}: {short(data)} is not a list of sizes.")
+    return values
+
+
+def decode_named(tag: str, name: Any, where: str) -> Any:
+    try:
+        return TORCH_VALUES[tag][2](expect(name, str, where))
+    except KeyError:
+        raise SerializationError(f"{where}: {short(name)} is not a torch {tag} this torch has.") from None
+
+
+_DECODERS: dict[str, Callable[[Any, str, Refs], Any]] = {
+    "node": _decode_node_ref,
+    "tuple": lambda items, where, refs: tuple(decode(expect(items, list, where), where, refs)),
+    "dict": _decode_dict,
+    "float": _decode_float,
+    "class": _decode_class,
+    "tensor": _decode_tensor_meta,
+    **{tag: (lambda name, where, refs, tag=tag: decode_named(tag, name, where)) for tag in TORCH_VALUES},
+}
+
+def class_name(cls: Any, where: str) -> str:
+    """`module:qualname`, the only way a file names a class (namedtuple's node type included)."""
+    if cls is namedtuple:
+        return "collections:namedtuple"
+    name = f"{cls.__module__}:{cls.__qualname__}"
+    if "<locals>" in name:
+        raise SerializationError(
+            f"{where}: {cls.__qualname__} is defined inside a function, so a loading process could not find it.",
+            fix="define the class at module level.",
+        )
+    return name
+
+
+def find_class(name: str, where: str) -> Any:
+    """The object `module:qualname` names, from an already imported module; never imports.
+
+    Walks `__dict__`s only, so no module or class `__getattr__` hook runs.
+    """
+    module_name, _, qualname = name.partition(":")
+    module = sys.modules.get(module_name)
+    if module is None or not qualname:
+        raise SerializationError(
+            f"{where}: the program names {qualname or name!r} from module {module_name!r}, which is not imported; "
+            "load never imports modules a file names.",
+            fix=f"import {module_name} before predispatch.load(...).",
+        )
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, "__dict__", {}).get(part)
+        if obj is None:
+            raise SerializationError(f"{where}: module {module_name!r} has no {qualname!r}.", fix="load with the version of the code that saved it.")
+    return obj
+
+
+#: Classes a pytree context may name, by the node type it belongs to.
+_CONTEXT_CLASSES: dict[Any, Callable[[type], bool]] = {
+    namedtuple: pytree.is_namedtuple_class,
+    defaultdict: lambda cls: cls in (list, dict, set, tuple, int, float, str),
+}
+
+
+def encode_spec(spec: pytree.TreeSpec, where: str) -> Any:
+    if spec.is_leaf():
+        return None
+    return {
+        "type": class_name(spec.type, where),
+        "context": encode(spec.context, f"{where} context", classes=True),
+        "children": [encode_spec(child, f"{where}[{i}]") for i, child in enumerate(spec.children())],
+    }
+
+
+def decode_spec(data: Any, where: str) -> pytree.TreeSpec:
+    if data is None:
+        return pytree.treespec_leaf()
+    data = expect(data, dict, where)
+    node_type = _pytree_node_type(expect(data.get("type"), str, where), where)
+    context = decode(data.get("context"), f"{where} context", Refs(class_check=_CONTEXT_CLASSES.get(node_type)))
+    children = [decode_spec(c, f"{where}[{i}]") for i, c in enumerate(expect(data.get("children"), list, where))]
+    return pytree.TreeSpec(node_type, context, children)
+
+
+def _pytree_node_type(name: str, where: str) -> Any:
+    """A registered pytree node type; a dataclass is registered as `export` registers it."""
+    node_type = find_class(name, where)
+    if node_type in pytree.SUPPORTED_NODES:
+        return node_type
+    if isinstance(node_type, type) and dataclasses.is_dataclass(node_type):
+        pytree.register_dataclass(node_type)
+        return node_type
+    raise SerializationError(
+        f"{where}: {name} is not a pytree node type in this process.",
+        fix="register it (torch.utils._pytree.register_pytree_node) before predispatch.load(...).",
+    )
+
+#: dtypes safetensors stores natively; any other is stored as its bytes (uint8).
+_SAFETENSORS_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+        "bool", "complex64", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
+    )
+    if hasattr(torch, name)
+)
+
+
+def pack(tensors: Mapping[str, torch.Tensor], where: str) -> tuple[bytes, dict[str, dict]]:
+    """safetensors bytes of `tensors`, and a record each (layout, Parameter-ness, device)."""
+    arrays, records, storages = {}, {}, set()
+    for name, tensor in tensors.items():
+        record = _tensor_record(tensor, f"{where}[{name!r}]")
+        data = tensor.detach().contiguous()  # logical order; the record keeps the stride
+        if data.numel() and data.untyped_storage().data_ptr() in storages:
+            data = data.clone()  # safetensors refuses tensors that share memory
+        storages.add(data.untyped_storage().data_ptr())
+        arrays[name] = data if not record["as_bytes"] else data.reshape(-1).view(torch.uint8)
+        records[name] = record
+    return safetensors.torch.save(arrays), records
+
+
+def _tensor_record(t: torch.Tensor, where: str) -> dict:
+    if type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided or t.is_quantized or t.is_meta:
+        raise SerializationError(
+            f"{where}: a {type(t).__name__} ({t.layout}{', meta' if t.is_meta else ''}) cannot be saved; "
+            "format version 1 holds dense tensors with data.",
+            fix="convert it to a plain dense tensor before export.",
+        )
+    return {
+        "dtype": TORCH_VALUES["dtype"][1](t.dtype),
+        "shape": list(t.shape),
+        "stride": list(t.stride()) if _is_dense(t.shape, t.stride()) else _contiguous_stride(t.shape),
+        "device": str(t.device),
+        "requires_grad": t.requires_grad,
+        "parameter": isinstance(t, nn.Parameter),
+        "as_bytes": t.dtype not in _SAFETENSORS_DTYPES,
+    }
+
+
+def _contiguous_stride(shape: Any) -> list[int]:
+    stride, step = [], 1
+    for size in reversed(list(shape)):
+        stride.append(step)
+        step *= max(size, 1)
+    return stride[::-1]
+
+
+def _is_dense(shape: Any, stride: Any) -> bool:
+    """Whether the elements fill their memory exactly once (any dimension order)."""
+    step = 1
+    for s, n in sorted((s, n) for n, s in zip(shape, stride) if n != 1):
+        if s != step:
+            return False
+        step *= n
+    return True
+
+
+def unpack(data: bytes, records: Any, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of one member, each in fresh memory with its saved layout and kind."""
+    raw = safetensors.torch.load(data)
+    records = expect(records, dict, where)
+    if set(raw) != set(records):
+        raise SerializationError(f"{where}: the stored tensors {sorted(raw)} do not match the records {sorted(records)}.")
+    return {name: _restore(raw[name], expect(rec, dict, where), f"{where}[{name!r}]") for name, rec in records.items()}
+
+
+def _restore(raw: torch.Tensor, record: dict, where: str) -> torch.Tensor:
+    dtype = decode_named("dtype", record.get("dtype"), where)
+    shape, stride = ints(record.get("shape"), where), ints(record.get("stride"), where)
+    values = raw.view(dtype) if expect(record.get("as_bytes"), bool, where) else raw
+    if values.dtype != dtype or values.numel() != math.prod(shape) or len(stride) != len(shape) or not _is_dense(shape, stride):
+        raise SerializationError(f"{where}: the stored data ({values.dtype}, {values.numel()} elements) does not match its record {short(record)}.")
+    tensor = torch.empty_strided(shape, stride, dtype=dtype).copy_(values.reshape(shape))
+    device = parse_device(record.get("device"))
+    if device.type != "cpu":
+        tensor = tensor.to(device)
+    requires_grad = expect(record.get("requires_grad"), bool, where)
+    if expect(record.get("parameter"), bool, where):
+        return nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad)

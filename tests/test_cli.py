@@ -1,0 +1,371 @@
+"""The command line: the input spec language, MODULE:ATTR, each command, exit codes and messages.
+
+Commands run in-process through `main(argv)` (the models below are found as `test_cli:NAME`);
+a few run as real subprocesses to check the console script, `python -m predispatch` and what
+reaches stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from expecttest import TestCase
+from torch import nn
+
+import predispatch
+from predispatch.cli import ExitCode, main
+from predispatch.cli.failures import EXIT_CODES_HELP, ModelError, UsageError
+from predispatch.cli.specs import ParsedInputs, SpecError, TensorSpec, describe, make_example, parse_inputs
+from predispatch.cli.targets import Target, load_model, parse_target
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = str(ROOT / "examples" / "quickstart.py")
+
+
+# ---- models the commands load as test_cli:NAME
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, scale=1.0):
+        return self.lin(x) * scale
+
+
+class Norm(nn.Module):
+    """BatchNorm: training mode updates running stats (mutation outputs), eval mode does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(x)
+
+
+class NeedsArgs(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent: export refuses with DataDependentError
+            return x
+        return -x
+
+
+tiny = Tiny()
+
+
+def make_tiny():
+    return Tiny()
+
+
+def double(x):
+    return x * 2
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---- the spec language
+
+
+@pytest.mark.parametrize(
+    "text, args, kwargs",
+    [
+        ("f32[2,5,16], i64[2,5]", (TensorSpec(torch.float32, (2, 5, 16)), TensorSpec(torch.int64, (2, 5))), {}),
+        ("f32[2,5,16], mask=b8[5,5]", (TensorSpec(torch.float32, (2, 5, 16)),), {"mask": TensorSpec(torch.bool, (5, 5))}),
+        ("f32[], bf16[1], float64[2], long[3]", (TensorSpec(torch.float32, ()), TensorSpec(torch.bfloat16, (1,)),
+                                                 TensorSpec(torch.float64, (2,)), TensorSpec(torch.int64, (3,))), {}),
+        ("3, -0.5, 1e3, None, True, false, 'mean'", (3, -0.5, 1000.0, None, True, False, "mean"), {}),
+        ("(f32[2],), [i32[1], 2], {ids: i64[4], 'm': b8[]}",
+         ((TensorSpec(torch.float32, (2,)),), [TensorSpec(torch.int32, (1,)), 2],
+          {"ids": TensorSpec(torch.int64, (4,)), "m": TensorSpec(torch.bool, ())}), {}),
+        ("", (), {}),
+        ("f32[1],", (TensorSpec(torch.float32, (1,)),), {}),
+    ],
+)
+def test_spec_parses(text, args, kwargs):
+    assert parse_inputs(text) == ParsedInputs(args, kwargs)
+
+
+def test_spec_round_trips_through_describe():
+    text = "f32[2,5,16], (i64[2], 3), mask=b8[5,5], mode='sum'"
+    assert describe(parse_inputs(text)) == text
+
+
+def test_example_tensors_have_the_spec_dtypes_and_shapes():
+    args, kwargs = make_example((parse_inputs("f32[2,3], i64[4], b8[2]").args, {"s": TensorSpec(torch.float16, ())}))
+    assert [(t.dtype, tuple(t.shape)) for t in args] == [(torch.float32, (2, 3)), (torch.int64, (4,)), (torch.bool, (2,))]
+    assert args[1].eq(0).all() and args[2].all() and kwargs["s"].dtype is torch.float16
+    again = make_example(parse_inputs("f32[2,3]").args)
+    assert torch.equal(again[0], args[0])  # seeded: the same command makes the same inputs
+
+
+class SpecErrors(TestCase):
+    maxDiff = None
+
+    def error(self, text: str, **options) -> str:
+        with self.assertRaises(SpecError) as info:
+            parse_inputs(text, **options)
+        return str(info.exception)
+
+    def test_unknown_dtype_lists_the_allowed_ones(self):
+        self.assertExpectedInline(self.error("f32[2,5,16], f33[2,5]"), """\
+unknown dtype 'f33'
+    f32[2,5,16], f33[2,5]
+                 ^
+  allowed dtypes: f16 (float16), bf16 (bfloat16), f32 (float32), f64 (float64), c64, c128, i8, i16, i32, i64 (int64), u8, b8 (bool)""")
+
+    def test_bad_dimension(self):
+        self.assertExpectedInline(self.error("f32[2,-1]"), """\
+a dimension must be a non-negative integer, found '-1'
+    f32[2,-1]
+          ^
+  example: f32[2,5,16]""")
+
+    def test_positional_after_keyword(self):
+        self.assertExpectedInline(self.error("mask=b8[5,5], f32[2]"), """\
+a positional input follows a keyword input
+    mask=b8[5,5], f32[2]
+                  ^
+  write positional inputs first, as in a Python call""")
+
+    def test_missing_comma_and_missing_shape(self):
+        self.assertIn("expected ',' between inputs, found 'i64'", self.error("f32[2] i64[3]"))
+        self.assertIn("dtype 'f32' needs a shape in brackets", self.error("f32"))
+        self.assertIn("unknown input 'x'", self.error("x"))
+        self.assertIn("expected ')', found the end of the spec", self.error("(f32[2]"))
+
+    def test_kwargs_takes_keywords_only(self):
+        self.assertIn("--kwargs takes keyword inputs only", self.error("f32[2]", keywords_only=True))
+
+
+# ---- MODULE:ATTR
+
+
+def test_targets_resolve_instances_classes_factories_and_functions():
+    assert load_model(parse_target("test_cli:tiny")) is tiny
+    assert type(load_model(parse_target("test_cli:Tiny"))) is Tiny
+    assert type(load_model(parse_target("test_cli:make_tiny"))) is Tiny
+    assert load_model(parse_target("test_cli:double")) is double  # has parameters: exported itself
+    assert type(load_model(parse_target(f"{QUICKSTART}:Block"))).__name__ == "Block"
+    assert parse_target("a.b:c.d") == Target("a.b", "c.d")
+
+
+def test_target_errors_say_what_and_how_to_fix():
+    with pytest.raises(UsageError, match="is not of the form MODULE:ATTR"):
+        parse_target("test_cli")
+    with pytest.raises(UsageError, match="no module named 'no_such_module'") as info:
+        load_model(parse_target("no_such_module:Net"))
+    assert "path/to/model.py:ATTR" in str(info.value)
+    with pytest.raises(UsageError, match="has no attribute 'Tinny'") as info:
+        load_model(parse_target("test_cli:Tinny"))
+    assert "Tiny" in str(info.value) and "make_tiny" in str(info.value)
+    with pytest.raises(ModelError, match=r"constructing test_cli:NeedsArgs\(\) raised TypeError") as info:
+        load_model(parse_target("test_cli:NeedsArgs"))
+    assert "give every constructor argument a default" in str(info.value)
+    with pytest.raises(UsageError, match="not an nn.Module subclass"):
+        load_model(parse_target("test_cli:TensorSpec"))
+
+
+def test_a_module_that_fails_to_import_is_a_model_error(tmp_path, capsys):
+    broken = tmp_path / "broken_model.py"
+    broken.write_text("import torch\nraise RuntimeError('no weights here')\n")
+    code, out, err = run(capsys, "export", f"{broken}:Net", "--inputs", "f32[2]")
+    assert code == ExitCode.MODEL == 3
+    assert "importing" in err and "raised RuntimeError: no weights here" in err
+    assert f"{broken}:2" in err  # where: the user's file and line
+    assert "Traceback" not in err
+
+
+# ---- export
+
+
+def test_export_prints_the_program(capsys):
+    code, out, err = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[2,4]", "--kwargs", "scale=2.0")
+    assert code == ExitCode.OK
+    assert out.startswith("ExportedProgram:") and "torch.ops.aten.linear.default" in out
+    assert "Constant inputs:\n        scale = 2.0" in out
+
+
+def test_export_matches_the_library(capsys):
+    code, out, _ = run(capsys, "export", f"{QUICKSTART}:Block", "--inputs", "f32[2,5,16], mask=b8[5,5]")
+    torch.manual_seed(0)
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from quickstart import Block
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    expected = predispatch.export(Block(), (torch.randn(2, 5, 16),), {"mask": torch.ones(5, 5, dtype=torch.bool)})
+    assert code == ExitCode.OK and out == str(expected) + "\n"
+
+
+def test_train_and_eval(capsys):
+    _, train, _ = run(capsys, "export", "test_cli:Norm", "--inputs", "f32[3,4]", "--train")
+    _, evaluated, _ = run(capsys, "export", "test_cli:Norm", "--inputs", "f32[3,4]", "--eval")
+    assert "BUFFER_MUTATION target='bn.running_mean'" in train
+    assert "BUFFER_MUTATION" not in evaluated
+    code, _, err = run(capsys, "export", "test_cli:double", "--inputs", "f32[3]", "--eval")
+    assert code == ExitCode.USAGE and "--eval applies to nn.Module models" in err
+
+
+def test_preserve_and_decompose(capsys):
+    _, out, _ = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[2,4]", "--decompose", "aten.linear")
+    assert "aten.linear" not in out and "aten.addmm" in out
+    code, _, err = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[2,4]", "--preserve", "aten.lineer")
+    assert code == ExitCode.USAGE and "there is no op 'aten.lineer'" in err
+
+
+def test_export_failure_is_a_message_without_traceback(capsys):
+    code, out, err = run(capsys, "export", "test_cli:Branchy", "--inputs", "f32[3]")
+    assert code == ExitCode.REFUSED == 1
+    assert out == ""
+    assert err.startswith("predispatch export: error: Python code branches on")
+    assert "see docs/errors.md#datadependenterror" in err and "--traceback" in err
+    assert "Traceback" not in err
+    code, _, err = run(capsys, "export", "test_cli:Branchy", "--inputs", "f32[3]", "--traceback")
+    assert code == ExitCode.REFUSED and "Traceback (most recent call last)" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["export", "test_cli:Tiny", "--inputs", "f33[2,4]"], "--inputs: unknown dtype 'f33'"),
+        (["export", "test_cli:Tiny", "--inputs", "f32[2,4]", "--kwargs", "f32[1]"], "--kwargs: --kwargs takes keyword"),
+        (["export", "test_cli:Tiny", "--inputs", "f32[2,4], scale=1.0", "--kwargs", "scale=2.0"], "given in both"),
+        (["export", "test_cli:Tiny"], "the following arguments are required: --inputs"),
+        (["export", "test_cli", "--inputs", "f32[1]"], "neither MODULE:ATTR nor an existing file"),
+        (["show", "no/such/file.pt2"], "no such file: 'no/such/file.pt2'"),
+        (["draw", "test_cli:Tiny", "--inputs", "f32[2,4]", "-o", "out.png"], "cannot tell the picture format"),
+        (["draw", "test_cli:Tiny", "-o", "out.html"], "--inputs is required"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_usage_errors_exit_2(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == ExitCode.USAGE == 2
+    assert message in err
+
+
+def test_no_command_prints_help(capsys):
+    code, _, err = run(capsys)
+    assert code == ExitCode.USAGE and "exit codes:" in err
+
+
+# ---- save, show, draw, audit
+
+
+def test_save_then_show(tmp_path, capsys):
+    path = tmp_path / "tiny.pt2"
+    code, printed, err = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[2,4]", "--save", str(path))
+    assert code == ExitCode.OK and path.exists() and f"saved the program to {path}" in err
+    code, shown, _ = run(capsys, "show", str(path))
+    assert code == ExitCode.OK and shown == printed
+
+
+def test_show_refuses_a_file_that_is_not_a_program(tmp_path, capsys):
+    path = tmp_path / "junk.pt2"
+    path.write_bytes(b"not a zip")
+    code, _, err = run(capsys, "show", str(path))
+    assert code == ExitCode.REFUSED and "predispatch show: error:" in err and "Traceback" not in err
+
+
+def test_save_missing_from_the_library_is_exit_4(monkeypatch, capsys):
+    monkeypatch.delattr(predispatch, "save", raising=False)
+    code, out, err = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[2,4]", "--save", "x.pt2")
+    assert code == ExitCode.MISSING == 4
+    assert out == ""  # checked before exporting
+    assert "no predispatch.save()" in err
+
+
+@pytest.mark.parametrize("suffix, marker", [(".html", "<!doctype html>"), (".dot", "digraph")])
+def test_draw_from_a_model(tmp_path, capsys, suffix, marker):
+    out = tmp_path / f"tiny{suffix}"
+    code, _, err = run(capsys, "draw", "test_cli:Tiny", "--inputs", "f32[2,4]", "-o", str(out))
+    assert code == ExitCode.OK and f"wrote {out}" in err
+    text = out.read_text()
+    assert text.startswith(marker) and "p_lin_weight" in text and "test_cli:Tiny" in text
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` is not installed (apt-get install graphviz)")
+def test_draw_svg_from_a_saved_program(tmp_path, capsys):
+    saved, svg = tmp_path / "tiny.pt2", tmp_path / "tiny.svg"
+    assert run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[2,4]", "--save", str(saved), "-q")[0] == ExitCode.OK
+    code, _, _ = run(capsys, "draw", str(saved), "-o", str(svg))
+    assert code == ExitCode.OK and svg.read_text().lstrip().startswith("<?xml") and "p_lin_weight" in svg.read_text()
+    code, _, err = run(capsys, "draw", str(saved), "--inputs", "f32[1]", "-o", str(svg))
+    assert code == ExitCode.USAGE and "is a saved program" in err
+
+
+def test_draw_svg_without_graphviz_is_exit_4(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    code, _, err = run(capsys, "draw", "test_cli:Tiny", "--inputs", "f32[2,4]", "-o", str(tmp_path / "t.svg"))
+    assert code == ExitCode.MISSING
+    assert "apt-get install graphviz" in err and "`pip install graphviz` is not enough" in err
+    assert not (tmp_path / "t.svg").exists()
+
+
+def test_audit_prints_the_table(capsys):
+    code, out, _ = run(capsys, "audit", "--show", "3")
+    assert code == ExitCode.OK
+    assert re.search(r"torch \S+: \d+ CIA aten overloads", out)
+    code, markdown, _ = run(capsys, "audit", "--markdown")
+    assert code == ExitCode.OK and markdown.startswith("<!-- Generated") and "# Composite-op audit" in markdown
+
+
+def test_audit_without_a_table_is_exit_4(monkeypatch, capsys):
+    import predispatch.audit
+
+    def missing():
+        raise FileNotFoundError(2, "No such file", "audit_table.json")
+
+    monkeypatch.setattr(predispatch.audit, "load_table", missing)
+    code, _, err = run(capsys, "audit")
+    assert code == ExitCode.MISSING and "python -m predispatch.audit --write" in err
+
+
+# ---- the documented exit codes, and the real entry points
+
+
+def test_exit_codes_are_documented():
+    documented = dict(re.findall(r"^\| (\d) \| `(\w+)` \|", (ROOT / "docs" / "cli.md").read_text(), re.M))
+    assert documented == {str(int(c)): c.name for c in ExitCode}
+    assert [int(n) for n in re.findall(r"^  (\d)  ", EXIT_CODES_HELP, re.M)] == [int(c) for c in ExitCode]
+
+
+@pytest.mark.parametrize("command", ["export", "show", "draw", "audit"])
+def test_every_command_has_help_with_exit_codes(capsys, command):
+    code, out, _ = run(capsys, command, "--help")
+    assert code == ExitCode.OK and "exit codes:" in out and "--traceback" in out
+
+
+def _subprocess(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, check=False)
+
+
+def test_python_dash_m_and_the_console_script():
+    done = _subprocess(sys.executable, "-m", "predispatch", "export", "test_cli:Branchy", "--inputs", "f32[3]")
+    assert done.returncode == 1 and done.stdout == ""
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("predispatch export: error:")
+    script = Path(sys.executable).with_name("predispatch")
+    if not script.exists():
+        pytest.skip("the console script is not installed next to this interpreter (pip install -e .)")
+    done = _subprocess(str(script), "--version")
+    assert done.returncode == 0 and done.stdout.startswith(f"predispatch {predispatch.__version__}")

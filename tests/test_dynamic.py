@@ -1,0 +1,179 @@
+"""Dynamic dimensions (torch.export.Dim), shape ranges checked at call time, data-dependent values."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from expecttest import TestCase
+from helpers import assert_same_tree
+from torch import nn
+from torch.export import Dim
+
+import predispatch
+from predispatch import errors
+
+HERE = os.path.abspath(__file__)
+
+
+def message(exc: BaseException) -> str:
+    return re.sub(r"test_dynamic\.py:\d+", "test_dynamic.py:N", str(exc).replace(HERE, "test_dynamic.py"))
+
+
+class Mixer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = self.lin(x)
+        return h.reshape(-1), torch.cat([h, y], 0), h.sum(0, keepdim=True).expand(x.shape[0], 8)
+
+
+class Specializes(nn.Module):
+    def forward(self, x):
+        return x.view(4, -1)
+
+
+class DynamicShapes(TestCase):
+    maxDiff = None
+
+    def export_mixer(self):
+        torch.manual_seed(0)
+        batch = Dim("batch", min=2, max=64)
+        shapes = {"x": {0: batch}, "y": {0: Dim("extra", max=32)}}
+        return predispatch.export(Mixer(), (torch.randn(4, 8), torch.randn(3, 8)), dynamic_shapes=shapes)
+
+    def test_graph_is_symbolic_and_ranges_are_printed(self):
+        self.assertExpectedInline(str(self.export_mixer()), """\
+ExportedProgram:
+    class GraphModule(torch.nn.Module):
+        def forward(self, p_lin_weight: "f32[8, 8]", p_lin_bias: "f32[8]", x: "f32[s77, 8]", y: "f32[s17, 8]"):
+            linear: "f32[s77, 8]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  p_lin_weight = p_lin_bias = None
+            sym_size_int: "Sym(s77)" = torch.ops.aten.sym_size.int(x, 0);  x = None
+            view: "f32[8*s77]" = torch.ops.aten.view.default(linear, [-1])
+            cat: "f32[s17 + s77, 8]" = torch.ops.aten.cat.default([linear, y]);  y = None
+            sum_1: "f32[1, 8]" = torch.ops.aten.sum.dim_IntList(linear, [0], True);  linear = None
+            expand: "f32[s77, 8]" = torch.ops.aten.expand.default(sum_1, [sym_size_int, 8]);  sum_1 = sym_size_int = None
+            return (view, cat, expand)
+
+Graph signature:
+    Inputs:
+        p_lin_weight: PARAMETER target='lin.weight'
+        p_lin_bias: PARAMETER target='lin.bias'
+        x: USER_INPUT target='x'
+        y: USER_INPUT target='y'
+    Outputs:
+        view: USER_OUTPUT target='output[0]'
+        cat: USER_OUTPUT target='output[1]'
+        expand: USER_OUTPUT target='output[2]'
+    Range constraints:
+        s17: [2, 32]  (y.size()[0])
+        s77: [2, 64]  (x.size()[0])""")
+
+    def test_runs_at_other_sizes_like_eager(self):
+        ep = self.export_mixer()
+        program, eager = ep.module(), Mixer()
+        eager.load_state_dict(program.state_dict())
+        for batch, extra in [(2, 2), (7, 5), (64, 32)]:
+            x, y = torch.randn(batch, 8), torch.randn(extra, 8)
+            assert_same_tree(program(x, y), eager(x, y))
+
+    def test_sizes_outside_the_range_are_refused(self):
+        program = self.export_mixer().module()
+        for batch, extra, why in [(1, 3, "batch"), (65, 3, "batch"), (4, 33, "extra")]:
+            with self.subTest(batch=batch, extra=extra), pytest.raises(errors.DynamicShapeError) as info:
+                program(torch.randn(batch, 8), torch.randn(extra, 8))
+            self.assertIn("is outside its range", str(info.value))
+        with pytest.raises(errors.InputMismatchError):
+            program(torch.randn(4, 9), torch.randn(3, 8))  # a static dimension
+
+    def test_specialized_dimension_is_refused_with_torchs_fix(self):
+        with pytest.raises(errors.DynamicShapeError) as info:
+            predispatch.export(Specializes(), (torch.randn(4, 8),), dynamic_shapes={"x": {0: Dim("rows")}})
+        text = message(info.value)
+        self.assertIn("You marked rows as dynamic but your code specialized it to be a constant (4)", text)
+        self.assertIn("Suggested fixes:\n  rows = 4", text)
+
+    def test_malformed_spec(self):
+        with pytest.raises(errors.DynamicShapeError) as info:
+            predispatch.export(Specializes(), (torch.randn(4, 8),), dynamic_shapes={"y": {0: Dim("rows")}})
+        self.assertIn("dynamic_shapes does not match the inputs", str(info.value))
+
+    def test_function_with_dynamic_shapes(self):
+        def fn(a, b):
+            return a @ b
+
+        ep = predispatch.export(fn, (torch.randn(3, 4), torch.randn(4, 5)), dynamic_shapes=({0: Dim("m")}, {1: Dim("n")}))
+        a, b = torch.randn(6, 4), torch.randn(4, 2)
+        assert_same_tree(ep.module()(a, b), fn(a, b))
+
+    def test_checks_on_data_dependent_values_are_recorded(self):
+        class Counted(nn.Module):
+            def forward(self, x):
+                n = (x > 0).sum().item()
+                torch._check(n <= x.shape[0])  # a check torch defers to run time
+                return torch.zeros(n) + x[:1]
+
+        ep = predispatch.export(Counted(), (torch.randn(5),))
+        self.assertIn("runtime: ", "".join(ep.signature.shapes.guards))
+        self.assertIn("Shape guards:", str(ep))
+        x = torch.tensor([1.0, -1.0, 2.0, 3.0, -4.0])
+        assert_same_tree(ep.module()(x), Counted()(x))
+
+
+class DataDependent(TestCase):
+    maxDiff = None
+
+    def test_item_becomes_an_unbacked_symbol(self):
+        class Scale(nn.Module):
+            def forward(self, x):
+                n = x.sum().item()
+                return x * n, n
+
+        ep = predispatch.export(Scale(), (torch.randn(5),))
+        self.assertExpectedInline(str(ep), """\
+ExportedProgram:
+    class GraphModule(torch.nn.Module):
+        def forward(self, x: "f32[5]"):
+            sum_1: "f32[]" = torch.ops.aten.sum.default(x)
+            item: "Sym(zuf1)" = torch.ops.aten.item.default(sum_1);  sum_1 = None
+            mul: "f32[5]" = torch.ops.aten.mul.Tensor(x, item);  x = None
+            return (mul, item)
+
+Graph signature:
+    Inputs:
+        x: USER_INPUT target='x'
+    Outputs:
+        mul: USER_OUTPUT target='output[0]'
+        item: USER_OUTPUT target='output[1]'""")
+        x = torch.tensor([1.0, 0.0, 2.0])
+        x = torch.cat([x, x[:2]])
+        assert_same_tree(ep.module()(x), Scale()(x))
+
+    def test_nonzero_has_a_data_dependent_size(self):
+        class Pick(nn.Module):
+            def forward(self, x):
+                idx = x.nonzero()
+                return x[idx[:, 0]], idx.shape[0]
+
+        ep = predispatch.export(Pick(), (torch.randn(5),))
+        for x in (torch.tensor([1.0, 0.0, 2.0, 0.0, 3.0]), torch.zeros(5), torch.ones(5)):
+            assert_same_tree(ep.module()(x), Pick()(x))
+
+    def test_branch_on_data_suggests_torch_cond(self):
+        class Branch(nn.Module):
+            def forward(self, x):
+                if x.nonzero().shape[0] > 2:
+                    return x * 2
+                return x
+
+        with pytest.raises(errors.DataDependentError) as info:
+            predispatch.export(Branch(), (torch.randn(5),))
+        self.assertExpectedInline(message(info.value), """\
+Python code branches on, or converts, a value inside a tensor, which export cannot know (it traces shapes, not values).
+  at test_dynamic.py:N (if x.nonzero().shape[0] > 2:)
+  fix: make the branch static, use torch.where to compute both sides, or torch.cond.
+  see docs/errors.md#datadependenterror""")

@@ -1,0 +1,477 @@
+"""save/load: loaded programs run and differentiate exactly like the saved ones; bad files are refused."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import io
+import json
+import random
+import signal
+import sys
+import time
+import zipfile
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from expecttest import TestCase
+from helpers import assert_same_tree
+from test_export import Batch, ConvBN, Counter, DictOut, Masked, ScaleInPlace, Tied, WithConstant
+from test_regions import CASES as REGION_CASES
+from torch import nn
+
+import predispatch
+from predispatch.errors import SerializationError
+from predispatch.program import serialize
+
+
+class GraphTensors(nn.Module):
+    """Tensors created in forward become attributes of the graph (and of a region's subgraph)."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            y = x + torch.tensor([1.0, 2.0])
+        return x * torch.tensor([3.0, 4.0]) + y
+
+
+class OddState(nn.Module):
+    """State safetensors alone would not round-trip: strides, shared storage, dtypes, flags."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3).t())  # non-contiguous
+        self.frozen = nn.Parameter(torch.randn(4), requires_grad=False)
+        base = torch.arange(8.0)
+        self.register_buffer("low", base[:4])  # two buffers sharing one storage
+        self.register_buffer("high", base[4:])
+        self.register_buffer("bf16", torch.randn(4).to(torch.bfloat16))
+        self.register_buffer("wide", torch.randn(4, dtype=torch.complex128))  # stored as bytes
+        self.register_buffer("steps", torch.tensor(3))
+        self.register_buffer("empty", torch.zeros(0, 4))
+        self.register_buffer("scratch", torch.ones(4), persistent=False)
+
+    def forward(self, x):
+        self.steps.add_(1)
+        y = x @ self.weight + self.frozen * self.low + self.high + self.bf16.float() + self.wide.real.float()
+        return y * self.scratch + self.empty.sum()
+
+
+class KwargsAndConstants(nn.Module):
+    def forward(self, x, *, scale: float = 1.0, mode: str = "a", inf: float = float("inf"), dtype=torch.float64):
+        return {"out": (x * scale).clamp(max=inf).to(dtype), "mode": mode, "nothing": None}
+
+
+def _args_of(module_cls, make_args):
+    return lambda: (module_cls(), make_args(), {})
+
+
+CASES = {
+    **{f"region_{name}": _args_of(cls, make) for name, (cls, make) in REGION_CASES.items()},
+    "conv_bn_train": lambda: (ConvBN().train(), (torch.randn(2, 3, 6, 6),), {}),
+    "buffer_mutation": lambda: (Counter(), (torch.randn(2, 3),), {}),
+    "input_mutation": lambda: (ScaleInPlace(), (torch.randn(3), torch.randn(3)), {}),
+    "dict_output": lambda: (DictOut(), (torch.randn(2, 3),), {}),
+    "kwargs": lambda: (Masked(), (torch.randn(2, 4),), {"mask": torch.rand(2, 4) > 0.5, "scale": 0.5}),
+    "tied": lambda: (Tied(), (torch.tensor([[1, 2, 3]]),), {}),
+    "dataclass_input": lambda: (WithConstant(), (Batch(torch.randn(4), torch.randn(4)),), {}),
+    "graph_tensors": lambda: (GraphTensors(), (torch.randn(2),), {}),
+    "odd_state": lambda: (OddState(), (torch.randn(2, 3),), {}),
+    "constants": lambda: (KwargsAndConstants(), (torch.randn(3),), {"scale": 2.0, "mode": "b", "dtype": torch.float16}),
+}
+
+
+def export_case(name):
+    torch.manual_seed(0)
+    module, args, kwargs = CASES[name]()
+    return predispatch.export(module, args, kwargs), args, kwargs
+
+
+def saved(ep) -> bytes:
+    buffer = io.BytesIO()
+    predispatch.save(ep, buffer)
+    return buffer.getvalue()
+
+
+def assert_same_behaviour(ep, loaded, args, kwargs):
+    """Bitwise: outputs, their requires_grad, gradients of inputs and parameters, state after."""
+    expected_module, actual_module = ep.module(), loaded.module()
+
+    def fresh():
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.is_floating_point()), (args, kwargs)
+        )
+
+    def run(module, args, kwargs):
+        try:
+            return module(*args, **kwargs)
+        finally:
+            torch.set_grad_enabled(True)  # a program may leave grad mode off, as its forward did
+
+    (e_args, e_kwargs), (a_args, a_kwargs) = fresh(), fresh()
+    expected, actual = run(expected_module, e_args, e_kwargs), run(actual_module, a_args, a_kwargs)
+    assert_same_tree(actual, expected)
+    e_out = [t for t in pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
+    a_out = [t for t in pytree.tree_leaves(actual) if isinstance(t, torch.Tensor)]
+    assert [t.requires_grad for t in a_out] == [t.requires_grad for t in e_out]
+    for outs in (e_out, a_out):
+        live = [t for t in outs if t.requires_grad]
+        if live:
+            torch.autograd.backward([t.float().sum() for t in live])
+    for e, a in zip(pytree.tree_leaves((e_args, e_kwargs)), pytree.tree_leaves((a_args, a_kwargs))):
+        if isinstance(e, torch.Tensor):
+            assert_same_tree(a.grad, e.grad)
+    e_params, a_params = dict(expected_module.named_parameters()), dict(actual_module.named_parameters())
+    assert e_params.keys() == a_params.keys()
+    for name, param in e_params.items():
+        assert_same_tree(a_params[name].grad, param.grad)
+    assert_same_tree(actual_module.state_dict(), expected_module.state_dict())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_round_trip(name, tmp_path):
+    """Same text, same bytes when saved again, same numbers and gradients, every HOP included."""
+    ep, args, kwargs = export_case(name)
+    path = tmp_path / "program.pdp"
+    predispatch.save(ep, path)
+    loaded = predispatch.load(path)
+    assert str(loaded) == str(ep)
+    assert saved(loaded) == path.read_bytes()
+    assert loaded.decompositions.decisions == ep.decompositions.decisions
+    assert list(loaded.state_dict) == list(ep.state_dict) and list(loaded.constants) == list(ep.constants)
+    for name_, tensor in (*ep.state_dict.items(), *ep.constants.items()):
+        other = {**loaded.state_dict, **loaded.constants}[name_]
+        assert (type(other), other.dtype, other.shape, other.stride(), other.requires_grad) == (
+            type(tensor), tensor.dtype, tensor.shape, tensor.stride(), tensor.requires_grad
+        ), name_
+        assert torch.equal(other, tensor), name_
+    assert_same_behaviour(ep, loaded, args, kwargs)
+
+
+def test_save_is_deterministic_and_atomic(tmp_path):
+    ep, _, _ = export_case("region_nested")
+    assert saved(ep) == saved(ep)
+    path = tmp_path / "program.pdp"
+    with pytest.raises(SerializationError):
+        predispatch.save(_unsaveable(ep), path)
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary file
+
+
+def test_file_layout():
+    ep, _, _ = export_case("region_detached_double")
+    with zipfile.ZipFile(io.BytesIO(saved(ep))) as zf:
+        infos = zf.infolist()
+        manifest = json.loads(zf.read("manifest.json"))
+        program = json.loads(zf.read("program.json"))
+    assert [i.filename for i in infos] == [
+        "manifest.json", "program.json", "state.safetensors", "constants.safetensors", "graph.safetensors"
+    ]
+    assert {i.compress_type for i in infos} == {zipfile.ZIP_STORED}
+    assert (manifest["format"], manifest["version"]) == ("predispatch.program", 1)
+    nodes = [{k: v for k, v in n.items() if k != "meta"} for n in program["graph_module"]["nodes"]]
+    assert nodes == [
+        {"op": "placeholder", "name": "x", "target": "x"},
+        {"op": "get_attr", "name": "grad_region_0", "target": "grad_region_0"},
+        {
+            "op": "call_function",
+            "name": "wrap_with_set_grad_enabled",
+            "target": "higher_order.wrap_with_set_grad_enabled",
+            "args": [False, {"node": "grad_region_0"}, {"node": "x"}],
+        },
+        {"op": "call_function", "name": "mul", "target": "_operator.getitem", "args": [{"node": "wrap_with_set_grad_enabled"}, 0]},
+        {"op": "call_function", "name": "add", "target": "aten.add.Tensor", "args": [{"node": "x"}, {"node": "mul"}]},
+        {"op": "output", "name": "output", "target": "output", "args": [{"tuple": [{"node": "add"}]}]},
+    ]
+    assert program["graph_module"]["nodes"][0]["meta"]["val"] == {
+        "tensor": {"shape": [3], "stride": [1], "storage_offset": 0, "dtype": "float32", "device": "cpu", "requires_grad": False}
+    }
+    assert [s["name"] for s in program["graph_module"]["submodules"]] == ["grad_region_0"]
+
+
+def test_format_covers_every_field():
+    """A new field in a saved record must be added to the format (and docs/format.md) on purpose."""
+    from predispatch.program.exported_program import ExportedProgram
+    from predispatch.program.signature import ExportSignature, InputSpec, Leaf, OutputSpec, ShapeRecord
+
+    fields = {cls.__name__: [f.name for f in cls.__dataclass_fields__.values()] for cls in (ExportedProgram, ExportSignature, InputSpec, OutputSpec, Leaf)}
+    assert fields == {
+        "ExportedProgram": ["graph_module", "signature", "state_dict", "constants", "decompositions", "live_root", "hooks", "state_dict_owner"],
+        "ExportSignature": ["inputs", "outputs", "in_spec", "out_spec", "input_leaves", "output_leaves", "grad_mode_on_exit", "arg_names", "shapes"],
+        "InputSpec": ["kind", "name", "target", "aliases", "persistent"],
+        "OutputSpec": ["kind", "name", "target"],
+        "Leaf": ["path", "is_tensor", "value"],
+    }, "update predispatch/program/serialize.py and docs/format.md (and VERSION if old files change meaning)"
+    assert "shapes" in ExportSignature.__dataclass_fields__ and ShapeRecord  # saved field by field
+
+
+# --------------------------------------------------------------------------- refused files
+
+
+def rewrite(data: bytes, edit) -> bytes:
+    """The archive with `edit(members)` applied and every checksum recomputed: a crafted file."""
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        members = {name: zf.read(name) for name in zf.namelist()}
+    program = json.loads(members["program.json"])
+    manifest = json.loads(members["manifest.json"])
+    edit(program, manifest)
+    members["program.json"] = json.dumps(program).encode()
+    manifest["members"] = {n: hashlib.sha256(d).hexdigest() for n, d in members.items() if n != "manifest.json"}
+    members["manifest.json"] = json.dumps(manifest).encode()
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        for name, member in members.items():
+            zf.writestr(name, member)
+    return out.getvalue()
+
+
+def load_error(data: bytes, **options) -> str:
+    with pytest.raises(SerializationError) as info:
+        predispatch.load(io.BytesIO(data), **options)
+    return str(info.value)
+
+
+def node(program, name):
+    return next(n for n in program["graph_module"]["nodes"] if n["name"] == name)
+
+
+class RefusedFiles(TestCase):
+    maxDiff = None
+
+    @classmethod
+    def setUpClass(cls):
+        cls.ep, _, _ = export_case("region_detached_double")
+        cls.data = saved(cls.ep)
+
+    def test_newer_version(self):
+        def newer(program, manifest):
+            manifest["version"] = 2
+
+        self.assertExpectedInline(load_error(rewrite(self.data, newer)), """\
+the file has format version 2; predispatch 0.1.0 reads version 1.
+  fix: upgrade predispatch to a release that reads it.
+  see docs/errors.md#serializationerror""")
+
+    def test_not_a_zip(self):
+        self.assertExpectedInline(load_error(b"not a program"), """\
+the file is not a predispatch program: not a zip archive, or truncated.
+  fix: pass a file written by predispatch.save; if it was, it was cut short or damaged.
+  see docs/errors.md#serializationerror""")
+
+    def test_truncated(self):
+        self.assertIn("not a zip archive, or truncated", load_error(self.data[: len(self.data) // 2]))
+
+    def test_flipped_weight_byte(self):
+        ep, _, _ = export_case("conv_bn_train")
+        data = bytearray(saved(ep))
+        info = zipfile.ZipFile(io.BytesIO(bytes(data))).getinfo("state.safetensors")
+        start = info.header_offset + 30 + len(info.filename) + len(info.extra)  # the member's bytes
+        data[start + info.file_size - 3] ^= 0x01  # in the last weight
+        self.assertIn("Bad CRC-32 for file 'state.safetensors'", load_error(bytes(data)))
+
+    def test_op_torch_does_not_have(self):
+        def renamed(program, manifest):
+            node(program, "add")["target"] = "aten.add_but_not_really.Tensor"
+
+        self.assertExpectedInline(load_error(rewrite(self.data, renamed)), """\
+graph module <root>, nodes[4] (add): calls aten.add_but_not_really.Tensor, which this torch (2.13.0+cpu) does not have.
+  fix: load with the torch release that saved the program (see manifest.json); for a custom op, import the library that defines it first.
+  see docs/errors.md#serializationerror""")
+
+    def test_target_outside_the_allow_list(self):
+        for target in ("builtins.eval", "os.system", "higher_order.cond", "torch.ops.aten.add.Tensor", "aten.__class__.default"):
+            def hostile(program, manifest, target=target):
+                node(program, "add")["target"] = target
+
+            self.assertIn("which a program may not call", load_error(rewrite(self.data, hostile)), target)
+
+    def test_schema_mismatch(self):
+        def extra_kwarg(program, manifest):
+            node(program, "add")["kwargs"] = {"beta": 2}
+
+        self.assertIn("unknown argument 'beta'", load_error(rewrite(self.data, extra_kwarg)))
+
+    def test_code_injection_through_names(self):
+        """FX compiles graphs into Python: nothing a file names may become code."""
+        edits = {
+            "kwarg name": lambda p: node(p, "mul").update(kwargs={"x); import os; (": 1}),
+            "node name": lambda p: node(p, "add").update(name="add(); import os #"),
+            "placeholder target": lambda p: node(p, "x").update(target="x=__import__('os')"),
+            "attribute target": lambda p: node(p, "grad_region_0").update(target="grad_region_0;os"),
+            "stack trace": lambda p: node(p, "add").setdefault("meta", {}).update(
+                stack_trace='File "a.py", line 1, in f\n    x\rimport os'
+            ),
+            "class name": lambda p: p["graph_module"].update(class_name="G(os.system('x'))"),
+        }
+        for what, edit in edits.items():
+            message = load_error(rewrite(self.data, lambda program, manifest: edit(program)))
+            self.assertTrue(message.startswith("graph module"), (what, message))
+
+    def test_class_from_a_module_not_imported(self):
+        ep, _, _ = export_case("dataclass_input")
+        data = saved(ep)
+        module = sys.modules.pop("test_export")
+        try:
+            message = load_error(data)
+        finally:
+            sys.modules["test_export"] = module
+        self.assertExpectedInline(message, """\
+signature in_spec[0][0]: the program names 'Batch' from module 'test_export', which is not imported; load never imports modules a file names.
+  fix: import test_export before predispatch.load(...).
+  see docs/errors.md#serializationerror""")
+
+    def test_class_that_is_not_a_pytree_node(self):
+        def hostile(program, manifest):
+            program["signature"]["out_spec"] = {"type": "os:system", "context": None, "children": []}
+
+        self.assertIn("os:system is not a pytree node type", load_error(rewrite(self.data, hostile)))
+
+    def test_namedtuple_context_must_be_a_namedtuple(self):
+        def hostile(program, manifest):
+            program["signature"]["out_spec"] = {
+                "type": "collections:namedtuple", "context": {"class": "subprocess:Popen"}, "children": [None]
+            }
+
+        self.assertIn("subprocess:Popen is not a class a pytree spec may name here", load_error(rewrite(self.data, hostile)))
+
+    def test_inconsistent_signature(self):
+        def dropped_input(program, manifest):
+            program["signature"]["inputs"] = []
+
+        self.assertIn("placeholders ['x'] differ from the signature's inputs", load_error(rewrite(self.data, dropped_input)))
+
+
+def test_custom_op_namespace_is_opt_in():
+    @torch.library.custom_op("pdtest::double", mutates_args=())
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    double.register_fake(lambda x: torch.empty_like(x))
+
+    class UsesCustomOp(nn.Module):
+        def forward(self, x):
+            return torch.ops.pdtest.double(x) + 1
+
+    x = torch.randn(3)
+    ep = predispatch.export(UsesCustomOp(), (x,))
+    data = saved(ep)
+    assert "namespaces ['aten', 'prims', 'predispatch']" in load_error(data)
+    loaded = predispatch.load(io.BytesIO(data), op_namespaces=("pdtest",))
+    assert_same_tree(loaded.module()(x), ep.module()(x))
+
+
+def test_unsaveable_program_says_what():
+    ep, _, _ = export_case("region_detached_double")
+    with pytest.raises(SerializationError, match=r"calls <built-in function add>, which format version 1 cannot name"):
+        saved(_unsaveable(ep))
+
+
+def _unsaveable(ep):
+    """A copy of `ep` whose graph calls a Python function the format has no name for."""
+    import dataclasses
+    import operator
+
+    gm = copy.deepcopy(ep.graph_module)
+    add = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor)
+    add.target = operator.add
+    gm.recompile()
+    return dataclasses.replace(ep, graph_module=gm)
+
+
+# --------------------------------------------------------------------------- fuzzing
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fail instead of hanging (POSIX timers; the test runs in the main thread)."""
+
+    def expired(signum, frame):
+        raise TimeoutError(f"load took more than {seconds}s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def corrupt(data: bytes, rng: random.Random) -> bytes:
+    """Flip a few bytes, or truncate, or both."""
+    damaged = bytearray(data)
+    kind = rng.choice(["flip", "flips", "truncate", "flip_and_truncate"])
+    if kind in ("flip", "flips", "flip_and_truncate"):
+        for _ in range(1 if kind == "flip" else rng.randint(2, 8)):
+            damaged[rng.randrange(len(damaged))] ^= rng.randint(1, 255)
+    if kind in ("truncate", "flip_and_truncate"):
+        del damaged[rng.randrange(len(damaged)) :]
+    return bytes(damaged)
+
+
+FUZZ_CASES = 300
+
+
+def test_fuzzed_files_load_identically_or_raise():
+    """Random byte flips and truncations: each loads the very same program or raises
+    SerializationError; no other exception, no hang."""
+    ep, _, _ = export_case("region_pre_hook_region")
+    original = saved(ep)
+    rng = random.Random(0)
+    outcomes = {"refused": 0, "identical": 0}
+    start = time.monotonic()
+    for case in range(FUZZ_CASES):
+        data = corrupt(original, rng)
+        with deadline(10):
+            try:
+                loaded = predispatch.load(io.BytesIO(data))
+            except SerializationError:
+                outcomes["refused"] += 1
+                continue
+        assert saved(loaded) == original, f"case {case} loaded a different program"
+        outcomes["identical"] += 1
+    assert outcomes["refused"] > FUZZ_CASES // 2, outcomes
+    assert time.monotonic() - start < 120
+
+
+def mutate_json(value, rng: random.Random):
+    """One random structural change somewhere in a JSON tree."""
+    if isinstance(value, dict) and value and rng.random() < 0.8:
+        key = rng.choice(sorted(value))
+        if rng.random() < 0.15:
+            del value[key]
+        else:
+            value[key] = mutate_json(value[key], rng)
+        return value
+    if isinstance(value, list) and value and rng.random() < 0.8:
+        i = rng.randrange(len(value))
+        value[i] = mutate_json(value[i], rng)
+        return value
+    return rng.choice([
+        None, True, 0, -1, 2**70, 1.5, float("inf"), "", "x", "aten.add.Tensor", "higher_order.cond",
+        [], [1, "a"], {}, {"node": "x"}, {"tuple": 3}, {"dtype": "int128"}, {"class": "os:system"},
+        {"tensor": {"shape": [2], "stride": [-1]}}, [[[[[]]]]],
+    ])
+
+
+def test_crafted_files_load_or_raise():
+    """Random structural edits of program.json, re-checksummed (a stranger's file): load returns
+    a program or raises SerializationError, never another exception."""
+    ep, _, _ = export_case("region_intermediate_mutated_under_no_grad")
+    original = saved(ep)
+    rng = random.Random(1)
+    for case in range(200):
+        data = rewrite(original, lambda program, manifest: mutate_json(program, rng))
+        with deadline(10):
+            try:
+                predispatch.load(io.BytesIO(data))
+            except SerializationError:
+                pass
+
+
+def test_tables_name_every_hop_we_emit():
+    names = set(serialize.HIGHER_ORDER_OPS)
+    assert {"wrap_with_set_grad_enabled", "wrap_with_autocast", "autograd_function_apply"} <= names
+    for name, hop in serialize.HIGHER_ORDER_OPS.items():
+        assert hop().name() == name
+
