@@ -122,3 +122,11 @@ BENCHES = [
         lambda: ((torch.randn(2, 800),), {}),
     ),
 ]
+
+
+#: For forward time only: a width where compute, not Python overhead, dominates a call.
+WIDE = Bench(
+    "llama-wide (hidden 512, 4 layers, 2x128 tokens)",
+    lambda: llama(4, hidden=512),
+    lambda: ((torch.randint(0, VOCAB, (2, 128)),), {"labels": torch.randint(0, VOCAB, (2, 128))}),
+)

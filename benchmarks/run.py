@@ -11,7 +11,8 @@ Four measurements, on the models of benchmarks/models.py (train mode, loss in th
 2. Depth scaling: a Llama-style decoder (hidden 64) at 2, 8 and 32 layers; time per layer.
 3. Peak memory of exporting the 7-billion-parameter Llama built on the meta device, each tool
    in a fresh process (benchmarks/peak_memory.py: the process's own peak resident memory).
-4. Forward time of `ep.module()` against the eager model (median of many calls).
+4. Forward time of `ep.module()` against the eager model (median of many calls), on the same
+   models and on a wider Llama where compute rather than Python overhead fills a call.
 
 Targets (issue 7): predispatch at most 0.5x export+run_decompositions and at most 1.0x plain
 torch.export (median over the models); time per layer flat with depth; 7B export under 4 GiB.
@@ -42,7 +43,7 @@ import predispatch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from models import BENCHES, llama  # noqa: E402  (a sibling file, not a package)
+from models import BENCHES, WIDE, llama  # noqa: E402  (a sibling file, not a package)
 
 #: How each tool exports `(model, args, kwargs)`; every one returns an object with `.graph`.
 TOOLS: dict[str, Callable[[Any, tuple, dict], Any]] = {
@@ -263,7 +264,7 @@ def main() -> None:
         print(f"  memory: {results}", file=sys.stderr, flush=True)
         out += ["", "## Peak memory: 7B Llama on the meta device (fresh process each)", "", *memory_table(results)]
     if "forward" not in opts.skip:
-        rows = [(bench.name, forward_ratio(*bench.make())) for bench in benches]
+        rows = [(bench.name, forward_ratio(*bench.make())) for bench in [*benches, WIDE]]
         out += ["", "## Forward time: ep.module() against eager (train mode, grad enabled)", "", *forward_table(rows)]
     text = "\n".join(out) + "\n"
     print(text)

@@ -40,7 +40,13 @@ def export(
     Tracing runs on fake tensors: no real compute, no copy of the weights.  The module and
     torch's global state are left exactly as they were, whether export succeeds or raises.
     """
-    policy = DecompositionPolicy.from_user(preserve, decompose)
+    return _export_with_policy(module_or_fn, args, kwargs, DecompositionPolicy.from_user(preserve, decompose), dynamic_shapes)
+
+
+def _export_with_policy(
+    module_or_fn: Any, args: tuple, kwargs: dict | None, policy: DecompositionPolicy, dynamic_shapes: Any = None
+) -> ExportedProgram:
+    """`export` once the user's options are checked (tests call it to bypass those checks)."""
     if is_tracing():  # called by the code another export is tracing
         with ti.suspended_tracing(), isolated(modules_of(module_or_fn, args, kwargs)):
             return _export_nested(module_or_fn, args, kwargs, policy)

@@ -217,3 +217,16 @@ class DynamicShapeError(PredispatchError):
     """
 
     anchor = "dynamicshapeerror"
+
+
+class DecompositionError(PredispatchError):
+    """`preserve=` or `decompose=` asked for something export cannot do.
+
+    Cause: preserving a composite op that the composite audit found to lie about its schema
+    (the message quotes the audit's evidence), or naming an op that does not exist or is not
+    a CompositeImplicitAutograd composite (only composites can be kept whole or decomposed).
+    Example: `export(model, args, preserve=["aten.reshape"])`.
+    Fix: drop it from `preserve=`; `python -m predispatch.audit` shows every verdict.
+    """
+
+    anchor = "decompositionerror"

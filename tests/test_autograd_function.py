@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 from expecttest import TestCase
-from helpers import check_gradients, graph
+from helpers import assert_same_tree, check_gradients, graph
 from torch import nn
 
 import predispatch
@@ -494,6 +494,110 @@ def test_trained_program_follows_eager():
     for name, value in eager.state_dict().items():
         torch.testing.assert_close(program.state_dict()[name], value, rtol=0, atol=0)
 
+
+
+@pytest.mark.parametrize("case", ["straight_through", "mark_dirty", "in_no_grad", "autocast_custom_fwd"])
+def test_save_and_load_keep_backward(case, tmp_path):
+    torch.manual_seed(0)
+    module_cls, make_args = CASES[case]
+    module, args = module_cls(), make_args()
+    path = tmp_path / "program.pt2"
+    predispatch.save(predispatch.export(module, args), path)
+    loaded = predispatch.load(path).module()
+    grads = []
+    for model in (loaded, module):
+        inputs = [a.clone().requires_grad_() for a in args]
+        out = model(*inputs)
+        sum(t.sum() for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad).backward()
+        grads.append([a.grad for a in inputs])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_torch_compile_of_the_program_keeps_backward():
+    """torch.compile traces `autograd_function_apply` with the custom backward into its joint graph."""
+    x = torch.tensor([0.3, 0.6, -0.2, 1.4])
+    compiled = torch.compile(predispatch.export(Ste(), (x,)).module(), backend="aot_eager")
+    torch.testing.assert_close(_input_grad(compiled, x), _input_grad(Ste(), x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_reexport_of_the_program_is_stable(case):
+    """Exporting `ep.module()` meets torch's `autograd_function_apply`: captured again, not inlined."""
+    torch.manual_seed(0)
+    module_cls, make_args = CASES[case]
+    args = make_args()
+    ep = predispatch.export(module_cls(), args)
+    again = check_gradients(ep.module(), args)
+    assert str(again) == str(ep)
+
+
+class Library(nn.Module):
+    """Exports its inner block while the outer export traces it (a nested export)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(3, 3)
+        self.inner = Ste()
+
+    def forward(self, x):
+        h = self.pre(x)
+        return predispatch.export(self.inner, (h,)).module()(h)
+
+
+class FunctionInCond(nn.Module):
+    """torch.cond traces its branches with Dynamo, which hands the Function over as autograd_function_apply."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([0.2, -0.7, 0.4]))
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda t: StraightThroughPure.apply(t * self.weight) * 2, lambda t: t * 3, (x,))
+
+
+class StraightThroughPure(torch.autograd.Function):
+    """StraightThrough without the call counter (Dynamo refuses to trace the global dict update)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (x.abs() <= 1) * 3
+
+
+def test_nested_export_keeps_backward():
+    ep = check_gradients(Library(), (torch.randn(2, 3),))
+    assert ep.graph.find_nodes(op="call_function", target=torch.ops.higher_order.autograd_function_apply)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["true_branch", "false_branch"])
+def test_function_in_cond_branch_keeps_backward(sign):
+    x = torch.tensor([1.5, 2.0, 0.5]) * sign
+    ep = check_gradients(FunctionInCond(), (x,))
+    (branch,) = [m for name, m in ep.graph_module.named_children() if name.startswith("true_graph")]
+    assert branch.graph.find_nodes(op="call_function", target=torch.ops.higher_order.autograd_function_apply)
+    assert mutable_ops(ep.graph_module) == []
+
+
+@pytest.mark.parametrize("size", [5, 9])
+def test_dynamic_batch(size):
+    """Subgraphs are traced on the symbolic shapes; a shape on ctx (`ctx.n`) stays symbolic."""
+    batch = torch.export.Dim("batch", min=2, max=64)
+    ep = predispatch.export(StatsModule(), (torch.randn(4, 2),), dynamic_shapes={"x": {0: batch}})
+    x = torch.randn(size, 2)
+    assert_same_tree(_grads(ep.module(), x), _grads(StatsModule(), x))
+
+
+def _grads(module, x):
+    x = x.detach().clone().requires_grad_()
+    out, _label = module(x)
+    out.sum().backward()
+    return out, x.grad
 
 # --- traced once ---------------------------------------------------------------------------------
 

@@ -22,7 +22,15 @@ from torch import nn
 import predispatch
 from predispatch.cli import ExitCode, main
 from predispatch.cli.failures import EXIT_CODES_HELP, ModelError, UsageError
-from predispatch.cli.specs import ParsedInputs, SpecError, TensorSpec, describe, make_example, parse_inputs
+from predispatch.cli.specs import (
+    ParsedInputs,
+    SpecError,
+    TensorSpec,
+    describe,
+    make_example,
+    parse_dim_range,
+    parse_inputs,
+)
 from predispatch.cli.targets import Target, load_model, parse_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +116,18 @@ def test_spec_round_trips_through_describe():
     assert describe(parse_inputs(text)) == text
 
 
+def test_named_dimensions_are_dynamic():
+    parsed = parse_inputs("f32[batch=4,16], ids=i64[batch=4]")
+    assert parsed.args == (TensorSpec(torch.float32, (4, 16), ("batch", None)),)
+    assert parsed.kwargs == {"ids": TensorSpec(torch.int64, (4,), ("batch",))}
+    assert describe(parsed) == "f32[batch=4,16], ids=i64[batch=4]"
+    assert parse_dim_range("batch=2..64") == ("batch", 2, 64)
+    assert parse_dim_range(" batch = ..64") == ("batch", None, 64)
+    assert parse_dim_range("batch=2..") == ("batch", 2, None)
+    with pytest.raises(SpecError, match="a dimension range is NAME=MIN..MAX"):
+        parse_dim_range("batch=2-64")
+
+
 def test_example_tensors_have_the_spec_dtypes_and_shapes():
     args, kwargs = make_example((parse_inputs("f32[2,3], i64[4], b8[2]").args, {"s": TensorSpec(torch.float16, ())}))
     assert [(t.dtype, tuple(t.shape)) for t in args] == [(torch.float32, (2, 3)), (torch.int64, (4,)), (torch.bool, (2,))]
@@ -136,7 +156,7 @@ unknown dtype 'f33'
 a dimension must be a non-negative integer, found '-1'
     f32[2,-1]
           ^
-  example: f32[2,5,16]""")
+  example: f32[2,5,16], or f32[batch=2,5,16] for a dynamic dimension""")
 
     def test_positional_after_keyword(self):
         self.assertExpectedInline(self.error("mask=b8[5,5], f32[2]"), """\
@@ -231,6 +251,17 @@ def test_preserve_and_decompose(capsys):
     assert code == ExitCode.USAGE and "there is no op 'aten.lineer'" in err
 
 
+def test_dynamic_dimensions(capsys):
+    code, out, _ = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[batch=3,4]", "--dim", "batch=2..16")
+    assert code == ExitCode.OK
+    assert re.search(r'x: "f32\[s\d+, 4\]"', out)
+    assert re.search(r"Range constraints:\n        s\d+: \[2, 16\]  \(x.size\(\)\[0\]\)", out)
+    code, _, err = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[batch=3,4]", "--dim", "rows=2..16")
+    assert code == ExitCode.USAGE and "no input has a dimension named 'rows'" in err and "inputs: batch" in err
+    code, _, err = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[b=3,4], f32[b=2]")
+    assert code == ExitCode.USAGE and "has example size 3 in one input and 2 in another" in err
+
+
 def test_export_failure_is_a_message_without_traceback(capsys):
     code, out, err = run(capsys, "export", "test_cli:Branchy", "--inputs", "f32[3]")
     assert code == ExitCode.REFUSED == 1
@@ -238,8 +269,10 @@ def test_export_failure_is_a_message_without_traceback(capsys):
     assert err.startswith("predispatch export: error: Python code branches on")
     assert "see docs/errors.md#datadependenterror" in err and "--traceback" in err
     assert "Traceback" not in err
-    code, _, err = run(capsys, "export", "test_cli:Branchy", "--inputs", "f32[3]", "--traceback")
-    assert code == ExitCode.REFUSED and "Traceback (most recent call last)" in err
+    for argv in (["export", "test_cli:Branchy", "--inputs", "f32[3]", "--traceback"],
+                 ["--traceback", "export", "test_cli:Branchy", "--inputs", "f32[3]"]):
+        code, _, err = run(capsys, *argv)
+        assert code == ExitCode.REFUSED and "Traceback (most recent call last)" in err
 
 
 @pytest.mark.parametrize(
@@ -254,6 +287,8 @@ def test_export_failure_is_a_message_without_traceback(capsys):
         (["draw", "test_cli:Tiny", "--inputs", "f32[2,4]", "-o", "out.png"], "cannot tell the picture format"),
         (["draw", "test_cli:Tiny", "-o", "out.html"], "--inputs is required"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["draw", "test_cli:Tiny", "--inputs", "f32[2,4]", "-o", "/no/such/dir/t.html"], "cannot write '/no/such/dir/t.html'"),
+        (["export", "test_cli:Tiny", "--inputs", "f32[2,4]", "-q", "--save", "/no/such/dir/t.pt2"], "cannot write '/no/such/dir/t.pt2'"),
     ],
 )
 def test_usage_errors_exit_2(capsys, argv, message):

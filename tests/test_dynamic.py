@@ -139,16 +139,16 @@ ExportedProgram:
     class GraphModule(torch.nn.Module):
         def forward(self, x: "f32[5]"):
             sum_1: "f32[]" = torch.ops.aten.sum.default(x)
-            item: "Sym(zuf1)" = torch.ops.aten.item.default(sum_1);  sum_1 = None
-            mul: "f32[5]" = torch.ops.aten.mul.Tensor(x, item);  x = None
-            return (mul, item)
+            _local_scalar_dense: "Sym(zuf1)" = torch.ops.aten._local_scalar_dense.default(sum_1);  sum_1 = None
+            mul: "f32[5]" = torch.ops.aten.mul.Tensor(x, _local_scalar_dense);  x = None
+            return (mul, _local_scalar_dense)
 
 Graph signature:
     Inputs:
         x: USER_INPUT target='x'
     Outputs:
         mul: USER_OUTPUT target='output[0]'
-        item: USER_OUTPUT target='output[1]'""")
+        _local_scalar_dense: USER_OUTPUT target='output[1]'""")
         x = torch.tensor([1.0, 0.0, 2.0])
         x = torch.cat([x, x[:2]])
         assert_same_tree(ep.module()(x), Scale()(x))

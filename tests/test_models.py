@@ -96,15 +96,6 @@ def _ctc_loss(out: Any) -> torch.Tensor:
     return F.ctc_loss(log_probs, targets, torch.full((batch,), frames), torch.full((batch,), 5))
 
 
-_CUSTOM_OP_AUTOGRAD = (
-    "a custom op with torch.library register_autograd (transformers::grouped_mm_fallback) raises "
-    "AutogradFunctionError: its autograd is a generated autograd.Function whose forward "
-    "redispatches the op below Autograd; predispatch/trace/autograd_function captures it like a "
-    "user Function and retraces that forward with make_fx, where the redispatch meets a "
-    "FunctionalTensor without its mode"
-)
-
-
 @dataclass(frozen=True)
 class ModelCase:
     """One model to export.
@@ -147,7 +138,6 @@ def _cases() -> list[ModelCase]:
                 T.MixtralConfig(**DECODER, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)
             ),
             _lm_inputs,
-            xfail=dict.fromkeys(("eval", "train"), _CUSTOM_OP_AUTOGRAD),
         ),
         ModelCase(
             "qwen2_moe",

@@ -63,6 +63,22 @@ class KwargsAndConstants(nn.Module):
         return {"out": (x * scale).clamp(max=inf).to(dtype), "mode": mode, "nothing": None}
 
 
+class CustomFunctions(nn.Module):
+    """autograd.Functions (the autograd_function_apply HOP), one inside a grad region's reach."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x):
+        from test_autograd_function import ScaledMul, SetupContextLinear, StraightThrough
+
+        y = StraightThrough.apply(x * 2)
+        with torch.no_grad():
+            z = y + 1
+        return SetupContextLinear.apply(y + z, self.weight) + ScaledMul.apply(x, y, 0.5)
+
+
 def _args_of(module_cls, make_args):
     return lambda: (module_cls(), make_args(), {})
 
@@ -78,6 +94,7 @@ CASES = {
     "dataclass_input": lambda: (WithConstant(), (Batch(torch.randn(4), torch.randn(4)),), {}),
     "graph_tensors": lambda: (GraphTensors(), (torch.randn(2),), {}),
     "odd_state": lambda: (OddState(), (torch.randn(2, 3),), {}),
+    "autograd_functions": lambda: (CustomFunctions(), (torch.randn(4, 3),), {}),
     "constants": lambda: (KwargsAndConstants(), (torch.randn(3),), {"scale": 2.0, "mode": "b", "dtype": torch.float16}),
 }
 
@@ -194,15 +211,19 @@ def test_format_covers_every_field():
     from predispatch.program.exported_program import ExportedProgram
     from predispatch.program.signature import ExportSignature, InputSpec, Leaf, OutputSpec, ShapeRecord
 
-    fields = {cls.__name__: [f.name for f in cls.__dataclass_fields__.values()] for cls in (ExportedProgram, ExportSignature, InputSpec, OutputSpec, Leaf)}
+    from predispatch.trace.decompose import DecompositionLog
+
+    records = (ExportedProgram, ExportSignature, InputSpec, OutputSpec, Leaf, DecompositionLog)
+    fields = {cls.__name__: [f.name for f in cls.__dataclass_fields__.values()] for cls in records}
     assert fields == {
         "ExportedProgram": ["graph_module", "signature", "state_dict", "constants", "decompositions", "live_root", "hooks", "state_dict_owner"],
         "ExportSignature": ["inputs", "outputs", "in_spec", "out_spec", "input_leaves", "output_leaves", "grad_mode_on_exit", "arg_names", "shapes"],
         "InputSpec": ["kind", "name", "target", "aliases", "persistent"],
         "OutputSpec": ["kind", "name", "target"],
         "Leaf": ["path", "is_tensor", "value"],
+        "DecompositionLog": ["decisions"],
     }, "update predispatch/program/serialize.py and docs/format.md (and VERSION if old files change meaning)"
-    assert "shapes" in ExportSignature.__dataclass_fields__ and ShapeRecord  # saved field by field
+    assert ShapeRecord.__dataclass_fields__  # saved field by field, whatever its fields
 
 
 # --------------------------------------------------------------------------- refused files
@@ -360,6 +381,19 @@ def test_custom_op_namespace_is_opt_in():
     assert_same_tree(loaded.module()(x), ep.module()(x))
 
 
+def test_dynamic_shapes_are_refused_on_save():
+    from torch.export import Dim
+
+    ep = predispatch.export(nn.Linear(4, 4), (torch.randn(3, 4),), dynamic_shapes=({0: Dim("batch")},))
+    with pytest.raises(SerializationError, match=r"dynamic shapes \(s\d+ from input.size\(\)\[0\]\); format version 1 holds"):
+        saved(ep)
+
+
+def test_missing_path_is_an_os_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        predispatch.load(tmp_path / "nothing.pdp")
+
+
 def test_unsaveable_program_says_what():
     ep, _, _ = export_case("region_detached_double")
     with pytest.raises(SerializationError, match=r"calls <built-in function add>, which format version 1 cannot name"):
@@ -381,12 +415,16 @@ def _unsaveable(ep):
 # --------------------------------------------------------------------------- fuzzing
 
 
+class LoadHung(BaseException):
+    """Not an Exception, so that load cannot mistake it for a damaged file."""
+
+
 @contextlib.contextmanager
 def deadline(seconds: float):
     """Fail instead of hanging (POSIX timers; the test runs in the main thread)."""
 
     def expired(signum, frame):
-        raise TimeoutError(f"load took more than {seconds}s")
+        raise LoadHung(f"load took more than {seconds}s")
 
     previous = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, seconds)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from predispatch._torch_internals import OpOverload
 from predispatch.audit.checking import RunResult, check
 from predispatch.audit.hand import HAND_PROGRAMS
 from predispatch.audit.isolation import run_isolated
@@ -68,7 +69,7 @@ def run_audit(
 
 
 def collect_samples(
-    every: Sequence[torch._ops.OpOverload],
+    every: Sequence[OpOverload],
     wanted: Iterable[str],
     progress: Callable[[str], None] | None = None,
 ) -> SampleBank:
@@ -79,7 +80,7 @@ def collect_samples(
     return bank
 
 
-def audit_op(op: torch._ops.OpOverload, samples: Sequence[Sample], *,
+def audit_op(op: OpOverload, samples: Sequence[Sample], *,
              schema_built: bool = True) -> AuditEntry:
     """Judge any CIA op (a custom one too) on the given samples, in this process.
 
@@ -89,10 +90,10 @@ def audit_op(op: torch._ops.OpOverload, samples: Sequence[Sample], *,
     return judge(op, [check(*job) for job in plan_runs(op, samples, schema_built=schema_built)])
 
 
-Job = tuple[torch._ops.OpOverload, Kernel, Sample]
+Job = tuple[OpOverload, Kernel, Sample]
 
 
-def plan_runs(op: torch._ops.OpOverload, recorded: Sequence[Sample], *,
+def plan_runs(op: OpOverload, recorded: Sequence[Sample], *,
               schema_built: bool = True) -> list[Job]:
     """Every kernel on every sample; none for ops whose schema mutates (no run could save them)."""
     if any(f.code is Reason.SCHEMA_MUTABLE for f in schema_findings(op)):
@@ -112,7 +113,7 @@ def _crashed(job: Job, why: str) -> RunResult:
     return RunResult(sample.label, kernel, why, (), False)
 
 
-def judge(op: torch._ops.OpOverload, runs: Sequence[RunResult]) -> AuditEntry:
+def judge(op: OpOverload, runs: Sequence[RunResult]) -> AuditEntry:
     """Judge one op from its schema and from every kernel run on every sample."""
     declared = schema_findings(op)
     if any(f.code is Reason.SCHEMA_MUTABLE for f in declared):
@@ -140,7 +141,7 @@ def _first_violations(runs: Sequence[RunResult]) -> dict[Reason, tuple[RunResult
 
 
 def _from_evidence(
-    op: torch._ops.OpOverload,
+    op: OpOverload,
     evidence: dict[Reason, tuple[RunResult, str, int]],
     runs: Sequence[RunResult],
     more: list[Reason],
@@ -162,12 +163,12 @@ def _conditional_alias(detail: str, where: str, count: int, completed: int,
     aliased = next((r for r in runs if r.realised_alias and r.error is None), None)
     if aliased is None:
         return f"{detail}, in all {completed} runs", where
-    reason = (f"returns an alias of its input for some inputs and a fresh tensor for others "
-              f"(fresh in {count} of {completed} runs): {detail}")
+    reason = (f"aliases its input for some inputs and copies for others: {detail}, "
+              f"in {count} of {completed} runs")
     return reason, f"fresh: {where}; alias: {aliased.sample} ({aliased.kernel.value} kernel)"
 
 
-def _judge_clean(op: torch._ops.OpOverload, runs: Sequence[RunResult],
+def _judge_clean(op: OpOverload, runs: Sequence[RunResult],
                  random: list[Reason]) -> AuditEntry:
     """No violation anywhere: PRESERVE if every kernel completed a run, else UNVERIFIED."""
     missing = [k for k in kernels_of(op) if not any(r.clean and r.kernel is k for r in runs)]
@@ -185,7 +186,7 @@ def _judge_clean(op: torch._ops.OpOverload, runs: Sequence[RunResult],
                   f"no sample ran on its {kernels} kernel; decomposed by policy", evidence)
 
 
-def _drew_declared_randomness(op: torch._ops.OpOverload,
+def _drew_declared_randomness(op: OpOverload,
                               runs: Sequence[RunResult]) -> list[Reason]:
     tagged = torch.Tag.nondeterministic_seeded in op.tags
     return [Reason.DRAWS_RANDOM] if tagged and any(r.random for r in runs) else []
@@ -200,13 +201,13 @@ def _clean_summary(runs: Sequence[RunResult]) -> str:
     return "ran clean: " + ", ".join(labels[:3]) + more
 
 
-def _entry(op: torch._ops.OpOverload, verdict: Verdict, code: Reason, reason: str,
+def _entry(op: OpOverload, verdict: Verdict, code: Reason, reason: str,
            evidence: str, also: Sequence[Reason] = ()) -> AuditEntry:
     unique = tuple(dict.fromkeys(c for c in also if c is not code))
     return AuditEntry(str(op), verdict, reason, evidence, code, unique)
 
 
-def _select(every: Sequence[torch._ops.OpOverload], ops: Iterable[object]) -> list:
+def _select(every: Sequence[OpOverload], ops: Iterable[object]) -> list[OpOverload]:
     by_key = {str(op): op for op in every}
     keys = [op_key(op) for op in ops]
     unknown = [k for k in keys if k not in by_key]

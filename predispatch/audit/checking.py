@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from predispatch.audit._internals import (
+from predispatch._torch_internals import (
     OpOverload,
     TorchDispatchMode,
     pytree,
@@ -296,7 +296,7 @@ def _output_vs_inputs(
         if _passed_tensor(op, name):
             yield Violation(
                 Reason.CONDITIONAL_ALIAS,
-                f"output {index} is a fresh tensor, not the alias of '{name}' the schema declares",
+                f"output {index} is a fresh tensor, not the declared alias of '{name}'",
             )
 
 

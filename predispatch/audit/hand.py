@@ -157,6 +157,9 @@ _PROGRAMS: dict[str, Callable[[], object]] = {
     "to-device-dtype": lambda: _r(3, 4).to("cpu", torch.float64),
     "to-tensor-same": lambda: _r(3, 4).to(_r(2)),
     "to-tensor-other": lambda: _r(3, 4).to(_r(2, dtype=torch.float64)),
+    "to-other-op-same": lambda: torch.ops.aten.to.other(_r(3, 4), _r(2)),  # Python never
+    "to-other-op-other": lambda: torch.ops.aten.to.other(  # calls this overload itself
+        _r(3, 4), _r(2, dtype=torch.float64)),
     "to-keywords": lambda: _r(3, 4).to(dtype=torch.float32, device="cpu"),
     "to-channels-last": lambda: _r(2, 3, 4, 4).to(memory_format=torch.channels_last),
     "float-noop": lambda: _r(3, 4).float(),

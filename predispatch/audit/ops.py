@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from predispatch.audit._internals import (
+from predispatch._torch_internals import (
     OpOverload,
     aten_overloads,
     cia_registrations,

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from predispatch.audit._internals import (
+from predispatch._torch_internals import (
     OpOverload,
     PreDispatchMode,
     enable_python_dispatcher,

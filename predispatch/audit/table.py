@@ -16,8 +16,9 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
-import torch
+from predispatch._torch_internals import OpOverload
 
 TABLE_PATH = Path(__file__).with_name("audit_table.json")
 FORMAT_VERSION = 1
@@ -108,7 +109,7 @@ def make_table(torch_version: str, policy: str, entries: list[AuditEntry]) -> Au
 
 def op_key(op: object) -> str:
     """Normalise an OpOverload or a name to the table's form, ``"aten.to.dtype"``."""
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, OpOverload):
         return str(op)
     if not isinstance(op, str):
         raise TypeError(
@@ -164,9 +165,21 @@ def _entry_from_dict(row: Mapping[str, object]) -> AuditEntry:
     code = row.get("code")
     return AuditEntry(
         op=str(row["op"]),
-        verdict=Verdict(row["verdict"]),
+        verdict=_parse(Verdict, row["verdict"]),
         reason=str(row["reason"]),
         evidence=str(row["evidence"]),
-        code=Reason(code) if code else None,
-        also=tuple(Reason(r) for r in row.get("also", ())),  # type: ignore[union-attr]
+        code=_parse(Reason, code) if code else None,
+        also=tuple(_parse(Reason, r) for r in row.get("also", ())),  # type: ignore[union-attr]
     )
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _parse(kind: type[E], value: object) -> E:
+    """An enum member from its JSON value; a bad one names the allowed values."""
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in kind)
+        raise ValueError(f"{value!r} is not a {kind.__name__}; expected one of {allowed}") from None

@@ -8,12 +8,14 @@ exit code (see `failures.ExitCode`); `--traceback` shows where they came from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
+import logging
 import os
 import shutil
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -48,7 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return ExitCode.USAGE
     try:
-        return ns.run(ns)
+        with _quiet_torch_logs(unless=ns.traceback):
+            return ns.run(ns)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - every failure becomes a message and an exit code
@@ -64,7 +67,8 @@ def export_command(ns: argparse.Namespace) -> int:
     if not ns.quiet:
         print(ep)
     if save is not None:
-        save(ep, ns.save)
+        with _writing(ns.save):
+            save(ep, ns.save)
         _status(f"saved the program to {ns.save}")
     return ExitCode.OK
 
@@ -81,16 +85,17 @@ def draw_command(ns: argparse.Namespace) -> int:
     if fmt == "svg" and shutil.which("dot") is None:
         raise GraphvizNotFoundError()  # before exporting, which may take a while
     if os.path.isfile(ns.source):
-        if ns.inputs is not None or ns.kwargs is not None or ns.mode:
-            raise UsageError(f"{ns.source!r} is a saved program; --inputs, --kwargs, --train and --eval "
+        if ns.inputs is not None or ns.kwargs is not None or ns.dim or ns.mode:
+            raise UsageError(f"{ns.source!r} is a saved program; --inputs, --kwargs, --dim, --train and --eval "
                              "apply to MODULE:ATTR only")
         ep = _load(ns.source)
     else:
         ep = _export(ns)
     pic = picture(ep, title=ns.title or ns.source)
     render: dict[str, Callable[[Any], str]] = {"svg": lambda p: to_svg(to_dot(p)), "html": to_html, "dot": to_dot}
-    with open(ns.output, "w", encoding="utf-8") as f:
-        f.write(render[fmt](pic))
+    text = render[fmt](pic)
+    with _writing(ns.output), open(ns.output, "w", encoding="utf-8") as f:
+        f.write(text)
     regions = sum(c.kind is not ClusterKind.SUBGRAPH for c in pic.clusters)
     _status(f"wrote {ns.output} ({fmt}): {len(pic.nodes)} nodes, {regions} regions")
     return ExitCode.OK
@@ -236,6 +241,35 @@ def _draw_format(output: str, fmt: str | None) -> str:
         raise UsageError(f"cannot tell the picture format from {output!r}",
                          fix=f"end -o with one of {', '.join(_DRAW_FORMATS)}, or pass --format svg|html|dot")
     return _DRAW_FORMATS[ext]
+
+
+#: torch loggers that print a traceback at ERROR level for failures export then reports itself.
+_NOISY_TORCH_LOGGERS = ("torch._subclasses.fake_tensor",)
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs(unless: bool) -> Iterator[None]:
+    """Keep torch's own error logging out of the one-message error report (not with --traceback)."""
+    loggers = [logging.getLogger(name) for name in _NOISY_TORCH_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    if not unless:
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """A file the user named cannot be written: a usage error that names it."""
+    try:
+        yield
+    except OSError as exc:
+        raise UsageError(f"cannot write {path!r}: {exc.strerror or exc}",
+                         fix="give a path in an existing directory that you can write to") from exc
 
 
 def _status(message: str) -> None:

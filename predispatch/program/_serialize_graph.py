@@ -34,8 +34,10 @@ from predispatch.errors import SerializationError
 from predispatch.program._serialize_values import Refs, decode, encode, expect, short
 from predispatch.trace.decompose import op_name
 
+
 #: Op namespaces whose OpOverloads any file may call.
 OP_NAMESPACES = ("aten", "prims", "predispatch")
+
 
 #: Higher-order ops a graph may call, by `hop.name()`.  Supporting a new HOP is one entry:
 #: its subgraphs are ordinary `get_attr` arguments and its other arguments plain values.
@@ -44,6 +46,7 @@ HIGHER_ORDER_OPS: dict[str, Callable[[], torch._ops.HigherOrderOperator]] = {
     "wrap_with_autocast": lambda: ti.wrap_with_autocast,
     "autograd_function_apply": lambda: ti.autograd_function_apply,  # custom autograd.Functions
 }
+
 
 #: Plain Python callables a graph may call, by `module.name`.
 PYTHON_CALLABLES: dict[str, Callable[..., Any]] = {"_operator.getitem": operator.getitem}
@@ -70,7 +73,7 @@ def _target_name(node: fx.Node, where: str) -> str:
     raise SerializationError(
         f"{where}: calls {short(target)}, which format version 1 cannot name: it holds OpOverloads, "
         f"the higher-order ops {sorted(HIGHER_ORDER_OPS)} and {sorted(PYTHON_CALLABLES)}.",
-        fix="if this is a new predispatch HOP, add it to HIGHER_ORDER_OPS in predispatch/program/serialize.py.",
+        fix="if this is a new predispatch HOP, add it to HIGHER_ORDER_OPS in predispatch/program/_serialize_graph.py.",
     )
 
 
@@ -176,7 +179,8 @@ def _encode_meta(meta: Mapping[str, Any], where: str) -> dict:
         encoded["val"] = encode(meta["val"], f"{where} meta['val']", tensors=True)
     for key in _INFORMATIONAL_META:
         if key in meta:
-            with contextlib.suppress(SerializationError):
+            with contextlib.suppress(SerializationError):  # kept only when it is plain text and data
+                _check_text(meta[key], key)
                 encoded[key] = encode(meta[key], key)
     return encoded
 

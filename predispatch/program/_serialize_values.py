@@ -233,6 +233,7 @@ _DECODERS: dict[str, Callable[[Any, str, Refs], Any]] = {
     **{tag: (lambda name, where, refs, tag=tag: decode_named(tag, name, where)) for tag in TORCH_VALUES},
 }
 
+
 def class_name(cls: Any, where: str) -> str:
     """`module:qualname`, the only way a file names a class (namedtuple's node type included)."""
     if cls is namedtuple:
@@ -306,6 +307,7 @@ def _pytree_node_type(name: str, where: str) -> Any:
         f"{where}: {name} is not a pytree node type in this process.",
         fix="register it (torch.utils._pytree.register_pytree_node) before predispatch.load(...).",
     )
+
 
 #: dtypes safetensors stores natively; any other is stored as its bytes (uint8).
 _SAFETENSORS_DTYPES = frozenset(

@@ -56,6 +56,11 @@ class ExportedProgram:
     state_dict_owner: nn.Module | None = field(default=None, repr=False, compare=False)
 
     @property
+    def audit(self) -> DecompositionLog:
+        """Which composite ops the program kept whole and which it decomposed, and why."""
+        return self.decompositions
+
+    @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
 

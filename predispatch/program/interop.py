@@ -7,16 +7,18 @@ The differences are in the calling convention, which `to_torch` rewrites on a co
     one placeholder per tied tensor (aliases)    one placeholder per name, unused ones too
     constant input leaves baked in               a placeholder per constant (ConstantArgument)
     constant output leaves rebuilt by module()   literals in the output tuple
-    tensors a graph creates: get_attr            lifted to CONSTANT_TENSOR inputs
+    tensors a graph creates: get_attr            lifted to CONSTANT_TENSOR inputs (into regions
+                                                 as extra operands of their HOP call)
     a mutated tensor attribute (CONSTANT_TENSOR) a non-persistent buffer (torch mutates buffers)
 
 What converts: every OpOverload (aten, prims, and custom ops such as predispatch::keep_history,
 which `torch.export.load` finds once `predispatch` is imported), `operator.getitem`, and the
 higher-order ops in `TORCH_HOPS` (torch's own grad-mode and autocast regions); parameters,
 buffers (persistent or not), constants, tied weights, and mutations of buffers, parameters
-and user inputs.  What is refused with `NotRepresentableError`: any other higher-order op,
-a forward that leaves grad mode changed for its caller, and constant leaves whose type
-torch's `ConstantArgument` cannot hold.  docs/format.md#torch-interop keeps the same list.
+and user inputs.  What is refused with `NotRepresentableError`: any other higher-order op
+(`REFUSED_HOPS` says why for predispatch's own), a forward that leaves grad mode changed for its
+caller, dynamic shapes, and constant leaves whose type torch's `ConstantArgument` cannot hold.
+docs/format.md#torch-interop keeps the same list.
 """
 
 from __future__ import annotations
@@ -37,9 +39,16 @@ from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSp
 if TYPE_CHECKING:
     from predispatch.program.exported_program import ExportedProgram
 
-#: Higher-order ops torch.export knows as its own: its verifier, serializer,
-#: `run_decompositions` and `module()` handle them.  Any other HOP is refused.
-TORCH_HOPS = frozenset({"wrap_with_set_grad_enabled", "wrap_with_autocast"})
+#: Higher-order ops torch.export knows as its own (its verifier, serializer,
+#: `run_decompositions` and `module()` handle them), with the position of the subgraph among
+#: their arguments; the subgraph's operands follow it.  Any other HOP is refused.
+TORCH_HOPS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}
+
+#: Why the other HOPs predispatch emits are refused.
+REFUSED_HOPS = {
+    "autograd_function_apply": "torch.export.load cannot read the nested outputs of its forward "
+    "subgraph (torch 2.13), and torch.export itself inlines a custom autograd.Function, dropping its backward",
+}
 
 #: The constant leaf types torch's `ConstantArgument` holds.
 _CONSTANT_TYPES = (int, float, bool, str, type(None))
@@ -97,6 +106,8 @@ def _unrepresentable(ep: ExportedProgram) -> list[str]:
     sig, problems = ep.signature, []
     if sig.grad_mode_on_exit is not None:
         problems.append(f"forward leaves grad mode {'en' if sig.grad_mode_on_exit else 'dis'}abled for its caller")
+    if sig.shapes.is_dynamic:
+        problems.append("dynamic shapes: to_torch does not carry symbol ranges into torch's range_constraints yet")
     for leaf in (*sig.input_leaves, *sig.output_leaves):
         if not leaf.is_tensor and type(leaf.value) not in _CONSTANT_TYPES:
             problems.append(f"{leaf.path} is a constant {type(leaf.value).__name__}; torch holds int, float, bool, str or None")
@@ -104,7 +115,8 @@ def _unrepresentable(ep: ExportedProgram) -> list[str]:
         for node in module.graph.nodes if isinstance(module, fx.GraphModule) else ():
             target = node.target
             if isinstance(target, torch._ops.HigherOrderOperator) and target.name() not in TORCH_HOPS:
-                problems.append(f"node {node.name} in {path or 'the graph'} calls the higher-order op {target.name()}")
+                why = REFUSED_HOPS.get(target.name(), "torch.export does not know it")
+                problems.append(f"node {node.name} in {path or 'the graph'} calls {target.name()}: {why}")
     return problems
 
 
@@ -135,6 +147,7 @@ class _TorchGraph:
         self.constants: dict[str, torch.Tensor] = {}
         self.root: dict[str, Any] = {}
         self._env: dict[fx.Node, fx.Node] = {}
+        self._operands: dict[str, list[fx.Node]] = {}  # per subgraph: its lifted tensors' placeholders
         self._taken = {node.name for node in ep.graph.nodes}
         mutated = {s.target for s in ep.signature.outputs_of(OutputKind.BUFFER_MUTATION)}
         placeholders = ep.graph.find_nodes(op="placeholder")
@@ -167,18 +180,27 @@ class _TorchGraph:
         self.input_specs.append(tsig.InputSpec(kind, tsig.TensorArgument(name), fqn, persistent))
 
     def _lift_graph_tensors(self) -> None:
-        """Tensors the top-level graph reads by get_attr become CONSTANT_TENSOR inputs, as torch
-        lifts them (its verifier allows only subgraphs as top-level attributes)."""
+        """Tensors a graph reads by get_attr become CONSTANT_TENSOR inputs, as torch lifts them:
+        its verifier allows only subgraphs as top-level attributes, and `run_decompositions`
+        expects no tensor inside a subgraph.  A region's tensors reach it as extra operands of
+        its HOP call (`_lift_from_subgraph`)."""
         for node in self.ep.graph.find_nodes(op="get_attr"):
             value = _attribute(self.ep.graph_module, node.target)
             if isinstance(value, torch.Tensor):
-                placeholder = self._placeholder(unique_identifier(f"c_{node.target}", self._taken), node.meta)
-                self._env[node] = placeholder
-                self.constants[node.target] = _copy(value)
-                arg = tsig.TensorArgument(placeholder.name)
-                self.input_specs.append(tsig.InputSpec(tsig.InputKind.CONSTANT_TENSOR, arg, node.target))
-            else:  # a subgraph: a copy, so torch's passes cannot change ep's
-                self.root[node.target] = _subgraph_copy(value)
+                self._env[node] = self._constant_input(node.target, value, node.meta)
+                continue
+            subgraph = copy.deepcopy(value)  # a copy, so torch's passes cannot change ep's
+            self.root[node.target] = subgraph
+            lifted = _lift_from_subgraph(subgraph, node.target)
+            # flat targets: torch's module() installs each constant as an attribute at its target
+            self._operands[node.target] = [self._constant_input(p.replace(".", "_"), t, m) for p, t, m in lifted]
+
+    def _constant_input(self, target: str, tensor: torch.Tensor, meta: dict) -> fx.Node:
+        placeholder = self._placeholder(unique_identifier(f"c_{target}", self._taken), meta)
+        self.constants[target] = _copy(tensor)
+        arg = tsig.TensorArgument(placeholder.name)
+        self.input_specs.append(tsig.InputSpec(tsig.InputKind.CONSTANT_TENSOR, arg, target))
+        return placeholder
 
     def _add_user_inputs(self, tensor_placeholders: list[fx.Node]) -> None:
         """Every input leaf in pytree order: tensors as before, constants as placeholders."""
@@ -196,7 +218,10 @@ class _TorchGraph:
     def _copy_body(self) -> None:
         for node in self.ep.graph.nodes:
             if node.op not in ("placeholder", "output") and node not in self._env:
-                self._env[node] = self.graph.node_copy(node, self._env.__getitem__)
+                self._env[node] = copied = self.graph.node_copy(node, self._env.__getitem__)
+                body = _body(node)
+                if body is not None and self._operands.get(body.target):
+                    copied.args = (*copied.args, *self._operands[body.target])
 
     def _add_outputs(self) -> None:
         """Mutations, then every output leaf in pytree order (constants as literals)."""
@@ -242,10 +267,41 @@ def _copy(tensor: torch.Tensor) -> torch.Tensor:
     return copy_.requires_grad_(tensor.requires_grad)
 
 
-def _subgraph_copy(module: fx.GraphModule) -> fx.GraphModule:
-    """A copy whose tensors (created inside a region) stay out of torch's `module().state_dict()`:
-    they are the graph's own constants, not the model's state."""
-    module = copy.deepcopy(module)
-    for sub in module.modules():
-        sub._non_persistent_buffers_set.update(sub._buffers)
-    return module
+def _body(node: fx.Node) -> fx.Node | None:
+    """The subgraph (get_attr) argument of a call to one of `TORCH_HOPS`, else None."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None
+    index = TORCH_HOPS.get(node.target.name())
+    return node.args[index] if index is not None else None
+
+
+def _lift_from_subgraph(gm: fx.GraphModule, path: str) -> list[tuple[str, torch.Tensor, dict]]:
+    """Make the tensors `gm` (a copied subgraph) and its own subgraphs read into trailing
+    placeholders, threading nested ones through their HOP calls; returns
+    `(path, tensor, meta)` for each new placeholder, in order."""
+    lifted: list[tuple[str, torch.Tensor, dict]] = []
+    by_target: dict[str, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and isinstance(_attribute(gm, node.target), torch.Tensor):
+            if node.target not in by_target:
+                by_target[node.target] = _trailing_placeholder(gm, node.name, node.meta)
+                lifted.append((f"{path}.{node.target}", _attribute(gm, node.target), node.meta))
+            node.replace_all_uses_with(by_target[node.target])
+            gm.graph.erase_node(node)
+        elif (body := _body(node)) is not None:
+            inner = _lift_from_subgraph(_attribute(gm, body.target), f"{path}.{body.target}")
+            node.args = (*node.args, *(_trailing_placeholder(gm, p.rsplit(".", 1)[1], m) for p, _, m in inner))
+            lifted += inner
+    for target in by_target:
+        delattr(gm, target)
+    gm.recompile()
+    return lifted
+
+
+def _trailing_placeholder(gm: fx.GraphModule, name: str, meta: dict) -> fx.Node:
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    point = gm.graph.inserting_after(placeholders[-1]) if placeholders else gm.graph.inserting_before(next(iter(gm.graph.nodes)))
+    with point:
+        node = gm.graph.placeholder(name)
+    node.meta = dict(meta)
+    return node

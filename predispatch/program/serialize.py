@@ -40,7 +40,7 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 import zipfile
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
@@ -139,14 +139,15 @@ def _write_zip(f: str | os.PathLike | BinaryIO, members: Mapping[str, bytes]) ->
     if not isinstance(f, (str, os.PathLike)):
         _zip_into(f, members)
         return
-    directory = os.path.dirname(os.path.abspath(f))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".predispatch-", suffix=".tmp")
+    path = os.path.abspath(f)
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
     try:
-        with os.fdopen(fd, "wb") as out:
+        with open(tmp, "xb") as out:  # the umask's permissions, unlike mkstemp's 0600
             _zip_into(out, members)
-        os.replace(tmp, f)
+        os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
 
 
@@ -227,15 +228,16 @@ def _reading(what: str) -> Iterator[None]:
 
     Decoding validates what it reads, but a crafted or damaged file can still trip torch or
     safetensors in ways no check foresees; whatever the failure, the caller gets one error
-    type and no program.  (pyo3's PanicException, raised by a Rust panic, is a BaseException.)
+    type and no program.  A Rust panic inside safetensors arrives as pyo3's PanicException,
+    a BaseException; other BaseExceptions (KeyboardInterrupt, ...) pass through.
     """
     try:
         yield
     except SerializationError:
         raise
-    except (KeyboardInterrupt, SystemExit, GeneratorExit):
-        raise
     except BaseException as exc:  # noqa: BLE001 - see the docstring
+        if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+            raise
         raise SerializationError(
             f"{what} is corrupted or not written by predispatch.save: {type(exc).__name__}: {exc}",
             fix="save the program again; a file from elsewhere may be damaged or crafted.",
@@ -272,14 +274,17 @@ def _encode_leaf(leaf: Leaf, where: str) -> dict:
     return {"path": leaf.path, "is_tensor": leaf.is_tensor, "value": encode(leaf.value, where)}
 
 
-def _encode_shapes(shapes: ShapeRecord) -> dict:
-    """Every field as plain data (for a static program: the input sizes)."""
+def _refuse_dynamic(shapes: ShapeRecord) -> None:
     if shapes.is_dynamic:
+        symbols = ", ".join(f"{name} from {origin}" for name, origin in shapes.origins) or "symbolic sizes"
         raise SerializationError(
-            f"the program has dynamic shapes ({', '.join(str(r[0]) for r in shapes.ranges)}); "
-            f"format version {VERSION} holds static shapes only.",
+            f"the program has dynamic shapes ({symbols}); format version {VERSION} holds static shapes only.",
             fix="export with static shapes to save the program.",
         )
+
+
+def _encode_shapes(shapes: ShapeRecord) -> dict:
+    """Every field as plain data (for a static program: the input sizes)."""
     return {f.name: encode(getattr(shapes, f.name), f"signature shapes.{f.name}") for f in dataclasses.fields(shapes)}
 
 
@@ -356,6 +361,7 @@ def _decode_leaf(data: Any, where: str) -> Leaf:
 
 def _encode_program(ep: ExportedProgram) -> dict[str, bytes]:
     """program.json and the tensor members, all in memory."""
+    _refuse_dynamic(ep.signature.shapes)
     graph_tensors: dict[str, torch.Tensor] = {}
     program = {
         "graph_module": encode_module(ep.graph_module, "", graph_tensors),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import shutil
+from collections import defaultdict
 import subprocess
 
 from predispatch.render.palette import CLUSTER_STYLE, NODE_STYLE, SAVED_COLOR, WRITE_BACK_COLOR
@@ -75,13 +76,22 @@ def to_dot(pic: Picture) -> str:
 
 def _members(pic: Picture, cluster: str | None, indent: str) -> list[str]:
     """The nodes directly in `cluster`, then its child clusters, recursively."""
-    lines = [indent + _node(n) for n in pic.nodes if n.cluster == cluster]
-    for child in (c for c in pic.clusters if c.parent == cluster):
-        lines += _cluster(pic, child, indent)
+    nodes, children = defaultdict(list), defaultdict(list)
+    for n in pic.nodes:
+        nodes[n.cluster].append(n)
+    for c in pic.clusters:
+        children[c.parent].append(c)
+    return _nested(nodes, children, cluster, indent)
+
+
+def _nested(nodes: dict, children: dict, cluster: str | None, indent: str) -> list[str]:
+    lines = [indent + _node(n) for n in nodes[cluster]]
+    for child in children[cluster]:
+        lines += _cluster(child, indent, _nested(nodes, children, child.id, indent + "  "))
     return lines
 
 
-def _cluster(pic: Picture, c: Cluster, indent: str) -> list[str]:
+def _cluster(c: Cluster, indent: str, members: list[str]) -> list[str]:
     fill, border, _ = CLUSTER_STYLE[c.kind]
     detail = f' <font color="#666666">{html.escape(c.detail)}</font>' if c.detail else ""
     style = "rounded,filled,dashed" if c.kind is ClusterKind.SUBGRAPH else "rounded,filled"
@@ -90,7 +100,7 @@ def _cluster(pic: Picture, c: Cluster, indent: str) -> list[str]:
         f"{indent}  label={_html_label(f'<b>{html.escape(c.label)}</b>{detail}')};",
         f'{indent}  style="{style}"; fillcolor="{fill}"; color="{border}"; penwidth=1.5; labeljust=l;',
     ]
-    lines += _members(pic, c.id, indent + "  ")
+    lines += members
     lines.append(f"{indent}}}")
     return lines
 

@@ -11,6 +11,8 @@ without it).  When the script has run, `<body data-rendered="ok">`.
 from __future__ import annotations
 
 import html
+from collections import defaultdict
+from dataclasses import dataclass
 
 from predispatch.render.palette import CLUSTER_STYLE, NODE_STYLE, WRITE_BACK_COLOR
 from predispatch.render.picture import Cluster, ClusterKind, EdgeKind, NodeKind, Picture, PictureNode
@@ -22,6 +24,7 @@ _OUTPUTS = (NodeKind.USER_OUTPUT, NodeKind.MUTATION)
 def to_html(pic: Picture) -> str:
     """The whole page as a string; deterministic for a given picture."""
     title = pic.title or "program"
+    links = _Links.of(pic)
     parts = [
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -33,9 +36,9 @@ def to_html(pic: Picture) -> str:
         f'<p class="summary">{html.escape(_summary(pic))}</p>',
         _legend(pic),
         "</header><main>",
-        _section("Inputs", "inputs", [_chip(pic, n) for n in pic.nodes if n.kind in _INPUTS and n.cluster is None]),
-        _section("Program", "body", _body(pic)),
-        _section("Outputs", "outputs", [_row(pic, n) for n in pic.nodes if n.kind in _OUTPUTS]),
+        _section("Inputs", "inputs", [_chip(n) for n in pic.nodes if n.kind in _INPUTS and n.cluster is None]),
+        _section("Program", "body", _body(pic, links)),
+        _section("Outputs", "outputs", [_row(links, n) for n in pic.nodes if n.kind in _OUTPUTS]),
         f"</main><script>{_SCRIPT}</script>",
         "</body></html>",
     ]
@@ -50,10 +53,10 @@ def _summary(pic: Picture) -> str:
     ops = count(NodeKind.OP, NodeKind.COMPOSITE, NodeKind.CUSTOM_OP, NodeKind.CALL)
     regions = sum(c.kind in (ClusterKind.GRAD_DISABLED, ClusterKind.GRAD_ENABLED, ClusterKind.AUTOCAST) for c in pic.clusters)
     functions = sum(c.kind is ClusterKind.FUNCTION for c in pic.clusters)
+    boxes = ", ".join([_plural(regions, "region")] + ([_plural(functions, "captured Function")] if functions else []))
     return (
         f"inputs: {inputs or 'none'} · {_plural(ops, 'op')}, {count(NodeKind.COMPOSITE)} kept whole as composites · "
-        f"{_plural(regions, 'region')}, {_plural(functions, 'captured Function')} · "
-        f"outputs: {count(NodeKind.USER_OUTPUT)} user, {_plural(count(NodeKind.MUTATION), 'mutation')}"
+        f"{boxes} · outputs: {count(NodeKind.USER_OUTPUT)} user, {_plural(count(NodeKind.MUTATION), 'mutation')}"
     )
 
 
@@ -67,7 +70,7 @@ def _section(heading: str, cls: str, items: list[str]) -> str:
     return f'<section class="{cls}"><h2>{heading}</h2>\n' + "\n".join(items) + "\n</section>"
 
 
-def _body(pic: Picture) -> list[str]:
+def _body(pic: Picture, links: _Links) -> list[str]:
     """Rows in program order; a cluster's box opens before its first node and closes after its last."""
     by_id = {c.id: c for c in pic.clusters}
     out: list[str] = []
@@ -82,7 +85,7 @@ def _body(pic: Picture) -> list[str]:
         for cid in path[len(open_stack) :]:
             out.append(_open_cluster(by_id[cid]))
             open_stack.append(cid)
-        out.append(_row(pic, n))
+        out.append(_row(links, n))
     out.extend("</div></div>" for _ in open_stack)
     return out
 
@@ -103,25 +106,37 @@ def _open_cluster(c: Cluster) -> str:
     )
 
 
-def _sources(pic: Picture, n: PictureNode) -> list[tuple[str, str]]:
-    """(node id, shown text) for each value `n` reads, in edge order."""
-    names = {m.id: m.name for m in pic.nodes}
-    prefix = {EdgeKind.DATA: "", EdgeKind.SAVED: "saved: "}
-    return [(e.source, prefix[e.kind] + names[e.source] + e.label) for e in pic.edges
-            if e.target == n.id and e.kind in prefix]
+@dataclass(frozen=True)
+class _Links:
+    """Per node: what it reads `(id, shown text)`, and the inputs it writes back into."""
+
+    reads: dict[str, list[tuple[str, str]]]
+    writes: dict[str, list[tuple[str, str]]]
+
+    @classmethod
+    def of(cls, pic: Picture) -> _Links:
+        names = {m.id: m.name for m in pic.nodes}
+        prefix = {EdgeKind.DATA: "", EdgeKind.SAVED: "saved: "}
+        reads: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        writes: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        for e in pic.edges:
+            if e.kind is EdgeKind.WRITE_BACK:
+                writes[e.source].append((e.target, names[e.target]))
+            else:
+                reads[e.target].append((e.source, prefix[e.kind] + names[e.source] + e.label))
+        return cls(reads, writes)
 
 
 def _links(items: list[tuple[str, str]]) -> str:
     return ", ".join(f'<a href="#{nid}">{html.escape(text)}</a>' for nid, text in items)
 
 
-def _row(pic: Picture, n: PictureNode) -> str:
-    sources = _sources(pic, n)
-    reads = f'<span class="args">← {_links(sources)}</span>' if sources else '<span class="args"></span>'
-    writes = [(e.target, next(m.name for m in pic.nodes if m.id == e.target)) for e in pic.edges
-              if e.source == n.id and e.kind is EdgeKind.WRITE_BACK]
+def _row(links: _Links, n: PictureNode) -> str:
+    sources, writes = links.reads.get(n.id, []), links.writes.get(n.id, [])
+    reads = f"← {_links(sources)}" if sources else ""
     if writes:
-        reads += f'<span class="writes">writes back into {_links(writes)}</span>'
+        reads += f' <span class="writes">writes back into {_links(writes)}</span>'
+    reads = f'<span class="args">{reads}</span>'
     op = n.op
     return (
         f'<div class="node k-{n.kind.value}" id="{n.id}" data-in="{" ".join(s for s, _ in sources)}"'
@@ -131,7 +146,7 @@ def _row(pic: Picture, n: PictureNode) -> str:
     )
 
 
-def _chip(pic: Picture, n: PictureNode) -> str:
+def _chip(n: PictureNode) -> str:
     target = f'<span class="op">{html.escape(n.op)}</span>' if n.op and n.op != n.name else ""
     return (
         f'<div class="node chip k-{n.kind.value}" id="{n.id}" data-in="" title="{html.escape(NODE_STYLE[n.kind][2])}">'

@@ -390,6 +390,8 @@ def _detail(node: fx.Node) -> str:
     val = node.meta.get("val")
     if val is None:
         val = node.meta.get("tensor_meta")
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"Sym({val})"
     dtype, shape = getattr(val, "dtype", None), getattr(val, "shape", None)
     if dtype is None or shape is None:
         return ""

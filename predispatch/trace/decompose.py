@@ -1,15 +1,21 @@
 """Which CompositeImplicitAutograd (CIA) ops stay whole in the graph, and which decompose.
 
 The trace asks `DecompositionPolicy.should_decompose(op)` for every op FunctionalTensorMode
-meets; this is the single place where that decision is made.  Today's rule, in order:
+meets; this is the single place where that decision is made.  The rule, in order:
 
-1. the user's `decompose=` list wins, then the user's `preserve=` list;
-2. an op whose schema aliases or mutates decomposes (torch's own answer: a functional graph
-   cannot hold it whole);
+1. the user's `decompose=` list wins, then the user's `preserve=` list (checked against the
+   audit when the policy is made: preserving an op the audit condemns is refused);
+2. an op whose schema aliases or mutates decomposes: a functional graph cannot hold it whole;
 3. a CIA op outside aten decomposes: custom composites make no schema promises;
-4. an aten CIA op stays whole, unless torch itself forces it to decompose.
+4. an aten CIA op follows the composite audit (`predispatch/audit/`): it stays whole only
+   when its verdict is PRESERVE, i.e. samples ran clean on every kernel it has.  An op torch
+   itself forces to decompose (tag `maybe_aliasing_or_mutating`) decomposes whatever the
+   audit says, and an op missing from the table (a newer torch) decomposes until audited.
 
-The composite audit (issue 3) plugs into rule 4 through `verdict_of`.
+Autocast: an op kept whole inside an autocast region is cast at run time by the same
+autocast kernel as in eager (the region HOP re-enters autocast), so it gets eager's dtype.
+A decomposed op's pieces are cast one by one instead; for ops autocast lists that is where
+dtypes could differ from eager, which is why the audit keeps every op it can.
 """
 
 from __future__ import annotations
@@ -27,19 +33,45 @@ def op_name(op: torch._ops.OpOverload) -> str:
 
 def is_composite(op: object) -> bool:
     """True for an OpOverload with a CompositeImplicitAutograd kernel."""
-    return isinstance(op, torch._ops.OpOverload) and torch._C._dispatch_has_kernel_for_dispatch_key(
-        op.name(), "CompositeImplicitAutograd"
-    )
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+    except RuntimeError:  # a TorchScript-only overload (aten::add.t) the dispatcher does not know
+        return False
 
 
 @dataclass
 class DecompositionLog:
-    """What the trace decided for each composite it met: name -> (kept whole?, why)."""
+    """What the trace decided for each composite it met: name -> (kept whole?, why).
+
+    This is `ep.audit`: printing it lists the composites the program kept and those it
+    decomposed, each with the reason.
+    """
 
     decisions: dict[str, tuple[bool, str]] = field(default_factory=dict)
 
     def record(self, op: torch._ops.OpOverload, decomposed: bool, why: str) -> None:
         self.decisions.setdefault(op_name(op), (not decomposed, why))
+
+    @property
+    def kept(self) -> list[str]:
+        return sorted(name for name, (kept, _) in self.decisions.items() if kept)
+
+    @property
+    def decomposed(self) -> list[str]:
+        return sorted(name for name, (kept, _) in self.decisions.items() if not kept)
+
+    def __str__(self) -> str:
+        if not self.decisions:
+            return "No composite (CompositeImplicitAutograd) op was met."
+        width = max(map(len, self.decisions))
+        lines = []
+        for title, names in (("Kept whole:", self.kept), ("Decomposed:", self.decomposed)):
+            if names:
+                lines.append(title)
+                lines.extend(f"    {n:<{width}}  {self.decisions[n][1]}" for n in names)
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -55,6 +87,13 @@ class DecompositionPolicy:
 
     @classmethod
     def from_user(cls, preserve: Iterable[object] = (), decompose: Iterable[object] = ()) -> DecompositionPolicy:
+        """Check the user's lists (see `_check_preservable`) and normalize them to names."""
+        preserve, decompose = list(preserve), list(decompose)
+        for op in preserve:
+            for overload in _composites_named(op):
+                _check_preservable(overload)
+        for op in decompose:
+            _composites_named(op)
         return cls(frozenset(map(_normalize, preserve)), frozenset(map(_normalize, decompose)))
 
     def should_decompose(self, op: object, torch_default: Callable[[], bool], log: DecompositionLog) -> bool:
@@ -79,10 +118,68 @@ class DecompositionPolicy:
 
 
 def verdict_of(op: torch._ops.OpOverload, torch_default: Callable[[], bool]) -> tuple[bool, str]:
-    """Default for an aten composite with a functional schema: torch's own answer."""
+    """Rule 4: an aten composite with a functional schema follows the audit table."""
+    from predispatch.audit import Verdict, load_table
+
     if torch_default():
-        return True, "torch forces it to decompose"
-    return False, "functional schema"
+        return True, "torch forces it to decompose (maybe_aliasing_or_mutating)"
+    entry = load_table().get(op)
+    if entry is None:
+        return True, "not in the audit table of this torch version: decomposed until audited"
+    if entry.verdict is Verdict.PRESERVE:
+        return False, f"audit: {entry.reason}"
+    return True, f"audit ({entry.verdict.value}): {entry.reason}"
+
+
+def _composites_named(op: object) -> list[torch._ops.OpOverload]:
+    """The CIA overloads `op` names (an overload, a packet, or their names); refuse anything else."""
+    from predispatch.errors import DecompositionError, user_frame
+
+    name = _normalize(op)
+    namespace, _, rest = name.partition(".")
+    packet_name, _, overload_name = rest.partition(".")
+    packet = getattr(getattr(torch.ops, namespace, None), packet_name, None) if rest else None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise DecompositionError(f"there is no op {name!r}.", where=user_frame(), fix="name ops like 'aten.linear' or 'aten.to.dtype'.")
+    names = [overload_name] if overload_name else packet.overloads()
+    overloads = [o for o in map(lambda n: _overload(packet, n), names) if o is not None]
+    composites = [o for o in overloads if is_composite(o)]
+    if not composites:
+        raise DecompositionError(
+            f"{name!r} is not a CompositeImplicitAutograd composite, so it is never decomposed.",
+            where=user_frame(),
+            fix="remove it from preserve=/decompose=; only composites can be kept whole or decomposed.",
+        )
+    return composites
+
+
+def _overload(packet: torch._ops.OpOverloadPacket, name: str) -> torch._ops.OpOverload | None:
+    """`packet.<name>`, or None for a TorchScript-only overload the dispatcher does not know."""
+    try:
+        return getattr(packet, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _check_preservable(op: torch._ops.OpOverload) -> None:
+    """Refuse to keep whole an op that cannot be: it aliases/mutates, or the audit condemns it."""
+    from predispatch.audit import Verdict, load_table
+    from predispatch.errors import DecompositionError, user_frame
+
+    schema = op._schema
+    reason = None
+    if schema.is_mutable or any(a.alias_info for a in schema.arguments):
+        reason = "its schema mutates or aliases, which no functional graph can hold"
+    elif op.namespace == "aten":
+        entry = load_table().get(op)
+        if entry is not None and entry.verdict is Verdict.MUST_DECOMPOSE:
+            reason = f"the composite audit found: {entry.reason} (evidence: {entry.evidence})"
+    if reason:
+        raise DecompositionError(
+            f"cannot preserve {op_name(op)}: {reason}.",
+            where=user_frame(),
+            fix=f"remove {op_name(op)!r} from preserve=; keeping it whole would give a wrong program.",
+        )
 
 
 def _normalize(op: object) -> str:

@@ -31,7 +31,11 @@ trace; what it left on ctx (saved tensors, attributes, marks) becomes data; the 
 traced from fakes of the output gradients and saved values, never running forward again.
 AOTAutograd runs the module's forward twice (a metadata pass, then the capture pass): calls are
 cached by their order in the pass and replayed from the graphs in the second.  Functions called
-inside a captured forward or backward are inlined, as eager runs them under no_grad.
+inside a captured forward or backward are inlined, as eager runs them under no_grad.  torch's
+own Functions (the autograd kernels of custom ops and HOPs) are left to torch: the op is what
+the graph records.  torch's `autograd_function_apply`, met when the trace runs an exported
+program (re-export, nested export) or a Dynamo-traced `torch.cond` branch, is captured again as
+a Function made from its two graphs, so re-exporting a program prints the same program.
 
 Choices that follow eager by value, not by bookkeeping:
 - `ctx.needs_input_grad` is True for every floating tensor argument: the program may be trained

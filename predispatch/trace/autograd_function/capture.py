@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class _Calls:
     """The captured calls of one export, by call order; shared by AOTAutograd's two passes.
 
     position: how many calls the running pass has made so far.
+    pairs: `autograd_function_apply` graph pairs met in the trace, as Functions (`_pair_function`).
     depth: > 0 while a Function's own forward or backward is being traced: Functions they call
         are inlined (eager runs them under no_grad, so their backward is never used).
     """
@@ -51,6 +53,7 @@ class _Calls:
     captured: list[CapturedCall] = field(default_factory=list)
     position: int = 0
     depth: int = 0
+    pairs: dict[tuple[int, int], tuple[type, Any, Any]] = field(default_factory=dict)
 
 
 _EXPORTS: weakref.WeakKeyDictionary[object, _Calls] = weakref.WeakKeyDictionary()
@@ -66,40 +69,44 @@ def capture_autograd_functions(owner: object) -> Iterator[None]:
     calls = _EXPORTS.setdefault(owner, _Calls())
     calls.position = 0
     original = torch.autograd.Function.__dict__["apply"]
+    hop_type = type(ti.autograd_function_apply)
+    original_hop_call = hop_type.__dict__["__call__"]
 
     def apply(cls, *args, **kwargs):
-        if cls.__qualname__.startswith("AutogradFunctionApply."):
-            raise _compiled_region_refusal()
         if cls in RUN_INSTEAD:
             return RUN_INSTEAD[cls][0](cls, *args, **kwargs)
-        if calls.depth > 0 or _is_torch_own(cls) or torch._C._are_functorch_transforms_active():
+        if _left_to_torch(calls, cls):
             return _TORCH_APPLY(cls, *args, **kwargs)
         return _apply(calls, cls, _bind(cls, args, kwargs))
 
+    def hop_call(hop, fwd, bwd, *args, **kwargs):
+        if calls.depth > 0 or not any(isinstance(a, ti.FunctionalTensor) for a in args):
+            return original_hop_call(hop, fwd, bwd, *args, **kwargs)
+        return _apply(calls, _pair_function(calls, fwd, bwd, kwargs), args)
+
     torch.autograd.Function.apply = classmethod(apply)
+    hop_type.__call__ = hop_call
     try:
         yield
     finally:
         torch.autograd.Function.apply = original
+        hop_type.__call__ = original_hop_call
 
 
-def _compiled_region_refusal() -> AutogradFunctionError:
-    """torch.cond & co. trace their branches with Dynamo, which turns a Function into torch's
-    `autograd_function_apply`; running that inlines the forward and drops the backward."""
-    return AutogradFunctionError(
-        "a custom autograd.Function is called inside torch.cond (or another region torch traces "
-        "with Dynamo); torch hands it to export inlined, so its backward would be lost.",
-        where=user_frame(),
-        fix="call the Function outside the torch.cond branches: compute it once before, or compute "
-        "both sides and select with torch.where.",
-    )
+def _left_to_torch(calls: _Calls, cls: type) -> bool:
+    """Whether this call runs as torch runs it (forward inlined into the running trace).
 
+    - inside a Function being captured: eager runs nested Functions under no_grad, so only the
+      outer backward matters;
+    - torch's own Functions implement ops, not models: the autograd kernel of every
+      `torch.library.custom_op` (`predispatch::keep_history` too) and of HOPs runs one from
+      inside the dispatcher, and the op or HOP is what the graph records;
+    - under a functorch transform (vmap, grad), torch routes Functions through its own HOP.
 
-def _is_torch_own(cls: type) -> bool:
-    """torch's own Functions implement ops, not models: the autograd kernel of every
-    `torch.library.custom_op` (`predispatch::keep_history` too) and of HOPs runs one, from inside
-    the dispatcher, and the op or HOP is what the graph records.  Left to torch as before."""
-    return cls.__module__ == "torch" or cls.__module__.startswith("torch.")
+    torch's own `autograd_function_apply` met in the trace is captured by `_pair_function`.
+    """
+    torch_own = cls.__module__ == "torch" or cls.__module__.startswith("torch.")
+    return calls.depth > 0 or torch_own or torch._C._are_functorch_transforms_active()
 
 
 def _bind(cls: type, args: tuple, kwargs: dict) -> tuple:
@@ -138,3 +145,63 @@ def _captured(calls: _Calls, site: CallSite) -> CapturedCall:
         calls.depth -= 1
     calls.captured[index:index + 1] = [call]
     return call
+
+
+def _pair_function(calls: _Calls, fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule, attrs: dict) -> type:
+    """An autograd.Function running an existing `autograd_function_apply` pair of graphs.
+
+    The trace meets torch's op when it runs an exported program (`export(ep.module())`, a
+    nested export) or a region Dynamo traced (`torch.cond` branches).  Its `__call__` would
+    inline the forward; instead the pair is captured like any Function, which also makes
+    Dynamo's torch-level graphs functional ATen graphs.  One class per pair, so both of
+    AOTAutograd's passes find the same capture.
+    """
+    key = (id(fwd), id(bwd))
+    if key not in calls.pairs:
+        if attrs.get("dirty_idx"):
+            raise AutogradFunctionError(
+                "a Dynamo-traced autograd.Function marks an input dirty (ctx.mark_dirty), which its "
+                "graphs cannot show functionally.",
+                where=user_frame(),
+                fix="call the in-place Function outside torch.cond / torch.compile regions.",
+            )
+        non_differentiable = tuple(attrs.get("non_differentiable_idx", ()))
+        pair = _make_pair(fwd, bwd, non_differentiable, tuple(attrs.get("saved_for_backward_idx", ())))
+        calls.pairs[key] = (pair, fwd, bwd)  # the graphs are kept alive with their ids
+    return calls.pairs[key][0]
+
+
+def _make_pair(fwd, bwd, non_differentiable: tuple[int, ...], for_backward: tuple[int, ...]) -> type:
+    """The Function: saved values from `save_for_backward` (by `for_backward`) or as a ctx attribute."""
+
+    class Pair(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            output, saved = fwd(*args)
+            outputs = output if isinstance(output, tuple) else (output,)
+            ctx.save_for_backward(*(saved[i] for i in for_backward))
+            ctx.others = [t for i, t in enumerate(saved) if i not in for_backward]
+            ctx.mark_non_differentiable(*(outputs[i] for i in non_differentiable))
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            by_index, others = dict(zip(for_backward, ctx.saved_tensors)), iter(ctx.others)
+            count = len(by_index) + len(ctx.others)
+            return bwd(*grads, *(by_index[i] if i in by_index else next(others) for i in range(count)))
+
+    fwd_output = fwd.graph.output_node().args[0][0]
+    num_outputs = len(fwd_output) if isinstance(fwd_output, (tuple, list)) else 1
+    Pair.__name__ = Pair.__qualname__ = _pair_name(type(fwd).__name__)
+    Pair.placeholder_names = _placeholder_names(fwd), _placeholder_names(bwd)[num_outputs:]
+    return Pair
+
+
+def _placeholder_names(gm: torch.fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.find_nodes(op="placeholder")]
+
+
+def _pair_name(forward_class: str) -> str:
+    """`straight_through_fwd_0` -> `straight_through`; Dynamo's anonymous graphs -> `autograd_function`."""
+    name = re.sub(r"_?fwd(_body)?_\d+$", "", forward_class)
+    return "autograd_function" if name in ("", "GraphModule") else name

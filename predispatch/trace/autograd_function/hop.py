@@ -26,6 +26,8 @@ from predispatch.trace.autograd_function.record import CapturedCall
 
 
 class _FunctionCall(ti.HigherOrderOperator):
+    """`function_call(call, *operands) -> outputs`: one captured Function call (see the module docstring)."""
+
     def __init__(self) -> None:
         super().__init__("predispatch_function_call")
 

@@ -58,7 +58,7 @@ class SavedSlot:
 class CapturedCall:
     """One `Function.apply` call, traced once, replayed by each of AOTAutograd's passes.
 
-    function: the user's Function class.
+    function: the user's Function class (or one made from a pair of graphs, `capture._pair_function`).
     key: what a later call at the same position must match to reuse this capture: the class,
         each tensor argument's shape, stride, dtype and device, and the constant arguments.
     forward: `(*operands) -> ((*outputs), (*saved))`, the user's forward as a functional graph;
@@ -83,10 +83,6 @@ class CapturedCall:
     non_differentiable: tuple[int, ...]
     saved_for_backward: tuple[int, ...]
     dirty: tuple[tuple[int, int], ...]
-
-    @property
-    def name(self) -> str:
-        return self.function.__qualname__
 
     def node_kwargs(self) -> dict[str, list[int]]:
         """The keyword arguments torch's `autograd_function_apply` takes besides the graphs."""

@@ -81,6 +81,7 @@ class CallSite:
 
 
 def _leaf_key(x: Any) -> Any:
+    """Tensors by metadata (their values differ between passes), constants by value, objects by type."""
     if isinstance(x, torch.Tensor):
         return ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
     return ("constant", type(x), x) if isinstance(x, CONSTANT_TYPES) else ("object", type(x))
@@ -168,6 +169,7 @@ def _run_user_forward(function: type, ctx: ForwardCtx, args: tuple) -> Any:
 
 
 def has_setup_context(function: type) -> bool:
+    """Whether `function` uses the `setup_context` style (forward takes no ctx), as torch decides it."""
     from torch.autograd.function import _SingleLevelFunction
 
     return function.setup_context is not _SingleLevelFunction.setup_context
@@ -184,8 +186,8 @@ def _describe_forward(site: CallSite, ctx: ForwardCtx, out: Any, inputs: tuple):
         elif isinstance(value, CONSTANT_TYPES):
             leaves.append(OutputLeaf(None, value))
         else:
-            raise _refusal(site.function, "forward", f"output {i} has type {type(value).__name__}, neither a tensor nor a constant.",
-                           fix="return tensors and constants (int, float, bool, str, None) only.")
+            what = f"output {i} has type {type(value).__name__}, neither a tensor nor a constant."
+            raise _refusal(site.function, "forward", what, fix="return tensors and constants (int, float, bool, str, None) only.")
     saved, layout = _saved_tensors(ctx)
     attributes = _saved_attributes(ctx, saved)
     record = _ForwardRecord(
@@ -229,6 +231,8 @@ def _saved_attributes(ctx: ForwardCtx, saved: list[torch.Tensor]) -> tuple[Saved
 
 def _saved_names(site: CallSite, saved: list, inputs: tuple, attributes: tuple[SavedAttribute, ...]) -> tuple[str, ...]:
     """Backward placeholder names: `saved_x` for a saved input, `saved_<i>` else, `ctx_<attr>` for attributes."""
+    if hasattr(site.function, "placeholder_names"):
+        return tuple(site.function.placeholder_names[1])
     arg_names = _operand_names(site)
     names = [f"saved_{next((arg_names[j] for j, x in enumerate(inputs) if x is t), i)}" for i, t in enumerate(saved)]
     for attribute in attributes:
@@ -293,7 +297,9 @@ def _check_reads_only_arguments(site: CallSite, gm: fx.GraphModule, phase: str) 
 # --- backward ------------------------------------------------------------------------------
 
 
-def _trace_backward(site: CallSite, forward: fx.GraphModule, record: _ForwardRecord, needs_input_grad, fake_mode) -> fx.GraphModule:
+def _trace_backward(
+    site: CallSite, forward: fx.GraphModule, record: _ForwardRecord, needs_input_grad, fake_mode
+) -> fx.GraphModule:
     """The backward graph `(*output_grads, *saved) -> (*operand_grads)`."""
     outputs, saved = forward.graph.output_node().args[0]
     with fake_mode:
@@ -318,6 +324,7 @@ def _trace_backward(site: CallSite, forward: fx.GraphModule, record: _ForwardRec
 
 
 def _backward_ctx(record: _ForwardRecord, saved: tuple, needs_input_grad) -> BackwardCtx:
+    """Forward's ctx rebuilt for backward, its tensors being the backward graph's inputs `saved`."""
     saved_tensors = tuple(None if i is None else saved[i] for i in record.saved_layout)
     attributes = {}
     for attribute in record.attributes:
@@ -344,7 +351,9 @@ def _operand_grads(site: CallSite, result: Any) -> tuple[torch.Tensor | None, ..
     grads = result if isinstance(result, tuple) else (result,)
     if len(grads) < len(site.args) or any(g is not None for g in grads[len(site.args):]):
         raise _refusal(
-            site.function, "backward", f"backward returned {len(grads)} gradient(s) for the {len(site.args)} arguments of forward.",
+            site.function,
+            "backward",
+            f"backward returned {len(grads)} gradient(s) for the {len(site.args)} arguments of forward.",
             fix="return one gradient per forward argument (None for arguments without one).",
         )
     out: list[torch.Tensor | None] = []
@@ -356,6 +365,7 @@ def _operand_grads(site: CallSite, result: Any) -> tuple[torch.Tensor | None, ..
 
 
 def _check_gradient(site: CallSite, i: int, arg: Any, grad: Any) -> None:
+    """Eager's checks on one returned gradient: None or a tensor, and None for a non-tensor argument."""
     if grad is None:
         return
     if not isinstance(arg, torch.Tensor):
@@ -405,7 +415,13 @@ def _clone_aliased_outputs(gm: fx.GraphModule, fake_mode) -> None:
 
 
 def _operand_names(site: CallSite) -> list[str]:
-    """Placeholder names for the operands: forward's parameter names (`x`, `weight`, `args_1`)."""
+    """Placeholder names for the operands: forward's parameter names (`x`, `weight`, `args_1`).
+
+    A Function made from an exported pair of graphs (`capture._pair_function`) keeps the
+    pair's names, so exporting a program's module again prints the same program.
+    """
+    if hasattr(site.function, "placeholder_names"):
+        return list(site.function.placeholder_names[0])
     params = list(inspect.signature(site.function.forward).parameters.values())
     if not has_setup_context(site.function):
         params = params[1:]  # ctx

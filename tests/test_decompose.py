@@ -1,0 +1,222 @@
+"""The composite audit in export: known liars decompose, honest composites stay whole, the user
+can override both ways (within what is safe), and `ep.audit` says what happened and why."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+from helpers import assert_same_tree, clone_tree, export_and_check, graph
+from torch import nn
+
+import predispatch
+from predispatch import errors
+from predispatch.trace.decompose import DecompositionPolicy
+
+HERE = os.path.abspath(__file__)
+
+
+def message(exc: BaseException) -> str:
+    return re.sub(r"test_decompose\.py:\d+", "test_decompose.py:N", str(exc).replace(HERE, "test_decompose.py"))
+
+
+class Liars(nn.Module):
+    """`to`, `reshape`, `contiguous`, `flatten`: alias-or-copy depending on the input."""
+
+    def forward(self, x):
+        a = x.to(torch.float32)  # no conversion needed: eager returns x itself
+        b = x.t().reshape(-1)  # a copy (x.t() is not contiguous)
+        c = x.reshape(-1)  # a view
+        return a + 1, b * 2, c.contiguous().flatten()
+
+
+class Honest(nn.Module):
+    """linear, layer_norm, gelu, scaled_dot_product_attention: kept whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = F.gelu(self.norm(self.lin(x)))
+        q = h.view(2, 1, 3, 8)
+        return F.scaled_dot_product_attention(q, q, q)
+
+
+class BatchNormTrain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(x)
+
+
+class Goldens(TestCase):
+    maxDiff = None
+
+    def test_known_liars_decompose(self):
+        ep = export_and_check(Liars(), (torch.randn(3, 4),))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, x: "f32[3, 4]"):
+        _assert_tensor_metadata = torch.ops.aten._assert_tensor_metadata.default(x, None, None, torch.float32, device = device(type='cpu'), layout = torch.strided);  _assert_tensor_metadata = None
+        t: "f32[4, 3]" = torch.ops.aten.t.default(x)
+        clone: "f32[4, 3]" = torch.ops.aten.clone.default(t, memory_format = torch.contiguous_format);  t = None
+        _unsafe_view: "f32[12]" = torch.ops.aten._unsafe_view.default(clone, [12]);  clone = None
+        view: "f32[12]" = torch.ops.aten.view.default(x, [-1])
+        add: "f32[3, 4]" = torch.ops.aten.add.Tensor(x, 1);  x = None
+        mul: "f32[12]" = torch.ops.aten.mul.Tensor(_unsafe_view, 2);  _unsafe_view = None
+        return (add, mul, view)""")
+        self.assertExpectedInline(str(ep.audit), """\
+Decomposed:
+    aten.flatten.using_ints  its schema mutates or aliases
+    aten.reshape.default     its schema mutates or aliases
+    aten.to.dtype            its schema mutates or aliases""")
+
+    def test_honest_composites_stay_whole(self):
+        ep = export_and_check(Honest(), (torch.randn(6, 8),))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[8, 8]", p_lin_bias: "f32[8]", p_norm_weight: "f32[8]", p_norm_bias: "f32[8]", x: "f32[6, 8]"):
+        linear: "f32[6, 8]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+        layer_norm: "f32[6, 8]" = torch.ops.aten.layer_norm.default(linear, [8], p_norm_weight, p_norm_bias);  linear = p_norm_weight = p_norm_bias = None
+        gelu: "f32[6, 8]" = torch.ops.aten.gelu.default(layer_norm);  layer_norm = None
+        view: "f32[2, 1, 3, 8]" = torch.ops.aten.view.default(gelu, [2, 1, 3, 8]);  gelu = None
+        scaled_dot_product_attention: "f32[2, 1, 3, 8]" = torch.ops.aten.scaled_dot_product_attention.default(view, view, view);  view = None
+        return (scaled_dot_product_attention,)""")
+        for op in ("aten.linear.default", "aten.layer_norm.default", "aten.scaled_dot_product_attention.default"):
+            self.assertIn(op, ep.audit.kept)
+
+    def test_batch_norm_in_training_becomes_functional_with_stats_written_back(self):
+        ep = export_and_check(BatchNormTrain().train(), (torch.randn(5, 4),))
+        self.assertExpectedInline(str(ep), """\
+ExportedProgram:
+    class GraphModule(torch.nn.Module):
+        def forward(self, p_bn_weight: "f32[4]", p_bn_bias: "f32[4]", b_bn_running_mean: "f32[4]", b_bn_running_var: "f32[4]", b_bn_num_batches_tracked: "i64[]", x: "f32[5, 4]"):
+            add: "i64[]" = torch.ops.aten.add.Tensor(b_bn_num_batches_tracked, 1);  b_bn_num_batches_tracked = None
+            _native_batch_norm_legit_functional = torch.ops.aten._native_batch_norm_legit_functional.default(x, p_bn_weight, p_bn_bias, b_bn_running_mean, b_bn_running_var, True, 0.1, 1e-05);  x = p_bn_weight = p_bn_bias = b_bn_running_mean = b_bn_running_var = None
+            getitem: "f32[5, 4]" = _native_batch_norm_legit_functional[0]
+            getitem_3: "f32[4]" = _native_batch_norm_legit_functional[3]
+            getitem_4: "f32[4]" = _native_batch_norm_legit_functional[4];  _native_batch_norm_legit_functional = None
+            return (getitem_3, getitem_4, add, getitem)
+
+Graph signature:
+    Inputs:
+        p_bn_weight: PARAMETER target='bn.weight'
+        p_bn_bias: PARAMETER target='bn.bias'
+        b_bn_running_mean: BUFFER target='bn.running_mean'
+        b_bn_running_var: BUFFER target='bn.running_var'
+        b_bn_num_batches_tracked: BUFFER target='bn.num_batches_tracked'
+        x: USER_INPUT target='x'
+    Outputs:
+        getitem_3: BUFFER_MUTATION target='bn.running_mean'
+        getitem_4: BUFFER_MUTATION target='bn.running_var'
+        add: BUFFER_MUTATION target='bn.num_batches_tracked'
+        getitem: USER_OUTPUT target='output'""")
+
+
+class Overrides(TestCase):
+    maxDiff = None
+
+    def test_decompose_an_honest_composite(self):
+        ep = export_and_check(Honest(), (torch.randn(6, 8),), exact=False, decompose=["aten.layer_norm"])
+        self.assertNotIn("aten.layer_norm.default", ep.audit.kept)
+        self.assertIn("native_layer_norm", ep.graph_module.code)
+        self.assertIn("decompose= asked for it", str(ep.audit))
+
+    def test_preserving_a_liar_is_refused_with_the_audits_reason(self):
+        with pytest.raises(errors.DecompositionError) as info:
+            predispatch.export(Liars(), (torch.randn(3, 4),), preserve=[torch.ops.aten.dropout.default])
+        self.assertExpectedInline(message(info.value), """\
+cannot preserve aten.dropout.default: the composite audit found: output 0 aliases input 'input' (returned it unchanged) but the schema declares no alias (in 18 of 48 runs) (evidence: op_db:nn.functional.dropout#0 (C++ kernel)).
+  at test_decompose.py:N (predispatch.export(Liars(), (torch.randn(3, 4),), preserve=[torch.ops.aten.dropout.default]))
+  fix: remove 'aten.dropout.default' from preserve=; keeping it whole would give a wrong program.
+  see docs/errors.md#decompositionerror""")
+
+    def test_preserving_a_view_schema_is_refused(self):
+        with pytest.raises(errors.DecompositionError) as info:
+            predispatch.export(Liars(), (torch.randn(3, 4),), preserve=["aten.reshape"])
+        self.assertIn("cannot preserve aten.reshape.default: its schema mutates or aliases", message(info.value))
+
+    def test_unknown_and_non_composite_ops_are_refused(self):
+        with pytest.raises(errors.DecompositionError, match="there is no op 'aten.not_an_op'"):
+            predispatch.export(Liars(), (torch.randn(3, 4),), decompose=["aten.not_an_op"])
+        with pytest.raises(errors.DecompositionError, match="is not a CompositeImplicitAutograd composite"):
+            predispatch.export(Liars(), (torch.randn(3, 4),), decompose=["aten.add"])
+
+    def test_non_aten_composites_decompose_by_default_and_can_be_preserved(self):
+        lib = torch.library.Library("predispatch_decompose_test", "DEF")
+        lib.define("scale_shift(Tensor x) -> Tensor")
+        lib.impl("scale_shift", lambda x: x * 2 + 1, "CompositeImplicitAutograd")
+        try:
+            op = torch.ops.predispatch_decompose_test.scale_shift
+
+            class UsesCustom(nn.Module):
+                def forward(self, x):
+                    return op(x)
+
+            x = torch.randn(3)
+            default = export_and_check(UsesCustom(), (x,))
+            self.assertNotIn("scale_shift", default.graph_module.code)
+            self.assertIn("non-aten composites decompose by default", str(default.audit))
+            kept = export_and_check(UsesCustom(), (x,), preserve=[op])
+            self.assertIn("predispatch_decompose_test.scale_shift.default", kept.graph_module.code)
+        finally:
+            lib._destroy()
+
+
+def _preserved_anyway(names):
+    """A policy that keeps `names` whole, bypassing the audit check: what the refusal protects from."""
+    return DecompositionPolicy(frozenset(names))
+
+
+class LiarsBeyondTheKnownFour(TestCase):
+    """For liars the audit found beyond to/reshape/native_batch_norm/rrelu: keeping one whole
+    loses a mutation or an alias eager has; decomposing it (the default) matches eager.
+
+    Only liars whose schema claims to be functional are here: those with an aliasing schema
+    (contiguous, flatten, ...) are decomposed by their schema before the audit is consulted.
+    Not here: aten.dropout in eval mode.  Eager's C++ kernel returns the input; torch's Python
+    kernel, which tracing runs (AOTAutograd's metadata pass reaches it at the Autograd key),
+    returns a copy.  Decomposing gives a valid program that differs from eager only if the
+    dropout's result is then mutated in place (see docs/audit.md).
+    """
+
+    CASES = {
+        # atleast_2d of a 2-d tensor returns it unchanged.
+        "aten.atleast_2d.default": lambda x: torch.atleast_2d(x).mul_(2),
+        # sum_to_size to the size the tensor already has returns it unchanged.
+        "aten.sum_to_size.default": lambda x: x.sum_to_size(3, 3).sub_(1),
+        # type_as to the same dtype returns the input.
+        "aten.type_as.default": lambda x: x.type_as(x).mul_(3),
+        # einsum('ij->ji') returns a view.
+        "aten.einsum.default": lambda x: torch.einsum("ij->ji", x).add_(5),
+    }
+
+    def test_each_liar(self):
+        for op_name, fn in self.CASES.items():
+            with self.subTest(op_name):
+                x = torch.randn(3, 3)
+                expected_x = x.clone()
+                expected = fn(expected_x)
+                self.assertFalse(torch.equal(expected_x, x), "eager mutates the input through the alias")
+
+                ep = predispatch.export(fn, (x,))  # default: decomposed
+                self.assertIn(op_name, ep.audit.decomposed)
+                actual_x = x.clone()
+                assert_same_tree(ep.module()(actual_x), expected)
+                assert_same_tree(actual_x, expected_x)
+
+                from predispatch._export import _export_with_policy
+
+                wrong = _export_with_policy(fn, (x,), None, _preserved_anyway({op_name}))
+                self.assertIn(op_name, wrong.audit.kept)
+                wrong_x = x.clone()
+                wrong.module()(wrong_x)
+                self.assertFalse(torch.equal(wrong_x, expected_x), f"keeping {op_name} whole should lose the mutation")
