@@ -28,6 +28,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch._higher_order_ops.effects import with_effects
 from torch.export._remove_effect_tokens_pass import _replace_with_effects_node
+from torch._export.verifier import TrainingIRVerifier
 from torch._export.non_strict_utils import make_fake_inputs, produce_guards_and_solve_constraints
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from torch.nn.utils.stateless import _reparametrize_module
@@ -45,6 +46,7 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = [
+    "TrainingIRVerifier",
     "CIA",
     "OpOverload",
     "PreDispatchMode",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import re
 from typing import Any
 
 import torch
@@ -113,3 +115,12 @@ def _backward(outputs: list[torch.Tensor]) -> None:
     live = [t for t in outputs if t.requires_grad]
     if live:
         torch.autograd.backward([t.float().sum() for t in live])
+
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def stable_message(exc: BaseException) -> str:
+    """An error's text with test files' paths and line numbers made stable (`test_x.py:N`)."""
+    text = str(exc).replace(TESTS_DIR + os.sep, "")
+    return re.sub(r"(test_\w+\.py):\d+", r"\1:N", text)

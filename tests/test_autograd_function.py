@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import re
 
 import pytest
 import torch
 from expecttest import TestCase
-from helpers import assert_same_tree, check_gradients, graph
+from helpers import assert_same_tree, check_gradients, graph, stable_message as message
 from torch import nn
 
 import predispatch
@@ -495,7 +494,6 @@ def test_trained_program_follows_eager():
         torch.testing.assert_close(program.state_dict()[name], value, rtol=0, atol=0)
 
 
-
 @pytest.mark.parametrize("case", ["straight_through", "mark_dirty", "in_no_grad", "autocast_custom_fwd"])
 def test_save_and_load_keep_backward(case, tmp_path):
     torch.manual_seed(0)
@@ -656,12 +654,6 @@ def test_export_leaves_function_apply_as_found():
 
 
 HERE = __file__
-
-
-def message(exc: BaseException) -> str:
-    """The error text with this file's path and line numbers made stable."""
-    text = str(exc).replace(HERE, "test_autograd_function.py")
-    return re.sub(r"test_autograd_function\.py:\d+", "test_autograd_function.py:N", text)
 
 
 class NumpyBackward(torch.autograd.Function):

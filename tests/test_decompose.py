@@ -3,25 +3,17 @@ can override both ways (within what is safe), and `ep.audit` says what happened 
 
 from __future__ import annotations
 
-import os
-import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 from expecttest import TestCase
-from helpers import assert_same_tree, clone_tree, export_and_check, graph
+from helpers import assert_same_tree, clone_tree, export_and_check, graph, stable_message as message
 from torch import nn
 
 import predispatch
 from predispatch import errors
 from predispatch.trace.decompose import DecompositionPolicy
-
-HERE = os.path.abspath(__file__)
-
-
-def message(exc: BaseException) -> str:
-    return re.sub(r"test_decompose\.py:\d+", "test_decompose.py:N", str(exc).replace(HERE, "test_decompose.py"))
 
 
 class Liars(nn.Module):

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import re
 
 import pytest
 import torch
 from expecttest import TestCase
-from helpers import assert_same_tree
+from helpers import assert_same_tree, stable_message as message
 from torch import nn
 from torch.export import Dim
 
 import predispatch
 from predispatch import errors
-
-HERE = os.path.abspath(__file__)
-
-
-def message(exc: BaseException) -> str:
-    return re.sub(r"test_dynamic\.py:\d+", "test_dynamic.py:N", str(exc).replace(HERE, "test_dynamic.py"))
 
 
 class Mixer(nn.Module):

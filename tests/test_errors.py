@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import re
 
 import pytest
 import torch
 from expecttest import TestCase
 from torch import nn
 
+from helpers import stable_message as message
+
 import predispatch
 from predispatch import errors
-
-HERE = os.path.abspath(__file__)
-
-
-def message(exc: BaseException) -> str:
-    """The error text with this file's path and line numbers made stable."""
-    text = str(exc).replace(HERE, "test_errors.py")
-    return re.sub(r"test_errors\.py:\d+", "test_errors.py:N", text)
 
 
 class Branchy(nn.Module):

@@ -3,23 +3,15 @@ and hook changes after export detected."""
 
 from __future__ import annotations
 
-import os
-import re
 
 import pytest
 import torch
 from expecttest import TestCase
-from helpers import assert_same_tree, export_and_check, graph
+from helpers import assert_same_tree, export_and_check, graph, stable_message as message
 from torch import nn
 
 import predispatch
 from predispatch import errors
-
-HERE = os.path.abspath(__file__)
-
-
-def message(exc: BaseException) -> str:
-    return re.sub(r"test_hooks\.py:\d+", "test_hooks.py:N", str(exc).replace(HERE, "test_hooks.py"))
 
 
 class Net(nn.Module):

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.export.graph_signature as tsig
 from torch import fx
-from torch._export.verifier import TrainingIRVerifier  # private: the lead may move it to _torch_internals
 from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 
+from predispatch import _torch_internals as ti
 from predispatch.errors import NotRepresentableError
 from predispatch.frontend.inputs import unique_identifier
 from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, OutputKind
@@ -87,7 +87,7 @@ def to_torch(ep: ExportedProgram) -> torch.export.ExportedProgram:
         range_constraints={},
         module_call_graph=[ModuleCallEntry("", call)],
         constants=builder.constants,
-        verifiers=[TrainingIRVerifier],
+        verifiers=[ti.TrainingIRVerifier],
     )
 
 
