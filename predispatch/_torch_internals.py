@@ -24,7 +24,7 @@ from torch._functorch.aot_autograd import aot_export_module
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
-from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode, _can_decompose_fast
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch._higher_order_ops.effects import with_effects
 from torch.export._remove_effect_tokens_pass import _replace_with_effects_node
@@ -46,6 +46,7 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = [
+    "torch_keeps_whole_in_export",
     "TrainingIRVerifier",
     "CIA",
     "OpOverload",
@@ -383,3 +384,8 @@ class PreDispatchMode(SchemaCheckMode):
 
     def __init__(self) -> None:
         TorchDispatchMode.__init__(self, torch._C.DispatchKey.PreDispatch)
+
+
+def torch_keeps_whole_in_export(op: OpOverload) -> bool:
+    """Whether torch's own pre-dispatch export would keep `op` whole (its `_can_decompose` says no)."""
+    return _can_decompose_fast(op, True, True) is False

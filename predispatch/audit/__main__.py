@@ -1,8 +1,9 @@
-"""Command line: ``python -m predispatch.audit [--write | --check] [--show N] [--quiet]``.
+"""Command line: ``python -m predispatch.audit [--write | --check | --torch] [--show N] [--quiet]``.
 
 Without flags it audits the installed torch and prints a summary; ``--write`` regenerates
 ``predispatch/audit/audit_table.json`` and ``docs/audit.md``; ``--check`` exits 1 when the
-shipped table differs from a fresh run.
+shipped table differs from a fresh run; ``--torch`` lists, from the shipped table, the liars
+torch's own pre-dispatch export would still keep whole.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "audit.md"
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.torch:
+        from predispatch.audit.compare import compare_with_torch
+        from predispatch.audit.table import load_table
+
+        print(compare_with_torch(load_table()))
+        return 0
     progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr))
     fresh = run_audit(progress=progress)
     if args.check:
@@ -74,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="regenerate the JSON table and docs")
     mode.add_argument("--check", action="store_true", help="exit 1 if the shipped table is stale")
+    mode.add_argument("--torch", action="store_true", help="liars torch's own export would keep whole")
     p.add_argument("--show", type=int, default=0, help="list at most N evidence findings (0: all)")
     p.add_argument("--quiet", action="store_true", help="no progress messages")
     return p
