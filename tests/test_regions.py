@@ -417,3 +417,22 @@ class GraphModule(torch.nn.Module):
     def forward(self, x: "f32[3]"):
         mul: "f32[3]" = torch.ops.aten.mul.Tensor(x, 2);  x = None
         return (mul,)""")
+
+
+def test_unmarked_toggles_at_the_top_level_open_regions():
+    """A toggle the trace did not mark (a generator's no_grad exit run by the garbage collector
+    mid-trace, say) must not break the pass: at the top level it can only open a region."""
+    from torch import fx
+
+    from predispatch.passes import wrap_regions
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(torch._C._set_grad_enabled, (True,))
+    y = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2))
+    graph.output((y,))
+    gm = fx.GraphModule({}, graph)
+    wrap_regions(gm)
+    assert raw_toggles(gm) == []
+    assert "wrap_with_set_grad_enabled(True" in gm.code
+    torch.testing.assert_close(gm(torch.ones(2))[0], torch.full((2,), 2.0))

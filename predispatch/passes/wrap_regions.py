@@ -132,8 +132,7 @@ def _on_grad_toggle(stack: list[Region], node: fx.Node) -> None:
     enabled = node.args[0]
     innermost = max(i for i, r in enumerate(stack) if r.kind is RegionKind.GRAD)
     marked = node.meta.get(_meta.GRAD_TOGGLE)
-    closes = marked == "exit" if marked else enabled == _grad_state(stack, below=innermost)
-    if innermost > 0 and closes:
+    if innermost > 0 and (marked == "exit" if marked else enabled == _grad_state(stack, below=innermost)):
         _close(stack, stack[innermost])
     else:
         _open(stack, Region(RegionKind.GRAD, (enabled,), node))
