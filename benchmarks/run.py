@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import transformers
+from torch import nn
 
 import predispatch
 
@@ -91,22 +92,20 @@ def time_exports(name: str, model: Any, args: tuple, kwargs: dict, reps: int, to
 
 
 def forward_ratio(model: Any, args: tuple, kwargs: dict, calls: int = 30) -> tuple[float, float] | None:
-    """Median seconds of one forward call: (eager, ep.module()), from the same RNG state."""
+    """Median seconds of one forward call: (eager, ep.module()), the two calls alternated so
+    that load from other processes falls on both alike."""
     try:
         program = predispatch.export(model, args, kwargs).module()
     except Exception:  # noqa: BLE001
         return None
-    times = {}
-    for label, fn in (("eager", model), ("program", program)):
-        for _ in range(3):
-            fn(*args, **kwargs)
-        samples = []
-        for _ in range(calls):
+    samples: dict[nn.Module, list[float]] = {model: [], program: []}
+    for i in range(calls + 3):
+        for fn in samples:
             start = time.perf_counter()
             fn(*args, **kwargs)
-            samples.append(time.perf_counter() - start)
-        times[label] = statistics.median(samples)
-    return times["eager"], times["program"]
+            if i >= 3:  # the first calls warm up
+                samples[fn].append(time.perf_counter() - start)
+    return statistics.median(samples[model]), statistics.median(samples[program])
 
 
 def peak_memory(tool: str) -> dict:
@@ -177,9 +176,22 @@ def depth_table(rows: list[ExportTimes]) -> list[str]:
         lines.append(f"| {depth} | {' | '.join(cells)} | {_fmt(r.ratio('predispatch', 'torch.export'), '.2f')}x |")
     marginal = _marginal(rows)
     lines.append("")
-    lines.append("Marginal cost of a layer, (t(32) - t(2)) / 30: " + ", ".join(
+    lines.append(f"Marginal cost of a layer, (t({DEPTHS[-1]}) - t({DEPTHS[0]})) / {DEPTHS[-1] - DEPTHS[0]}: " + ", ".join(
         f"{tool} {_fmt(ms, '.1f')} ms" for tool, ms in marginal.items()))
+    growth = _per_layer_growth(rows)
+    lines.append(f"Target, time per layer flat with depth: predispatch's ms/layer at {DEPTHS[-1]} layers is "
+                 f"{_fmt(growth, '.2f')}x its ms/layer at {DEPTHS[1]} layers (flat or falling means at most "
+                 f"1.25x): **{_verdict(growth, 1.25)}**.")
     return lines
+
+
+def _per_layer_growth(rows: list[ExportTimes]) -> float | None:
+    """ms/layer at the deepest model over ms/layer at the middle one (the shallowest is mostly
+    fixed overhead); above 1 means a layer costs more the deeper the model."""
+    mid, last = rows[1].seconds.get("predispatch"), rows[-1].seconds.get("predispatch")
+    if mid is None or last is None:
+        return None
+    return (last / DEPTHS[-1]) / (mid / DEPTHS[1])
 
 
 def _marginal(rows: list[ExportTimes]) -> dict[str, float | None]:

@@ -5,7 +5,7 @@
 
 The notebooks are the source users open; this file is how they are kept small and reviewable:
 one place to edit, cells stored without outputs, cell ids fixed so a diff shows only what
-changed.  tests/test_notebooks.py executes every notebook and runs `--check`.
+changed.  tests/test_notebooks.py executes every notebook and checks that each matches this file.
 """
 
 from __future__ import annotations
@@ -44,7 +44,13 @@ import predispatch
 warnings.filterwarnings("ignore")  # torch.export's deprecation notices are not the point here
 torch.manual_seed(0)
 EXAMPLES = Path("examples") if Path("examples/quickstart.py").exists() else Path(".")
-print(f"torch {torch.__version__}, predispatch {predispatch.__version__}")"""
+print(f"torch {torch.__version__}, predispatch {predispatch.__version__}")
+
+
+def check(claim, holds):
+    \"\"\"Print a claim this notebook makes; stop with an error if it does not hold.\"\"\"
+    print(f"{claim}: {holds}")
+    assert holds, claim"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,11 +60,11 @@ NB01 = [
     md("""\
 # 1. Exporting a model and reading its program
 
-`predispatch.export(model, args, kwargs)` traces a PyTorch program **once**, at the PreDispatch
+`predispatch.export(model, args, kwargs)` captures a PyTorch program at the PreDispatch
 dispatch key, on fake tensors, and returns an `ExportedProgram`: a **functional** ATen graph
-(no in-place op anywhere) that keeps composite ops such as `aten.linear` whole and keeps the
-*training* semantics of the model (grad-mode regions, custom backward formulas, in-place
-updates as explicit outputs).
+(no in-place op anywhere, without a second pass over the graph) that keeps composite ops such
+as `aten.linear` whole where that is safe, and keeps the *training* semantics of the model
+(grad-mode regions, custom backward formulas, in-place updates as explicit outputs).
 
 This notebook exports a small classifier and reads the result: the printed program, the
 signature (which graph input is a parameter, a buffer, a user input; which output writes back
@@ -108,11 +114,11 @@ rng_before = torch.get_rng_state()
 
 ep = predispatch.export(model, (x,), {"mask": mask})
 
-print("state_dict bit-identical:", all(torch.equal(before[k], v) for k, v in model.state_dict().items()))
-print("same parameter objects:  ", params_before == [id(p) for p in model.parameters()])
-print("still in training mode:  ", model.training, "| grad mode on:", torch.is_grad_enabled())
-print("RNG state unchanged:     ", torch.equal(rng_before, torch.get_rng_state()))
-print("steps buffer still:      ", model.steps.item())"""),
+check("state_dict bit-identical", all(torch.equal(before[k], v) for k, v in model.state_dict().items()))
+check("same parameter objects", params_before == [id(p) for p in model.parameters()])
+check("still in training mode, grad mode on", model.training and torch.is_grad_enabled())
+check("RNG state unchanged", torch.equal(rng_before, torch.get_rng_state()))
+check("steps buffer still 0", model.steps.item() == 0)"""),
     md("""\
 ## Reading the program
 
@@ -147,10 +153,11 @@ print("constants:  ", [s.target for s in sig.inputs if s.kind is InputKind.CONST
 print("user inputs:", [s.name for s in sig.inputs if s.kind is InputKind.USER_INPUT])
 print()
 for spec in sig.outputs:
-    print(f"graph output {spec.name:<10} {spec.kind.name:<16} -> {spec.target}")
+    print(f"graph output {spec.name:<12} {spec.kind.name:<16} -> {spec.target}")
 
 placeholders = [n.name for n in ep.graph.nodes if n.op == "placeholder"]
-print("\\none spec per placeholder, in order:", placeholders == [s.name for s in sig.inputs])"""),
+print()
+check("one spec per placeholder, in order", placeholders == [s.name for s in sig.inputs])"""),
     md("""\
 ## Lifted state
 
@@ -160,7 +167,7 @@ are in `ep.constants`."""),
     code("""\
 print("state_dict:", list(ep.state_dict))
 print("constants: ", {k: v.item() for k, v in ep.constants.items()})
-print("shares the model's tensors:", ep.state_dict["embed.weight"] is model.embed.weight)"""),
+check("shares the model's tensors", ep.state_dict["embed.weight"] is model.embed.weight)"""),
     md("""\
 ## `ep.module()` runs like the model
 
@@ -176,20 +183,20 @@ import copy
 
 eager = copy.deepcopy(model)  # run eager on a copy, to compare with the program from the same start
 program = ep.module()
-print(type(program).__name__, "| same state_dict keys:", sorted(program.state_dict()) == sorted(model.state_dict()))
+check(f"{type(program).__name__} has the model's state_dict keys", sorted(program.state_dict()) == sorted(model.state_dict()))
 
 out_e = eager(x, mask=mask)
 out_p = program(x, mask=mask)
-print("outputs equal:", all(torch.equal(out_e[k], out_p[k]) for k in out_e))
+check("outputs equal", all(torch.equal(out_e[k], out_p[k]) for k in out_e))
 
 out_e["logits"].nan_to_num(0.0).sum().backward()
 out_p["logits"].nan_to_num(0.0).sum().backward()
 grads_e = {n: p.grad for n, p in eager.named_parameters()}
 grads_p = {n: p.grad for n, p in program.named_parameters()}
-print("gradients equal:", all(torch.equal(grads_e[n], grads_p[n]) for n in grads_e))
+check("gradients equal", all(torch.equal(grads_e[n], grads_p[n]) for n in grads_e))
 
 buffers_p = dict(program.named_buffers())
-print("buffers updated like eager:", all(torch.equal(b, buffers_p[n]) for n, b in eager.named_buffers()))
+check("buffers updated like eager", all(torch.equal(b, buffers_p[n]) for n, b in eager.named_buffers()))
 print("program steps:", buffers_p["steps"].item(), "| exported model's steps:", model.steps.item())"""),
     md("""\
 ## The graph is an ordinary FX graph
@@ -208,9 +215,11 @@ print("\\n", linear.name, "->", linear.meta["val"].shape, linear.meta["val"].dty
     md("""\
 ## Non-tensor inputs are constants
 
-Export traces with the values it is given. `None` and Python scalars are baked into the program
-(here `mask=None` removes the `masked_fill`), and calling the program with another value is
-refused with `InputMismatchError` rather than silently computing the wrong thing."""),
+Export traces with the values it is given. `None` and Python scalars are baked into the program:
+exported without a mask, the program has no `masked_fill` and returns `div` directly. Calling
+a program with inputs unlike the exported ones (another structure, such as a mask where there
+was none, another constant value, another shape or dtype) is refused with
+`InputMismatchError` rather than silently computing something else."""),
     code("""\
 ep_nomask = predispatch.export(model, (x,))
 print(ep_nomask.graph_module.code.strip().splitlines()[-1])
@@ -218,7 +227,9 @@ print(ep_nomask.graph_module.code.strip().splitlines()[-1])
 try:
     ep_nomask.module()(x, mask=mask)
 except predispatch.errors.InputMismatchError as error:
-    print(f"\\n{type(error).__name__}: {error}")"""),
+    print(f"\\n{type(error).__name__}: {error}")
+else:
+    raise AssertionError("the call should have been refused")"""),
     md("""\
 Next: [02_composite_audit.ipynb](02_composite_audit.ipynb), which composites are kept whole
 and why."""),
@@ -322,7 +333,7 @@ ep = predispatch.export(model, (x,))
 print(ep.audit)"""),
     code("""\
 print(ep.graph_module.code)
-print("program output equals eager:", torch.equal(ep.module()(x), model(x)))"""),
+check("program output equals eager", torch.equal(ep.module()(x), model(x)))"""),
     md("""\
 In the graph, `chunk` became `split`, `dropout` (eval mode) became a `clone` (a fresh tensor,
 as its schema promises), `reshape` a `view`, `.to` a `_to_copy`; the three honest composites
@@ -338,13 +349,13 @@ print("decomposed:", ep.audit.decomposed)"""),
 `decompose=[...]` always decomposes the ops named (an overload, or a whole packet such as
 `"aten.linear"`): useful for a backend that has no `linear` kernel. `preserve=[...]` keeps
 whole ops the default would decompose, when the audit allows it. Here `linear` is lowered to
-its implementation (`t` + `matmul` + `add` at this level):"""),
+its implementation (for this 3-D input: `t`, `view`, `addmm`):"""),
     code("""\
 ep_lowered = predispatch.export(model, (x,), decompose=["aten.linear"])
 print(ep_lowered.audit)
 print()
 print("graph ops:", sorted({str(n.target) for n in ep_lowered.graph.nodes if n.op == "call_function"}))
-print("program output equals eager:", torch.allclose(ep_lowered.module()(x), model(x)))"""),
+check("program output close to eager", torch.allclose(ep_lowered.module()(x), model(x)))"""),
     md("""\
 **Preserving an op the audit condemns is refused**, with the audit's reason and evidence in the
 message, before anything is traced. The same holds for an op whose schema aliases, and for a
@@ -355,7 +366,9 @@ for preserve in (["aten.dropout"], ["aten.reshape"], ["aten.relu"], ["aten.liena
     try:
         predispatch.export(model, (x,), preserve=preserve)
     except predispatch.errors.DecompositionError as error:
-        print(f"preserve={preserve}\\n{type(error).__name__}: {error}\\n")"""),
+        print(f"preserve={preserve}\\n{type(error).__name__}: {error}\\n")
+    else:
+        raise AssertionError(f"preserve={preserve} should have been refused")"""),
     md("""\
 The same table from the command line (notebook 6 runs the CLI):
 
@@ -391,6 +404,9 @@ This notebook shows both, and measures each against eager and against torch's ow
 form, `torch.export.export(...).run_decompositions({})`."""),
     code(SETUP),
     code("""\
+from predispatch.program.printing import format_graph  # the graph as print(ep) shows it
+
+
 def grad_of(module, x, *rest):
     \"\"\"d(sum of output)/dx of `module(x, *rest)`, on a fresh leaf copy of x.\"\"\"
     x = x.detach().clone().requires_grad_()
@@ -408,7 +424,7 @@ class DetachedDouble(nn.Module):
 
 x = torch.randn(3)
 ep = predispatch.export(DetachedDouble(), (x,))
-print(ep.graph_module.print_readable(print_output=False))"""),
+print(format_graph(ep.graph_module))"""),
     md("""\
 The region is a HOP whose subgraph `grad_region_0` is printed nested under the module. Its state
 is **absolute**: the region sets grad mode to `False` whatever the caller's mode is.
@@ -420,10 +436,15 @@ torch_ep = torch.export.export(DetachedDouble(), (x,), strict=False)
 torch_functional = torch_ep.run_decompositions({})
 print(torch_functional.graph_module.code.strip())
 print()
-print("eager                            ", grad_of(DetachedDouble(), x))
-print("predispatch                      ", grad_of(ep.module(), x))
-print("torch.export                     ", grad_of(torch_ep.module(), x))
-print("torch.export.run_decompositions  ", grad_of(torch_functional.module(), x))"""),
+grads = {
+    "eager": grad_of(DetachedDouble(), x),
+    "predispatch": grad_of(ep.module(), x),
+    "torch.export": grad_of(torch_ep.module(), x),
+    "torch.export.run_decompositions": grad_of(torch_functional.module(), x),
+}
+for name, grad in grads.items():
+    print(f"{name:<32} {grad}")
+assert torch.equal(grads["predispatch"], grads["eager"]) and grads["torch.export.run_decompositions"].eq(3).all()"""),
     md("""\
 ## Nested regions
 
@@ -445,11 +466,14 @@ class Nested(nn.Module):
 
 x = torch.randn(3)
 ep = predispatch.export(Nested(), (x,))
-print(ep.graph_module.print_readable(print_output=False))
+print(format_graph(ep.graph_module))
 
 leaf = x.clone().requires_grad_()
-print("requires_grad, eager:  ", [t.requires_grad for t in Nested()(leaf)])
-print("requires_grad, program:", [t.requires_grad for t in ep.module()(leaf)])"""),
+eager_flags = [t.requires_grad for t in Nested()(leaf)]
+print("requires_grad, eager:  ", eager_flags)
+print("requires_grad, program:", [t.requires_grad for t in ep.module()(leaf)])
+check("same requires_grad as eager", [t.requires_grad for t in ep.module()(leaf)] == eager_flags)
+check("same gradient as eager", torch.equal(grad_of(lambda x: ep.module()(x)[-1], x), grad_of(lambda x: Nested()(x)[-1], x)))"""),
     md("""\
 Because region states are absolute, an `enable_grad` region keeps its meaning when the program
 is called under the caller's `no_grad` (gradient checkpointing and meta-learning inner loops do
@@ -469,16 +493,18 @@ programs = {
     "torch.export": torch.export.export(GradInside(), (leaf,), strict=False).module(),
 }
 with torch.no_grad():
-    for name, program in programs.items():
-        print(f"{name:<12} output requires_grad under the caller's no_grad: {program(leaf).requires_grad}")"""),
+    flags = {name: program(leaf).requires_grad for name, program in programs.items()}
+for name, flag in flags.items():
+    print(f"{name:<12} output.requires_grad under the caller's no_grad = {flag}")
+assert flags == {"eager": True, "predispatch": True, "torch.export": False}"""),
     md("""\
 ## Autocast regions
 
 An autocast block becomes `wrap_with_autocast(device_type, dtype, enabled, cache_enabled,
-subgraph, *operands)`. The subgraph already holds the casts autocast made (the matmul computes
-in bfloat16); the HOP re-enters autocast at run time, so a composite kept whole inside it
-(`linear` here) is cast exactly as in eager. Autocast and grad regions nest in the order the
-context managers were entered."""),
+subgraph, *operands)`. The subgraph records the dtypes autocast chose (`linear` is `bf16`); the
+HOP re-enters autocast at run time, so a composite kept whole inside it, like this `linear`, is
+cast by the same autocast kernel as in eager. Autocast and grad regions nest in the order the
+context managers were entered: here the `no_grad` region is inside the autocast region."""),
     code("""\
 class Mixed(nn.Module):
     def __init__(self):
@@ -495,19 +521,20 @@ class Mixed(nn.Module):
 
 model, x = Mixed(), torch.randn(4, 8)
 ep = predispatch.export(model, (x,))
-print(ep.graph_module.print_readable(print_output=False))
-print("output equals eager:", torch.equal(ep.module()(x), model(x)))
-print("gradient equals eager:", torch.equal(grad_of(ep.module(), x), grad_of(model, x)))"""),
+print(format_graph(ep.graph_module))
+check("output equals eager", torch.equal(ep.module()(x), model(x)))
+check("gradient equals eager", torch.equal(grad_of(ep.module(), x), grad_of(model, x)))"""),
     md("""\
 ## Mutations under `no_grad`: `predispatch::keep_history`
 
 ### An intermediate
 
-In eager, `h.mul_(2)` under `no_grad` changes `h`'s data but not its history, so
-`d(h * x)/dx = 3x + 6x = 9x`. A plain functional graph computes `mul = h * 2` in the region and
-uses `mul` afterwards, which has no history: `6x`. predispatch rebinds `h` to
-`keep_history(mul, h)` when grad comes back on: `mul`'s value, `h`'s history. It is
-value-exact, so it changes no number, only where gradients flow."""),
+In eager, `h.mul_(2)` under `no_grad` changes `h`'s data (now `6x`) but not its history (that
+of `3x`), so `d(h * x)/dx = 6x + 3x = 9x`. A functional graph computes `mul_1 = h * 2` in the
+region and uses `mul_1` afterwards, which has no history at all: `6x`. (torch's functional
+form also drops the region, so `mul_1` gets the history of `6x`: `12x`.) predispatch rebinds
+`h` to `keep_history(mul_1, mul)` when grad comes back on: the new value, the old history. It
+is value-exact, so it changes no number, only where gradients flow."""),
     code("""\
 class MutatedUnderNoGrad(nn.Module):
     def forward(self, x):
@@ -519,12 +546,17 @@ class MutatedUnderNoGrad(nn.Module):
 
 x = torch.tensor([1.0, 2.0, 3.0])
 ep = predispatch.export(MutatedUnderNoGrad(), (x,))
-print(ep.graph_module.code.strip())
+print(format_graph(ep.graph_module))
 print()
 torch_functional = torch.export.export(MutatedUnderNoGrad(), (x,), strict=False).run_decompositions({})
-print("eager                            ", grad_of(MutatedUnderNoGrad(), x), "(= 9x)")
-print("predispatch                      ", grad_of(ep.module(), x))
-print("torch.export.run_decompositions  ", grad_of(torch_functional.module(), x))"""),
+grads = {
+    "eager": grad_of(MutatedUnderNoGrad(), x),
+    "predispatch": grad_of(ep.module(), x),
+    "torch.export.run_decompositions": grad_of(torch_functional.module(), x),
+}
+for name, grad in grads.items():
+    print(f"{name:<32} {grad}")
+assert torch.equal(grads["eager"], 9 * x) and torch.equal(grads["predispatch"], 9 * x)"""),
     md("""\
 ### A user input
 
@@ -540,12 +572,14 @@ class CountCalls(nn.Module):
 
 x, counter = torch.randn(3), torch.zeros(3)
 ep = predispatch.export(CountCalls(), (x, counter))
-print([str(s) for s in ep.signature.outputs])
+for spec in ep.signature.outputs:
+    print(f"{spec.name:<13} {spec.kind.name:<20} -> {spec.target}")
 
 program = ep.module()
 program(x, counter)
 program(x, counter)
-print("caller's counter after two calls:", counter)"""),
+print("caller's counter after two calls:", counter)
+assert counter.eq(2).all()"""),
     md("""\
 ### A parameter: an exponential moving average
 
@@ -576,10 +610,10 @@ import copy
 eager, program = copy.deepcopy(model), ep.module()
 eager(x).sum().backward()
 program(x).sum().backward()
-print("weights after the step equal:", torch.equal(eager.weight, program.weight))
-print("avg buffers equal:           ", torch.equal(eager.avg, program.avg))
-print("weight gradients equal:      ", torch.equal(eager.weight.grad, program.weight.grad))
-print("the program's weight is still a leaf Parameter:", isinstance(program.weight, nn.Parameter), program.weight.is_leaf)"""),
+check("weights after the call equal", torch.equal(eager.weight, program.weight))
+check("avg buffers equal", torch.equal(eager.avg, program.avg))
+check("weight gradients equal", torch.equal(eager.weight.grad, program.weight.grad))
+check("the program's weight is still a leaf Parameter", isinstance(program.weight, nn.Parameter) and program.weight.is_leaf)"""),
     md("""\
 Next: [04_autograd_functions.ipynb](04_autograd_functions.ipynb), custom backward formulas."""),
 ]
@@ -611,6 +645,9 @@ supported and what is refused."""),
 - `GradReverse`: identity forward; backward multiplies by `-lambda` (domain-adversarial
   training)."""),
     code("""\
+from predispatch.program.printing import format_graph  # the graph as print(ep) shows it
+
+
 class FakeQuant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bits):
@@ -652,7 +689,7 @@ class QuantDANN(nn.Module):
 
 model, x = QuantDANN(), torch.randn(5, 6) * 2
 ep = predispatch.export(model, (x,))
-print(ep.graph_module.print_readable(print_output=False))"""),
+print(format_graph(ep.graph_module))"""),
     md("""\
 Each `Function.apply` is one `autograd_function_apply` node holding a forward subgraph, which
 returns `((*outputs), (*saved))`, and a backward subgraph, which takes
@@ -677,14 +714,16 @@ def gradients(module):
 
 torch_ep = torch.export.export(copy.deepcopy(model), (x,), strict=False)
 eager_grads = gradients(copy.deepcopy(model))
+differ = {}
 for name, program in [("predispatch", ep.module()), ("torch.export", torch_ep.module())]:
     grads = gradients(program)
-    same = {n: torch.equal(grads[n], g) for n, g in eager_grads.items()}
-    print(f"{name:<13}", "all equal to eager" if all(same.values()) else f"DIFFERENT: {[n for n, ok in same.items() if not ok]}")"""),
+    differ[name] = [n for n, g in eager_grads.items() if not torch.equal(grads[n], g)]
+    print(f"{name:<13}", f"gradients that differ from eager's: {differ[name] or 'none'}")
+assert differ["predispatch"] == [] and "features.weight" in differ["torch.export"]"""),
     md("""\
 ## What torch.export made of them
 
-torch.export's graph holds the forward's ops, `round` and `view`, and no trace of either
+torch.export's graph holds the forward's ops, `round` and `view_as`, and no trace of either
 backward. Differentiating it, `round` has gradient zero (so the quantized weight gets
 none: `features.weight`'s gradient is 0), and the reversal layer is an identity (so the
 features are trained *towards* the domain classifier instead of against it)."""),
@@ -692,8 +731,8 @@ features are trained *towards* the domain classifier instead of against it).""")
 print(torch_ep.graph_module.code.strip())
 print()
 torch_grads = gradients(torch_ep.module())
-print("features.weight gradient, eager:       ", eager_grads["features.weight"].abs().sum().item())
-print("features.weight gradient, torch.export:", torch_grads["features.weight"].abs().sum().item())"""),
+print("sum |features.weight gradient|, eager:       ", eager_grads["features.weight"].abs().sum().item())
+print("sum |features.weight gradient|, torch.export:", torch_grads["features.weight"].abs().sum().item())"""),
     md("""\
 And the gradient-reversal layer on its own: eager and predispatch give `-0.5`, torch.export
 gives `+1`."""),
@@ -710,9 +749,14 @@ def input_grad(module, h):
 
 
 h = torch.randn(4)
-print("eager       ", input_grad(Reverse(), h))
-print("predispatch ", input_grad(predispatch.export(Reverse(), (h,)).module(), h))
-print("torch.export", input_grad(torch.export.export(Reverse(), (h,), strict=False).module(), h))"""),
+grads = {
+    "eager": input_grad(Reverse(), h),
+    "predispatch": input_grad(predispatch.export(Reverse(), (h,)).module(), h),
+    "torch.export": input_grad(torch.export.export(Reverse(), (h,), strict=False).module(), h),
+}
+for name, grad in grads.items():
+    print(f"{name:<12} {grad}")
+assert grads["eager"].eq(-0.5).all() and grads["predispatch"].eq(-0.5).all() and grads["torch.export"].eq(1).all()"""),
     md("""\
 ## Training the program
 
@@ -730,7 +774,7 @@ def train(module, steps=3):
 
 
 trained_eager, trained_program = train(copy.deepcopy(model)), train(ep.module())
-print("parameters after 3 steps equal:", all(torch.equal(p, trained_program[n]) for n, p in trained_eager.items()))"""),
+check("parameters after 3 steps equal", all(torch.equal(p, trained_program[n]) for n, p in trained_eager.items()))"""),
     md("""\
 ## Where it cannot go
 
@@ -741,7 +785,9 @@ Save it with `predispatch.save` instead (notebook 6)."""),
 try:
     ep.to_torch()
 except predispatch.errors.NotRepresentableError as error:
-    print(f"{type(error).__name__}: {error}")"""),
+    print(f"{type(error).__name__}: {error}")
+else:
+    raise AssertionError("to_torch should have refused")"""),
     md("""\
 A backward that cannot be traced (it calls `.numpy()`, branches on a tensor's value, or reads a
 module weight it was not given) is refused with `AutogradFunctionError` or `DataDependentError`,
@@ -764,8 +810,10 @@ class UsesOpaque(nn.Module):
 
 try:
     predispatch.export(UsesOpaque(), (torch.randn(3),))
-except predispatch.errors.PredispatchError as error:
-    print(f"{type(error).__name__}: {error}")"""),
+except predispatch.errors.AutogradFunctionError as error:
+    print(f"{type(error).__name__}: {error}")
+else:
+    raise AssertionError("export should have refused")"""),
     md("""\
 Next: [05_hooks.ipynb](05_hooks.ipynb)."""),
 ]
@@ -821,7 +869,8 @@ hook_handle = net.lin.register_forward_hook(add_one)
 
 ep = predispatch.export(net, (x,))
 print(ep.graph_module.code.strip())
-print("\\nprogram output equals eager:", torch.equal(ep.module()(x), net(x)))"""),
+print()
+check("program output equals eager", torch.equal(ep.module()(x), net(x)))"""),
     md("""\
 ## Backward hooks are refused, by name
 
@@ -838,7 +887,10 @@ try:
     predispatch.export(net, (x,))
 except predispatch.errors.UnsupportedHookError as error:
     print(f"{type(error).__name__}: {error}")
-print("\\nthe hook is still registered:", list(net.out._backward_hooks.values()) == [log_grads])
+else:
+    raise AssertionError("export should have refused")
+print()
+check("the hook is still registered", list(net.out._backward_hooks.values()) == [log_grads])
 bw_handle.remove()"""),
     md("""\
 The fix the message suggests: express the gradient transformation in forward as an
@@ -867,7 +919,7 @@ program = predispatch.export(scaled, (x,)).module()
 program.load_state_dict(scaled.state_dict())
 scaled(x).sum().backward()
 program(x).sum().backward()
-print("lin.weight gradients equal:", torch.equal(scaled.lin.weight.grad, program.lin.weight.grad))"""),
+check("lin.weight gradients equal", torch.equal(scaled.lin.weight.grad, program.lin.weight.grad))"""),
     md("""\
 `Tensor.register_hook` inside forward is refused the same way, pointing at the line:"""),
     code("""\
@@ -881,7 +933,9 @@ class Hooked(nn.Module):
 try:
     predispatch.export(Hooked(), (torch.randn(3),))
 except predispatch.errors.UnsupportedHookError as error:
-    print(f"{type(error).__name__}: {error}")"""),
+    print(f"{type(error).__name__}: {error}")
+else:
+    raise AssertionError("export should have refused")"""),
     md("""\
 ## State-dict hooks
 
@@ -915,9 +969,10 @@ model, other = Renamed(), Renamed()
 program = predispatch.export(model, (x,)).module()
 print("model keys:  ", sorted(model.state_dict()))
 print("program keys:", sorted(program.state_dict()))
+assert sorted(program.state_dict()) == sorted(model.state_dict())
 
 program.load_state_dict(other.state_dict())  # a checkpoint with the legacy key
-print("program now computes like `other`:", torch.equal(program(x), other(x)))"""),
+check("program now computes like `other`", torch.equal(program(x), other(x)))"""),
     md("""\
 ## `ep.verify_hooks` after a hook change
 
@@ -933,11 +988,13 @@ net.out.register_forward_pre_hook(double_input)    # and add a pre-hook on out
 try:
     ep.verify_hooks(net)
 except predispatch.errors.HooksChangedError as error:
-    print(f"\\n{type(error).__name__}: {error}")"""),
+    print(f"\\n{type(error).__name__}: {error}")
+else:
+    raise AssertionError("verify_hooks should have raised")"""),
     code("""\
 ep = predispatch.export(net, (x,))  # export again: the program follows the current hooks
 ep.verify_hooks(net)
-print("re-exported; program output equals eager:", torch.equal(ep.module()(x), net(x)))"""),
+check("re-exported; program output equals eager", torch.equal(ep.module()(x), net(x)))"""),
     md("""\
 Next: [06_save_load_cli.ipynb](06_save_load_cli.ipynb)."""),
 ]
@@ -980,20 +1037,20 @@ path = workdir / "block.pdp"
 predispatch.save(ep, path)
 loaded = predispatch.load(path)
 print(f"{path.name}: {path.stat().st_size} bytes")
-print("prints the same:", str(loaded) == str(ep))
+check("prints the same", str(loaded) == str(ep))
 
 original, restored = ep.module(), loaded.module()
 out_o, out_r = original(x, mask=mask), restored(x, mask=mask)
 out_o.square().sum().backward()
 out_r.square().sum().backward()
 grads_r = dict(restored.named_parameters())
-print("outputs bitwise equal:  ", torch.equal(out_o, out_r))
-print("gradients bitwise equal:", all(torch.equal(p.grad, grads_r[n].grad) for n, p in original.named_parameters()))
-print("buffers equal:          ", all(torch.equal(b, dict(restored.named_buffers())[n]) for n, b in original.named_buffers()))
+check("outputs bitwise equal", torch.equal(out_o, out_r))
+check("gradients bitwise equal", all(torch.equal(p.grad, grads_r[n].grad) for n, p in original.named_parameters()))
+check("buffers equal", all(torch.equal(b, dict(restored.named_buffers())[n]) for n, b in original.named_buffers()))
 
 again = workdir / "again.pdp"
 predispatch.save(loaded, again)
-print("saved again, same bytes:", again.read_bytes() == path.read_bytes())"""),
+check("saved again, same bytes", again.read_bytes() == path.read_bytes())"""),
     md("""\
 The file is a plain zip: a manifest with a SHA-256 per member, the program as JSON, and the
 tensors as safetensors. Loading runs no code from the file: ops are looked up by name in
@@ -1015,7 +1072,9 @@ corrupt.write_bytes(bytes(data))
 try:
     predispatch.load(corrupt)
 except predispatch.errors.SerializationError as error:
-    print(f"\\n{type(error).__name__}: {error}")"""),
+    print(f"\\n{type(error).__name__}: {error}")
+else:
+    raise AssertionError("load should have refused the corrupted file")"""),
     md("""\
 ## `ep.to_torch()`
 
@@ -1028,7 +1087,7 @@ torch_ep = ep.to_torch()
 print(type(torch_ep).__module__ + "." + type(torch_ep).__name__)
 print("user inputs:", torch_ep.graph_signature.user_inputs)
 print("buffers mutated:", dict(torch_ep.graph_signature.buffers_to_mutate))
-print("output equals predispatch's:", torch.equal(torch_ep.module()(x, mask=mask), ep.module()(x, mask=mask)))
+check("output equals predispatch's", torch.equal(torch_ep.module()(x, mask=mask), ep.module()(x, mask=mask)))
 
 core = torch_ep.run_decompositions()  # torch's path to core ATen, for inference backends
 print("core ATen ops:", len({n.target for n in core.graph.nodes if n.op == "call_function"}))"""),
@@ -1044,31 +1103,35 @@ so values do not matter."""),
 import subprocess
 
 
-def cli(*args):
-    \"\"\"Run `predispatch ARGS...` and show what it printed and its exit code.\"\"\"
+def cli(*args, echo=True):
+    \"\"\"Run `predispatch ARGS...`; show what it printed (stdout, then stderr) and its exit code.\"\"\"
     done = subprocess.run([sys.executable, "-m", "predispatch", *map(str, args)], capture_output=True, text=True)
-    print(done.stdout, end="")
-    if done.stderr:
-        print(done.stderr, end="")
+    if echo:
+        print(done.stdout + done.stderr, end="")
     print(f"[exit code {done.returncode}]")
+    assert done.returncode == 0
     return done
 
 
 saved = workdir / "cli_block.pdp"
-cli("export", EXAMPLES / "quickstart.py:Block", "--inputs", "f32[2,5,16]", "--kwargs", "mask=b8[5,5]", "--save", saved);"""),
+exported = cli("export", EXAMPLES / "quickstart.py:Block", "--inputs", "f32[2,5,16]", "--kwargs", "mask=b8[5,5]", "--save", saved)"""),
     md("""\
-`predispatch show FILE` prints a saved program exactly as export printed it:"""),
+The program goes to stdout and status lines (`saved the program to ...`) to stderr, so
+`predispatch export ... > program.txt` captures just the program. `predispatch show FILE`
+prints a saved program exactly as export printed it:"""),
     code("""\
-shown = cli("show", saved)
-print("same as predispatch.load:", shown.stdout.strip() == str(predispatch.load(saved)).strip())"""),
+shown = cli("show", saved, echo=False)
+print("\\n".join(shown.stdout.splitlines()[:3]), "\\n    ...")
+check("same as what export printed", shown.stdout == exported.stdout)
+check("same as print(predispatch.load(...))", shown.stdout.strip() == str(predispatch.load(saved)).strip())"""),
     md("""\
 `predispatch audit` summarises the composite audit (notebook 2); `--show 5` lists the first
 five ops decomposed on evidence:"""),
     code("""cli("audit", "--show", "5");"""),
     md("""\
-Errors are one message on stderr with a distinct exit code (2 for a usage error), pointing at
-the problem:"""),
-    code("""cli("export", EXAMPLES / "quickstart.py:Block", "--inputs", "f32[2,5,16], f33[5,5]");"""),
+Failures are one message on stderr, with an exit code that says what kind of failure it was
+(1: predispatch refused the model, 2: a usage error such as a bad input spec, 3: the model
+could not be created, ...); `predispatch export --help` lists them with examples."""),
     md("""\
 ## Pictures
 
@@ -1120,11 +1183,12 @@ class Regions(nn.Module):
         return y.float()
 
 
-small = predispatch.export(Regions(), (torch.randn(2, 4),))
+small = picture(predispatch.export(Regions(), (torch.randn(2, 4),)), title="Regions")
+for cluster in small.clusters:  # the boxes, as data
+    members = [n.name for n in small.nodes if n.cluster == cluster.id]
+    print(f"{cluster.label} ({cluster.detail}): {members}")
 if shutil.which("dot"):
-    display(SVG(to_svg(to_dot(picture(small, title="Regions")))))
-else:
-    print(to_dot(picture(small, title="Regions"))[:500])"""),
+    display(SVG(to_svg(to_dot(small))))"""),
     code("""\
 shutil.rmtree(workdir)  # the files above were written to a temporary directory"""),
 ]

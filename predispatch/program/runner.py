@@ -33,21 +33,36 @@ class ProgramModule(nn.Module):
         if ep.live_root is not None:  # share the user's modules: state is read at each call
             for name, child in ep.live_root.named_children():
                 self.add_module(name, child)
-            return
-        for spec in ep.signature.inputs_of(*_STATE_KINDS):
-            source = ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else ep.state_dict[spec.target]
-            tensor = _copy(source, spec.kind)
-            for fqn in (spec.target, *spec.aliases):
-                _install(self, fqn, tensor, spec.kind, spec.persistent)
+        else:
+            for spec in ep.signature.inputs_of(*_STATE_KINDS):
+                source = ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else ep.state_dict[spec.target]
+                tensor = _copy(source, spec.kind)
+                for fqn in (spec.target, *spec.aliases):
+                    _install(self, fqn, tensor, spec.kind, spec.persistent)
+        self._prepare_calls()
+
+    def _prepare_calls(self) -> None:
+        """Resolve, once, what every call needs: the module owning each state tensor (read by
+        attribute at call time, so reassigned or live tensors are seen) and which graph outputs
+        write back where."""
+        sig = self._program.signature
+        root = self._live if self._live is not None else self
+        owners = [_owner(root, spec.target) for spec in sig.inputs_of(*_STATE_KINDS)]
+        user_index = {spec.name: i for i, spec in enumerate(sig.inputs_of(InputKind.USER_INPUT))}
+        writes = [
+            (None, user_index[s.target]) if s.kind is OutputKind.USER_INPUT_MUTATION else _owner(root, s.target)
+            for s in sig.mutations
+        ]
+        object.__setattr__(self, "_state_owners", owners)
+        object.__setattr__(self, "_writes", writes)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ep = self._program
         sig = ep.signature
         user = _user_tensors(ep, args, kwargs)
-        state = [self._lookup(spec.target) for spec in sig.inputs_of(*_STATE_KINDS)]
-        by_name = {spec.name: t for spec, t in zip(sig.inputs_of(InputKind.USER_INPUT), user)}
+        state = [getattr(owner, attr) for owner, attr in self._state_owners]
+        targets = [user[attr] if owner is None else getattr(owner, attr) for owner, attr in self._writes]
         mutations = sig.mutations
-        targets = [by_name[s.target] if s.kind is OutputKind.USER_INPUT_MUTATION else self._lookup(s.target) for s in mutations]
         with _snapshot_saved(targets):
             outs = ep.graph_module(*state, *user)
         for target, value in zip(targets, outs):
@@ -116,6 +131,11 @@ def _install(root: nn.Module, fqn: str, tensor: torch.Tensor, kind: InputKind, p
         setattr(owner, attr, tensor)
 
 
+def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    owner, _, attr = fqn.rpartition(".")
+    return root.get_submodule(owner), attr
+
+
 def _user_tensors(ep: ExportedProgram, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor leaves of the call, after checking it matches the exported call."""
     sig = ep.signature
@@ -127,7 +147,8 @@ def _user_tensors(ep: ExportedProgram, args: tuple, kwargs: dict) -> list[torch.
             fix="call it with the same structure of args and kwargs as at export, or export again.",
         )
     tensors = []
-    examples = iter(n.meta.get("val") for n in ep.graph.find_nodes(op="placeholder")[len(sig.inputs_of(*_STATE_KINDS)):])
+    placeholders = ep.graph.find_nodes(op="placeholder")[len(sig.inputs_of(*_STATE_KINDS)) :]
+    examples = iter(n.meta.get("val") for n in placeholders)
     for leaf, value in zip(sig.input_leaves, flat):
         if leaf.is_tensor:
             _check_tensor(leaf.path, value, next(examples))
@@ -200,8 +221,8 @@ def _snapshot_saved(targets: list[torch.Tensor]):
     new values back in place, which would bump the saved tensors' versions.  Saving a copy of
     exactly those tensors keeps backward's view of the values the graph read.
     """
-    if any(type(t) not in (torch.Tensor, nn.Parameter) for t in targets):
-        return contextlib.nullcontext()  # being traced (a re-export): no autograd runs here
+    if not targets or any(type(t) not in (torch.Tensor, nn.Parameter) for t in targets):
+        return contextlib.nullcontext()  # nothing written back, or being traced (a re-export)
     storages = {t.untyped_storage().data_ptr() for t in targets}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
