@@ -71,6 +71,7 @@ AREAS = [
     ("torch: nn.Module", "/torch/nn/"),
     ("torch: other Python", "/torch/"),
     ("C and builtins (kernels, dispatcher, isinstance, ...)", "~"),
+    ("other packages (sympy, ...)", "site-packages"),
     ("Python stdlib (contextlib, weakref, functools, ...)", "/lib/python3"),
 ]
 

@@ -46,6 +46,7 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = [
+    "fake_of_meta",
     "torch_keeps_whole_in_export",
     "TrainingIRVerifier",
     "CIA",
@@ -389,3 +390,13 @@ class PreDispatchMode(SchemaCheckMode):
 def torch_keeps_whole_in_export(op: OpOverload) -> bool:
     """Whether torch's own pre-dispatch export would keep `op` whole (its `_can_decompose` says no)."""
     return _can_decompose_fast(op, True, True) is False
+
+
+def fake_of_meta(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor with `t`'s metadata on `device`: a meta model's weight, traced as if real.
+
+    A model built under `torch.device("meta")` has no data, only shapes; tracing it on the meta
+    device would record `device=meta` into factory ops and pick meta kernels' strides.  Its
+    fakes are made on the device the real weights will live on (the inputs' device) instead.
+    """
+    return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, t, device)

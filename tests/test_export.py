@@ -417,3 +417,27 @@ class ProgramBehaviour(TestCase):
         first = str(predispatch.export(ConvBN(), (torch.randn(1, 3, 6, 6),)))
         second = str(predispatch.export(ConvBN(), (torch.randn(1, 3, 6, 6),)))
         self.assertEqual(first, second)
+
+
+class MetaModel(TestCase):
+    def test_meta_model_traces_on_the_inputs_device(self):
+        """Weights on the meta device cost no memory, and the program is the real model's."""
+
+        class WithFactory(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+
+            def forward(self, x):
+                return self.lin(x) + torch.arange(4, device=self.lin.weight.device)
+
+        with torch.device("meta"):
+            meta = WithFactory()
+        real = WithFactory()
+        ep = predispatch.export(meta, (torch.randn(2, 4),))
+        self.assertNotIn("meta", ep.graph_module.code)
+        self.assertEqual(str(ep), str(predispatch.export(real, (torch.randn(2, 4),))))
+        program = ep.module()
+        program.load_state_dict(real.state_dict(), assign=True)
+        x = torch.randn(2, 4)
+        exact(program(x), real(x))

@@ -95,7 +95,8 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     state = lift_state(module)
     dynamic = fake_dynamic_inputs(module, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
     fake_mode = dynamic.fake_mode if dynamic else ti.new_fake_mode()
-    fake_state = tuple(_fakify(fake_mode, s.tensor, s.spec.kind is InputKind.PARAMETER) for s in state)
+    device = _inputs_device(pytree.tree_leaves((args, kwargs)))
+    fake_state = tuple(_fakify(fake_mode, s.tensor, s.spec.kind is InputKind.PARAMETER, device) for s in state)
     if dynamic:
         flat = pytree.tree_leaves((dynamic.fake_args, dynamic.fake_kwargs))
         fake_user = tuple(x for x in flat if isinstance(x, torch.Tensor))
@@ -296,13 +297,23 @@ def _is_persistent(module: nn.Module, fqn: str) -> bool:
     return attr not in module.get_submodule(owner)._non_persistent_buffers_set
 
 
-def _fakify(fake_mode: ti.FakeTensorMode, tensor: torch.Tensor, parameter: bool = False) -> torch.Tensor:
+def _inputs_device(leaves: list[Any]) -> torch.device:
+    """Where the real computation happens: the first non-meta tensor input's device (CPU if none)."""
+    return next((x.device for x in leaves if isinstance(x, torch.Tensor) and not x.is_meta), torch.device("cpu"))
+
+
+def _fakify(
+    fake_mode: ti.FakeTensorMode, tensor: torch.Tensor, parameter: bool = False, device: torch.device | None = None
+) -> torch.Tensor:
     """A fake twin with static shapes (dynamic dimensions are opted into, later).
 
     A tensor of another trace (an export nested in an export sees the outer trace's tensors)
-    has no data to convert: its twin is made from its metadata alone.
+    has no data to convert: its twin is made from its metadata alone.  A meta tensor (a model
+    built under `torch.device("meta")`) gets its twin on `device`, where its real data will be.
     """
-    if type(tensor) in (torch.Tensor, nn.Parameter):
+    if tensor.is_meta and device is not None and type(tensor) in (torch.Tensor, nn.Parameter):
+        fake = ti.fake_of_meta(fake_mode, tensor, device)
+    elif type(tensor) in (torch.Tensor, nn.Parameter):
         fake = fake_mode.from_tensor(tensor, static_shapes=True)
     else:
         with fake_mode:

@@ -1,7 +1,9 @@
 """Passes over the traced graph, one file each, run in order by `_export.export`.
 
-Order: name_placeholders -> remove_copies -> wrap_regions -> check_functional.  Each pass
-states its contract in its docstring; `check_functional` checks the program's contract at the
+Order: name_placeholders -> remove_copies -> wrap_regions -> check_functional.  Passes edit
+graphs in place and do not recompile: `build_program` recompiles once at the end (each
+recompile regenerates the Python code of the whole graph).  Each pass states its contract in
+its docstring; `check_functional` checks the program's contract at the
 end: no op with a mutable schema and no raw grad/autocast toggle anywhere in the graph or its
 subgraphs.
 """

@@ -27,4 +27,3 @@ def name_placeholders(gm: fx.GraphModule, names: Sequence[str]) -> None:
     for node, name in zip(placeholders, names):
         node._rename(name)
         node.target = name
-    gm.recompile()

@@ -26,7 +26,6 @@ def remove_copies(gm: fx.GraphModule) -> None:
             for node in module.graph.find_nodes(op="call_function", target=aten.copy.default):
                 _replace(module.graph, node)
             module.graph.lint()
-            module.recompile()
 
 
 def _replace(graph: fx.Graph, node: fx.Node) -> None:

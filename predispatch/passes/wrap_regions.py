@@ -99,7 +99,6 @@ def wrap_regions(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and node.target in TOGGLES:
             gm.graph.erase_node(node)
     gm.graph.lint()
-    gm.recompile()
 
 
 def _parse_regions(gm: fx.GraphModule) -> Region:

@@ -111,6 +111,9 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
     name_placeholders(gm, [spec.name for spec in inputs])
     remove_copies(gm)
     wrap_regions(gm)
+    for module in gm.modules():  # the passes edit in place; generate the code once
+        if isinstance(module, fx.GraphModule):
+            module.recompile()
     gm.__class__.__name__ = "GraphModule"
     check_functional(gm)
     output_nodes = gm.graph.output_node().args[0]

@@ -39,14 +39,18 @@ def refuse_backward_hooks(root: nn.Module) -> Iterator[None]:
                 "autograd.Function whose backward does the same.",
             )
 
-    handle = module_globals.register_module_forward_pre_hook(pre_hook)
+    # A global pre-hook puts every module call on torch's slow path: install it only when some
+    # module the export can see has a backward hook (a module reached otherwise is not checked).
+    hooked = any(m._backward_pre_hooks or m._backward_hooks for m in root.modules())
+    handle = module_globals.register_module_forward_pre_hook(pre_hook) if hooked else None
     original = torch.Tensor.register_hook
     torch.Tensor.register_hook = _refused_register_hook
     try:
         yield
     finally:
         torch.Tensor.register_hook = original
-        handle.remove()
+        if handle is not None:
+            handle.remove()
 
 
 def _refused_register_hook(tensor: torch.Tensor, hook: Any) -> Any:
