@@ -832,7 +832,9 @@ according to whether a trace can keep it:
 | hook | what export does |
 | --- | --- |
 | forward pre-hooks and forward hooks (module or global) | they run during the trace, so their ops are in the graph |
-| full backward hooks, backward pre-hooks, `Tensor.register_hook` | refused with `UnsupportedHookError`: a trace on fake tensors never builds the autograd nodes they live on, so the program would silently drop them |
+| full backward hooks, backward pre-hooks | refused with `UnsupportedHookError`: a trace on fake tensors never builds the autograd nodes they live on, so the program would silently drop them |
+| `Tensor.register_hook` with a pure hook on a fresh intermediate | captured: an `autograd_function_apply` node whose backward is the hook |
+| `Tensor.register_hook` on a used tensor, an input, or with side effects | refused with `UnsupportedHookError`, saying which |
 | `state_dict` / `load_state_dict` hooks | honoured by `ep.module().state_dict()` and `load_state_dict()` |
 
 and `ep.verify_hooks(model)` tells you when the hooks changed after export."""),
@@ -921,7 +923,10 @@ scaled(x).sum().backward()
 program(x).sum().backward()
 check("lin.weight gradients equal", torch.equal(scaled.lin.weight.grad, program.lin.weight.grad))"""),
     md("""\
-`Tensor.register_hook` inside forward is refused the same way, pointing at the line:"""),
+`Tensor.register_hook` inside forward, with a pure function of the gradient, is captured: the
+hook becomes the backward subgraph of an `autograd_function_apply` node, and gradients through
+the program go through it as in eager.  A hook with a side effect (here `print`) is refused,
+pointing at the line:"""),
     code("""\
 class Hooked(nn.Module):
     def forward(self, x):
@@ -930,8 +935,26 @@ class Hooked(nn.Module):
         return h.sum()
 
 
+from predispatch.program.printing import format_graph  # the graph as print(ep) shows it
+
+x3 = torch.randn(3)
+hooked = predispatch.export(Hooked(), (x3,))
+print(format_graph(hooked.graph_module))
+a, b = x3.clone().requires_grad_(), x3.clone().requires_grad_()
+hooked.module()(a).backward()
+Hooked()(b).backward()
+check("the captured hook scales gradients as eager's does", torch.equal(a.grad, b.grad))
+
+
+class Printing(nn.Module):
+    def forward(self, x):
+        h = x * 2
+        h.register_hook(lambda grad: print(grad))
+        return h.sum()
+
+
 try:
-    predispatch.export(Hooked(), (torch.randn(3),))
+    predispatch.export(Printing(), (torch.randn(3),))
 except predispatch.errors.UnsupportedHookError as error:
     print(f"{type(error).__name__}: {error}")
 else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from expecttest import TestCase
-from helpers import assert_same_tree, export_and_check, graph, stable_message as message
+from helpers import assert_same_tree, check_gradients, export_and_check, graph, stable_message as message
 from torch import nn
 
 import predispatch
@@ -126,16 +126,79 @@ module 'out' (Linear) has a backward hook, print_grads defined at test_hooks.py:
             handle.remove()
         self.assertIn("a global module backward hook is registered (print_grads defined at", message(info.value))
 
-    def test_tensor_register_hook_is_refused(self):
+    def test_tensor_register_hook_is_captured(self):
         class Hooked(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(3, 3)
+
+            def forward(self, x):
+                h = self.lin(x)
+                h.register_hook(lambda g: g.clamp(-0.1, 0.1) * 10)  # a clipping hook
+                return (h * h).sum()
+
+        ep = check_gradients(Hooked(), (torch.randn(4, 3),))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]", x: "f32[4, 3]"):
+        linear: "f32[4, 3]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+        tensor_hook_fwd_0 = self.tensor_hook_fwd_0
+        tensor_hook_bwd_0 = self.tensor_hook_bwd_0
+        autograd_function_apply = torch.ops.higher_order.autograd_function_apply(tensor_hook_fwd_0, tensor_hook_bwd_0, linear, non_differentiable_idx = [], saved_for_backward_idx = []);  tensor_hook_fwd_0 = tensor_hook_bwd_0 = linear = None
+        clone: "f32[4, 3]" = autograd_function_apply[0];  autograd_function_apply = None
+        mul: "f32[4, 3]" = torch.ops.aten.mul.Tensor(clone, clone);  clone = None
+        sum_1: "f32[]" = torch.ops.aten.sum.default(mul);  mul = None
+        return (sum_1,)
+
+    class tensor_hook_fwd_0(torch.nn.Module):
+        def forward(self, x: "f32[4, 3]"):
+            clone: "f32[4, 3]" = torch.ops.aten.clone.default(x);  x = None
+            return ((clone,), ())
+
+    class tensor_hook_bwd_0(torch.nn.Module):
+        def forward(self, grad_out: "f32[4, 3]"):
+            clamp: "f32[4, 3]" = torch.ops.aten.clamp.default(grad_out, -0.1, 0.1);  grad_out = None
+            mul: "f32[4, 3]" = torch.ops.aten.mul.Tensor(clamp, 10);  clamp = None
+            return (mul,)""")
+
+    def test_tensor_hooks_that_cannot_be_captured_are_refused(self):
+        seen = []
+
+        class UsedBefore(nn.Module):
             def forward(self, x):
                 h = x * 2
+                y = h.sum()
                 h.register_hook(lambda g: g * 10)
-                return h.sum()
+                return y + (h * 3).sum()
 
-        with pytest.raises(errors.UnsupportedHookError) as info:
-            predispatch.export(Hooked(), (torch.randn(3),))
-        self.assertIn("at test_hooks.py:N (h.register_hook(lambda g: g * 10))", message(info.value))
+        class OnInput(nn.Module):
+            def forward(self, x):
+                x.register_hook(lambda g: g * 10)
+                return x * 2
+
+        class Stores(nn.Module):
+            def forward(self, x):
+                h = x * 2
+                h.register_hook(lambda g: seen.append(g))
+                return h * 3
+
+        class Prints(nn.Module):
+            def forward(self, x):
+                h = x * 2
+                h.register_hook(lambda g: print(g))
+                return h * 3
+
+        expected = {
+            UsedBefore: "an op already read the tensor",
+            OnInput: "the tensor is a graph input or parameter",
+            Stores: "the hook has a Python side effect (calls append)",
+            Prints: "the hook has a Python side effect (calls print)",
+        }
+        for module_cls, why in expected.items():
+            with self.subTest(module_cls.__name__), pytest.raises(errors.UnsupportedHookError) as info:
+                predispatch.export(module_cls(), (torch.randn(3),))
+            self.assertIn(why, message(info.value))
+            self.assertIn("test_hooks.py:N (h.register_hook" if module_cls is not OnInput else "(x.register_hook", message(info.value))
 
     def test_refusal_leaves_hooks_in_place(self):
         net = Net()
@@ -143,7 +206,7 @@ module 'out' (Linear) has a backward hook, print_grads defined at test_hooks.py:
         with pytest.raises(errors.UnsupportedHookError):
             predispatch.export(net, (torch.randn(4, 3),))
         self.assertEqual(list(net.out._backward_hooks.values()), [print_grads])
-        self.assertIs(torch.Tensor.register_hook, torch._tensor.Tensor.register_hook)
+        self.assertEqual(torch.Tensor.register_hook.__qualname__, "Tensor.register_hook")
         handle.remove()
 
 

@@ -86,8 +86,8 @@ class _Root(nn.Module):
             for fqn in (lifted.spec.target, *lifted.spec.aliases):
                 bound[fqn] = getattr(self, f"s{i}")
         args, kwargs = prepared.call_args(user_tensors)
-        keeper = GradHistoryKeeper(self._without_history())
-        with ti.reparametrize(prepared.module, bound), keeper, keeper.observer(), refuse_backward_hooks(prepared.module), capture_autograd_functions(self):
+        keeper = GradHistoryKeeper(self._without_history(), [*bound.values(), *user_tensors])
+        with ti.reparametrize(prepared.module, bound), keeper, keeper.observer(), refuse_backward_hooks(prepared.module, keeper), capture_autograd_functions(self):
             out = prepared.module(*args, **kwargs)
         self._grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
         self._outputs = _output_leaves(out)

@@ -44,6 +44,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 from torch.overrides import TorchFunctionMode
 
@@ -79,9 +80,11 @@ _HOP_FILE = os.path.join("_higher_order_ops", "wrap.py")
 class GradHistoryKeeper(TorchFunctionMode):
     """Active around the user's forward during the trace; see Note [Mutations inside grad regions]."""
 
-    def __init__(self, without_history: list[torch.Tensor]):
+    def __init__(self, without_history: list[torch.Tensor], inputs: list[torch.Tensor] = ()):
         super().__init__()
+        self._inputs = _IdentitySet(inputs)
         self._born_without_grad = _IdentitySet(without_history)
+        self._used = _IdentitySet()  # tensors some op has read (see `was_used`)
         self.open_regions = 0  # grad regions entered and not exited: > 0 when forward returns
         # means forward leaves grad mode set for its caller (a plain set_grad_enabled call)
         self._pending: list[tuple[Any, torch.Tensor, Any]] = []  # (tensor, value before, mode)
@@ -104,7 +107,18 @@ class GradHistoryKeeper(TorchFunctionMode):
         """The hooks to install on FunctionalTensorMode while this keeper is active."""
         return ti.functional_dispatch_observer(self._before_op, self._after_op)
 
+    def is_input(self, t: Any) -> bool:
+        """Whether `t` is one of the graph's inputs (lifted state or user tensor)."""
+        return t in self._inputs
+
+    def was_used(self, t: Any) -> bool:
+        """Whether an op has read `t` (a FunctionalTensor) since the trace began."""
+        return t in self._used
+
     def _before_op(self, mode, func, args, kwargs) -> None:
+        for value in pytree.tree_leaves((args, kwargs)):
+            if isinstance(value, ti.FunctionalTensor):
+                self._used.add(value)
         if torch.is_grad_enabled() or not isinstance(func, torch._ops.OpOverload) or not func._schema.is_mutable:
             return
         for value, schema_arg in zip((*args, *kwargs.values()), func._schema.arguments):

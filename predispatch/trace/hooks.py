@@ -1,15 +1,27 @@
-"""Refuse hooks that a functional trace would silently drop.
+"""Backward hooks: capture the ones that are tensor functions, refuse the rest by name.
 
 Forward hooks and pre-hooks simply run during the trace, so they are in the graph.  Backward
 hooks are different: torch installs them on autograd nodes, which a trace on fake tensors
-never builds, so torch's own export drops them without a word.  Until a hook can be captured
-as a traced tensor function, export refuses it, naming the module, the hook and where it was
-defined.
+never builds, so torch's own export drops them without a word.
+
+`Tensor.register_hook(hook)` on an intermediate is captured: the tensor is rebound to an
+identity `autograd.Function` whose backward is the hook, which the Function capture
+(trace/autograd_function/) turns into an `autograd_function_apply` node with the hook traced
+as its backward subgraph.  Gradients through the program then pass through the hook exactly
+where eager's do.  Refused, because the program could not do what eager does:
+- a hook on a tensor some op already read (eager's hook also transforms the gradient flowing
+  back through that earlier use; a rebinding only reaches later uses);
+- a hook on a graph input or parameter (eager applies it to the leaf's accumulated gradient);
+- a hook with Python side effects (print, storing into a list or attribute): a traced backward
+  would run them once, at export, and never again.
+Module backward hooks (`register_full_backward_hook`, `..._pre_hook`, the global ones) are
+refused, naming the module, the hook and where it was defined.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dis
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -22,8 +34,9 @@ from predispatch.errors import UnsupportedHookError, user_frame
 
 
 @contextlib.contextmanager
-def refuse_backward_hooks(root: nn.Module) -> Iterator[None]:
-    """While active: calling a module with backward hooks, or `Tensor.register_hook`, raises."""
+def refuse_backward_hooks(root: nn.Module, keeper: Any) -> Iterator[None]:
+    """While active: calling a module with backward hooks raises; `Tensor.register_hook` is
+    captured or refused (see the module docstring).  `keeper` tells which tensors ops have read."""
     names = {id(m): path or type(root).__name__ for path, m in root.named_modules(remove_duplicate=False)}
     _check_global_hooks()
 
@@ -44,7 +57,7 @@ def refuse_backward_hooks(root: nn.Module) -> Iterator[None]:
     hooked = any(m._backward_pre_hooks or m._backward_hooks for m in root.modules())
     handle = module_globals.register_module_forward_pre_hook(pre_hook) if hooked else None
     original = torch.Tensor.register_hook
-    torch.Tensor.register_hook = _refused_register_hook
+    torch.Tensor.register_hook = lambda tensor, hook: _capture_tensor_hook(tensor, hook, keeper)
     try:
         yield
     finally:
@@ -53,14 +66,76 @@ def refuse_backward_hooks(root: nn.Module) -> Iterator[None]:
             handle.remove()
 
 
-def _refused_register_hook(tensor: torch.Tensor, hook: Any) -> Any:
-    raise UnsupportedHookError(
-        f"Tensor.register_hook({_describe([hook])}) is called in the traced code; a traced program "
-        "would silently drop the hook.",
-        where=user_frame(),
-        fix="write the gradient transformation as an autograd.Function (forward: identity, backward: "
-        "the hook), which predispatch captures with its backward.",
-    )
+def _capture_tensor_hook(tensor: torch.Tensor, hook: Any, keeper: Any) -> _NoHandle:
+    """Rebind `tensor` to an identity whose backward applies `hook` (see the module docstring)."""
+    why = _uncapturable(tensor, hook, keeper)
+    if why:
+        raise UnsupportedHookError(
+            f"Tensor.register_hook({_describe([hook])}) cannot be captured: {why}",
+            where=user_frame(),
+            fix="register the hook right after the tensor is computed, as a pure function of the gradient; "
+            "or write the transformation as an autograd.Function (forward: identity, backward: the hook).",
+        )
+
+    class TensorHook(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            out = hook(grad)
+            return grad if out is None else out
+
+    tensor.copy_(TensorHook.apply(tensor))
+    return _NoHandle()
+
+
+class _NoHandle:
+    """What `register_hook` returns in a trace: a captured hook cannot be removed from the graph."""
+
+    def remove(self) -> None:
+        raise UnsupportedHookError(
+            "a hook captured into the program cannot be removed later in the same forward.",
+            where=user_frame(),
+            fix="register the hook only where it applies, e.g. under a Python condition known at export.",
+        )
+
+
+def _uncapturable(tensor: torch.Tensor, hook: Any, keeper: Any) -> str | None:
+    if not tensor.is_floating_point() and not tensor.is_complex():
+        return "the tensor has no gradient (not floating point)."
+    if keeper.is_input(tensor):
+        return "the tensor is a graph input or parameter; eager applies the hook to its accumulated gradient."
+    if keeper.was_used(tensor):
+        return (
+            "an op already read the tensor, and eager's hook also transforms the gradient flowing back "
+            "through that earlier use."
+        )
+    effect = side_effect(hook)
+    if effect:
+        return f"the hook has a Python side effect ({effect}), which a traced backward would run once, at export."
+    return None
+
+
+_STORES = {"STORE_GLOBAL", "STORE_ATTR", "STORE_DEREF", "STORE_SUBSCR", "DELETE_SUBSCR", "DELETE_ATTR"}
+_EFFECT_NAMES = {"print", "append", "extend", "insert", "add", "update", "setattr", "write", "log", "info"}
+
+
+def side_effect(fn: Any) -> str | None:
+    """A Python side effect the function's code visibly has (a store or an effectful call), or None.
+
+    Read from the bytecode, not run: a static look that catches prints and stores into
+    containers, attributes, globals and closures; effects hidden inside other functions it calls
+    are not seen.
+    """
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    for instr in dis.get_instructions(code) if code is not None else ():
+        if instr.opname in _STORES:
+            return f"{instr.opname.lower()} {instr.argval}"
+        if instr.opname in ("LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "LOAD_NAME") and instr.argval in _EFFECT_NAMES:
+            return f"calls {instr.argval}"
+    return None
 
 
 def _check_global_hooks() -> None:
