@@ -110,9 +110,18 @@ module 'out' (Linear) has a backward hook, print_grads defined at test_hooks.py:
   fix: remove it before export (handle.remove()), or move its effect into the forward as an autograd.Function whose backward does the same.
   see docs/errors.md#unsupportedhookerror""")
 
-    def test_backward_pre_hook_is_refused(self):
+    def test_backward_pre_hook_is_captured(self):
         net = Net()
         net.lin.register_full_backward_pre_hook(lambda m, g: (g[0] * 2,))
+        net.lin.register_forward_hook(add_one)  # the pre-hook sees gradients of the hooked output
+        ep = check_gradients(net, (torch.randn(4, 3),))
+        self.assertIn("backward_pre_hooks_bwd_0", ep.graph_module.code)
+        self.assertEqual(len(net.lin._backward_pre_hooks), 1)  # restored after export
+        self.assertEqual(len(net.lin._forward_hooks), 1)
+
+    def test_backward_pre_hook_with_side_effect_is_refused(self):
+        net = Net()
+        net.lin.register_full_backward_pre_hook(lambda m, g: print(g))
         with pytest.raises(errors.UnsupportedHookError) as info:
             predispatch.export(net, (torch.randn(4, 3),))
         self.assertIn("module 'lin' (Linear) has a backward hook", message(info.value))

@@ -14,8 +14,14 @@ where eager's do.  Refused, because the program could not do what eager does:
 - a hook on a graph input or parameter (eager applies it to the leaf's accumulated gradient);
 - a hook with Python side effects (print, storing into a list or attribute): a traced backward
   would run them once, at export, and never again.
-Module backward hooks (`register_full_backward_hook`, `..._pre_hook`, the global ones) are
-refused, naming the module, the hook and where it was defined.
+A module's backward pre-hooks (`register_full_backward_pre_hook`: `hook(module, grad_output)`
+returns new output gradients) are captured the same way: the module's outputs, after its
+forward hooks, pass through one identity Function whose backward runs the hooks in order.
+torch's own hook machinery is set aside for the trace (the hooks are restored after), so it
+does not also run.  Unlike eager, the hooks see zeros, not None, for outputs that get no
+gradient.  Refused, naming the module, the hook and where it was defined: full backward hooks
+(they need the gradients of the module's inputs and outputs at once), global backward hooks,
+and pre-hooks with Python side effects.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.modules import module as module_globals
 
@@ -35,10 +42,71 @@ from predispatch.errors import UnsupportedHookError, user_frame
 
 @contextlib.contextmanager
 def refuse_backward_hooks(root: nn.Module, keeper: Any) -> Iterator[None]:
-    """While active: calling a module with backward hooks raises; `Tensor.register_hook` is
-    captured or refused (see the module docstring).  `keeper` tells which tensors ops have read."""
+    """While active: backward pre-hooks and `Tensor.register_hook` are captured where they can
+    be, and calling a module with any other backward hook raises (see the module docstring).
+    `keeper` tells which tensors ops have read."""
     names = {id(m): path or type(root).__name__ for path, m in root.named_modules(remove_duplicate=False)}
     _check_global_hooks()
+    with _captured_pre_hooks(root), _refusing_module_hooks(root, names):
+        original = torch.Tensor.register_hook
+        torch.Tensor.register_hook = lambda tensor, hook: _capture_tensor_hook(tensor, hook, keeper)
+        try:
+            yield
+        finally:
+            torch.Tensor.register_hook = original
+
+
+@contextlib.contextmanager
+def _captured_pre_hooks(root: nn.Module) -> Iterator[None]:
+    """Set aside the pure backward pre-hooks of modules without full backward hooks and apply
+    them to the modules' outputs through a captured Function instead (restored on exit)."""
+    stashed: dict[nn.Module, Any] = {}
+    handles = []
+    for module in root.modules():
+        hooks = list(module._backward_pre_hooks.values())
+        if hooks and not module._backward_hooks and not any(side_effect(h) for h in hooks):
+            stashed[module] = module._backward_pre_hooks
+            module._backward_pre_hooks = type(stashed[module])()
+            handles.append(module.register_forward_hook(_output_gradient_hooks(hooks)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, hooks in stashed.items():
+            module._backward_pre_hooks = hooks
+
+
+def _output_gradient_hooks(hooks: list[Any]) -> Any:
+    """A forward hook that routes the module's floating outputs through `hooks` in backward."""
+
+    def forward_hook(module: nn.Module, args: Any, output: Any) -> Any:
+        leaves, spec = pytree.tree_flatten(output)
+        index = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
+
+        class BackwardPreHooks(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                return tuple(t.clone() for t in outputs)
+
+            @staticmethod
+            def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                for hook in hooks:
+                    new = hook(module, grads)
+                    grads = grads if new is None else tuple(new)
+                return grads
+
+        hooked = BackwardPreHooks.apply(*(leaves[i] for i in index)) if index else ()
+        for i, t in zip(index, hooked):
+            leaves[i] = t
+        return pytree.tree_unflatten(leaves, spec)
+
+    return forward_hook
+
+
+@contextlib.contextmanager
+def _refusing_module_hooks(root: nn.Module, names: dict[int, str]) -> Iterator[None]:
+    """Raise when a module with a (not captured) backward hook is called."""
 
     def pre_hook(module: nn.Module, args: Any) -> None:
         hooks = [*module._backward_pre_hooks.values(), *module._backward_hooks.values()]
@@ -56,12 +124,9 @@ def refuse_backward_hooks(root: nn.Module, keeper: Any) -> Iterator[None]:
     # module the export can see has a backward hook (a module reached otherwise is not checked).
     hooked = any(m._backward_pre_hooks or m._backward_hooks for m in root.modules())
     handle = module_globals.register_module_forward_pre_hook(pre_hook) if hooked else None
-    original = torch.Tensor.register_hook
-    torch.Tensor.register_hook = lambda tensor, hook: _capture_tensor_hook(tensor, hook, keeper)
     try:
         yield
     finally:
-        torch.Tensor.register_hook = original
         if handle is not None:
             handle.remove()
 
