@@ -13,20 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from predispatch import _torch_internals as ti
-from predispatch.audit.table import AuditTable, Reason, Verdict
+from predispatch.audit.auditor import EVIDENCE_ORDER
+from predispatch.audit.table import AuditTable, Verdict
 
 #: Reasons that come from a sample's behaviour rather than the schema's declarations.
-EVIDENCE = frozenset(
-    {
-        Reason.MUTATES_INPUT,
-        Reason.ALIASES_INPUT,
-        Reason.CONDITIONAL_ALIAS,
-        Reason.ALIASES_OUTPUT,
-        Reason.DRAWS_RANDOM_UNTAGGED,
-        Reason.DATA_DEPENDENT,
-        Reason.SIDE_EFFECT,
-    }
-)
+EVIDENCE = frozenset(EVIDENCE_ORDER)
 
 KNOWN_LIARS = frozenset({"aten.to", "aten.reshape", "aten.native_batch_norm", "aten.rrelu_with_noise"})
 
