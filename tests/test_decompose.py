@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from expecttest import TestCase
-from helpers import assert_same_tree, clone_tree, export_and_check, graph, stable_message as message
+from helpers import assert_same_tree, export_and_check, graph, stable_message as message
 from torch import nn
 
 import predispatch

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from expecttest import TestCase
 from helpers import check_gradients, graph
 from torch import nn

@@ -13,7 +13,7 @@ from predispatch.errors import HooksChangedError
 from predispatch.frontend.hooks import HookRecord, hook_changes, record_hooks
 from predispatch.passes import check_functional, name_placeholders, remove_copies, wrap_regions
 from predispatch.program.printing import format_program
-from predispatch.program.signature import ExportSignature, InputKind, OutputKind, OutputSpec
+from predispatch.program.signature import ExportSignature, InputKind, InputSpec, OutputKind, OutputSpec
 
 if TYPE_CHECKING:  # the program stage consumes the earlier stages' values, never their code
     from predispatch.frontend import PreparedInputs
@@ -117,10 +117,7 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
     gm.__class__.__name__ = "GraphModule"
     check_functional(gm)
     output_nodes = gm.graph.output_node().args[0]
-    outputs = [
-        OutputSpec(_MUTATION_KIND[inputs[i].kind], node.name, inputs[i].target if inputs[i].kind is not InputKind.USER_INPUT else inputs[i].name)
-        for i, node in zip(traced.mutated_inputs, output_nodes)
-    ]
+    outputs = [_mutation_spec(inputs[i], node) for i, node in zip(traced.mutated_inputs, output_nodes)]
     user_paths = [leaf.path for leaf in traced.output_leaves if leaf.is_tensor]
     user_nodes = output_nodes[len(traced.mutated_inputs):]
     outputs += [OutputSpec(OutputKind.USER_OUTPUT, _node_name(n), p) for n, p in zip(user_nodes, user_paths)]
@@ -141,6 +138,13 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
     hooks = record_hooks(prepared.module)
     owner = prepared.module if hooks.has_state_dict_hooks and live_root is None else None
     return ExportedProgram(gm, signature, state, constants, traced.decompositions, live_root, hooks, owner)
+
+
+def _mutation_spec(mutated: InputSpec, node: fx.Node) -> OutputSpec:
+    """The output carrying `mutated`'s new value: its target is the fully qualified name, or
+    for a user input the placeholder's name."""
+    target = mutated.name if mutated.kind is InputKind.USER_INPUT else mutated.target
+    return OutputSpec(_MUTATION_KIND[mutated.kind], node.name, target)
 
 
 def _node_name(node: object) -> str:

@@ -140,7 +140,9 @@ def _composites_named(op: object) -> list[torch._ops.OpOverload]:
     packet_name, _, overload_name = rest.partition(".")
     packet = getattr(getattr(torch.ops, namespace, None), packet_name, None) if rest else None
     if not isinstance(packet, torch._ops.OpOverloadPacket):
-        raise DecompositionError(f"there is no op {name!r}.", where=user_frame(), fix="name ops like 'aten.linear' or 'aten.to.dtype'.")
+        raise DecompositionError(
+            f"there is no op {name!r}.", where=user_frame(), fix="name ops like 'aten.linear' or 'aten.to.dtype'."
+        )
     names = [overload_name] if overload_name else packet.overloads()
     overloads = [o for o in map(lambda n: _overload(packet, n), names) if o is not None]
     composites = [o for o in overloads if is_composite(o)]

@@ -87,7 +87,12 @@ class _Root(nn.Module):
                 bound[fqn] = getattr(self, f"s{i}")
         args, kwargs = prepared.call_args(user_tensors)
         keeper = GradHistoryKeeper(self._without_history(), [*bound.values(), *user_tensors])
-        with ti.reparametrize(prepared.module, bound), keeper, keeper.observer(), refuse_backward_hooks(prepared.module, keeper), capture_autograd_functions(self):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(ti.reparametrize(prepared.module, bound))
+            stack.enter_context(keeper)  # Note [Mutations inside grad regions]
+            stack.enter_context(keeper.observer())
+            stack.enter_context(refuse_backward_hooks(prepared.module, keeper))
+            stack.enter_context(capture_autograd_functions(self))
             out = prepared.module(*args, **kwargs)
         self._grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
         self._outputs = _output_leaves(out)
