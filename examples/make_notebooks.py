@@ -832,8 +832,8 @@ according to whether a trace can keep it:
 | hook | what export does |
 | --- | --- |
 | forward pre-hooks and forward hooks (module or global) | they run during the trace, so their ops are in the graph |
-| full backward hooks, global backward hooks, hooks with side effects | refused with `UnsupportedHookError`: a trace on fake tensors never builds the autograd nodes they live on, so the program would silently drop them |
-| backward pre-hooks that are pure functions of the gradients | captured: the module's outputs pass through an `autograd_function_apply` whose backward runs the hooks |
+| full backward hooks reading `grad_output`, global backward hooks, hooks with side effects | refused with `UnsupportedHookError`: a trace on fake tensors never builds the autograd nodes they live on, so the program would silently drop them |
+| pure backward pre-hooks, pure full backward hooks using only `grad_input` | captured: the module's outputs (pre-hooks) or inputs (full hooks) pass through an `autograd_function_apply` whose backward runs the hooks |
 | `Tensor.register_hook` with a pure hook on a fresh intermediate | captured: an `autograd_function_apply` node whose backward is the hook |
 | `Tensor.register_hook` on a used tensor, an input, or with side effects | refused with `UnsupportedHookError`, saying which |
 | `state_dict` / `load_state_dict` hooks | honoured by `ep.module().state_dict()` and `load_state_dict()` |

@@ -99,15 +99,29 @@ def print_grads(module, grad_input, grad_output):
 class BackwardHooks(TestCase):
     maxDiff = None
 
+    def test_full_backward_hook_on_grad_input_is_captured(self):
+        net = Net()
+        net.out.register_full_backward_hook(lambda module, grad_input, grad_output: (grad_input[0].clamp(-0.01, 0.01),))
+        ep = check_gradients(net, (torch.randn(4, 3),))
+        self.assertIn("full_backward_hooks_bwd_0", ep.graph_module.code)
+        self.assertEqual(len(net.out._backward_hooks), 1)  # restored after export
+
+    def test_full_backward_hook_reading_grad_output_is_refused(self):
+        net = Net()
+        net.out.register_full_backward_hook(lambda module, grad_input, grad_output: (grad_input[0] * grad_output[0].sum(),))
+        with pytest.raises(errors.UnsupportedHookError) as info:
+            predispatch.export(net, (torch.randn(4, 3),))
+        self.assertIn("a full backward hook that reads grad_output cannot be captured", message(info.value))
+
     def test_full_backward_hook_is_refused(self):
         net = Net()
         net.out.register_full_backward_hook(print_grads)
         with pytest.raises(errors.UnsupportedHookError) as info:
             predispatch.export(net, (torch.randn(4, 3),))
         self.assertExpectedInline(message(info.value), """\
-module 'out' (Linear) has a backward hook, print_grads defined at test_hooks.py:N, which a traced program would silently drop.
+module 'out' (Linear) has a backward hook, print_grads defined at test_hooks.py:N, which a traced program would silently drop: it has a Python side effect (calls print).
   at test_hooks.py:N (return self.out(torch.relu(self.lin(x))) * scale)
-  fix: remove it before export (handle.remove()), or move its effect into the forward as an autograd.Function whose backward does the same.
+  fix: remove it before export (handle.remove()), make it a pure function of the gradients (a full backward hook may only use grad_input), or move its effect into an autograd.Function.
   see docs/errors.md#unsupportedhookerror""")
 
     def test_backward_pre_hook_is_captured(self):

@@ -17,11 +17,16 @@ where eager's do.  Refused, because the program could not do what eager does:
 A module's backward pre-hooks (`register_full_backward_pre_hook`: `hook(module, grad_output)`
 returns new output gradients) are captured the same way: the module's outputs, after its
 forward hooks, pass through one identity Function whose backward runs the hooks in order.
-torch's own hook machinery is set aside for the trace (the hooks are restored after), so it
-does not also run.  Unlike eager, the hooks see zeros, not None, for outputs that get no
-gradient.  Refused, naming the module, the hook and where it was defined: full backward hooks
-(they need the gradients of the module's inputs and outputs at once), global backward hooks,
-and pre-hooks with Python side effects.
+Full backward hooks (`register_full_backward_hook`: `hook(module, grad_input, grad_output)`
+returns new input gradients) that do not read `grad_output` are captured on the input side:
+the module's tensor inputs, after its forward pre-hooks, pass through an identity Function
+whose backward runs the hooks on `grad_input`.  torch's own hook machinery is set aside for the
+trace (the hooks are restored after), so it does not also run.  Unlike eager, hooks see zeros,
+not None, for floating tensors that get no gradient.  Refused, naming the module, the hook and
+where it was defined: full backward hooks that read `grad_output` (it is known only on the
+output side of backward, `grad_input` only on the input side, and a traced program has no
+channel between the two), the deprecated `register_backward_hook`, global backward hooks, and
+hooks with Python side effects.
 """
 
 from __future__ import annotations
@@ -58,23 +63,89 @@ def refuse_backward_hooks(root: nn.Module, keeper: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _captured_pre_hooks(root: nn.Module) -> Iterator[None]:
-    """Set aside the pure backward pre-hooks of modules without full backward hooks and apply
-    them to the modules' outputs through a captured Function instead (restored on exit)."""
-    stashed: dict[nn.Module, Any] = {}
+    """Set aside the capturable backward hooks of each module and apply them through captured
+    Functions instead (restored on exit): pre-hooks on the module's outputs, full hooks on its
+    inputs.  A module keeps torch's machinery (and is refused) unless all its hooks qualify."""
+    stashed: list[tuple[nn.Module, str, Any]] = []
     handles = []
     for module in root.modules():
-        hooks = list(module._backward_pre_hooks.values())
-        if hooks and not module._backward_hooks and not any(side_effect(h) for h in hooks):
-            stashed[module] = module._backward_pre_hooks
-            module._backward_pre_hooks = type(stashed[module])()
-            handles.append(module.register_forward_hook(_output_gradient_hooks(hooks)))
+        pre, full = list(module._backward_pre_hooks.values()), list(module._backward_hooks.values())
+        if not (pre or full) or not all(_capturable(h) for h in pre) or not all(_capturable(h, full=True) for h in full):
+            continue
+        if full and not getattr(module, "_is_full_backward_hook", True):
+            continue  # the deprecated register_backward_hook: semantics of its own, refused
+        for attr in ("_backward_pre_hooks", "_backward_hooks"):
+            stashed.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, type(getattr(module, attr))())
+        if pre:
+            handles.append(module.register_forward_hook(_output_gradient_hooks(pre)))
+        if full:
+            handles.append(module.register_forward_pre_hook(_input_gradient_hooks(full)))
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
-        for module, hooks in stashed.items():
-            module._backward_pre_hooks = hooks
+        for module, attr, hooks in stashed:
+            setattr(module, attr, hooks)
+
+
+def _why_refused(module: nn.Module) -> str:
+    """Why `_captured_pre_hooks` left a module's backward hooks in place (for the error)."""
+    for hook in [*module._backward_pre_hooks.values(), *module._backward_hooks.values()]:
+        effect = side_effect(hook)
+        if effect:
+            return f"it has a Python side effect ({effect})."
+    if module._backward_hooks and not getattr(module, "_is_full_backward_hook", True):
+        return "it was registered with the deprecated register_backward_hook."
+    return "a full backward hook that reads grad_output cannot be captured (only grad_input is known where it runs)."
+
+
+def _capturable(hook: Any, full: bool = False) -> bool:
+    """Pure, and (for a full backward hook) not reading `grad_output`, which is only known on the
+    module's output side of backward while `grad_input` is known on its input side."""
+    if side_effect(hook):
+        return False
+    code = getattr(getattr(hook, "__func__", hook), "__code__", None)
+    if not full:
+        return True
+    if code is None or code.co_argcount < 3:
+        return False
+    grad_output = code.co_varnames[code.co_argcount - 1]
+    return not any(i.opname.startswith("LOAD") and i.argval == grad_output for i in dis.get_instructions(code))
+
+
+def _input_gradient_hooks(hooks: list[Any]) -> Any:
+    """A forward pre-hook that routes the module's tensor inputs through full backward `hooks`.
+
+    In backward the hooks get `grad_input` (None for non-floating tensor inputs, as in eager) and
+    may return replacements; `grad_output` is passed as None (the hooks do not read it).
+    """
+
+    def pre_hook(module: nn.Module, args: tuple) -> tuple:
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        floating = [i for i in tensors if args[i].is_floating_point() or args[i].is_complex()]
+
+        class FullBackwardHooks(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                return tuple(t.clone() for t in inputs)
+
+            @staticmethod
+            def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                by_index = dict(zip(floating, grads))
+                grad_input = tuple(by_index.get(i) for i in tensors)
+                for hook in hooks:
+                    new = hook(module, grad_input, None)
+                    grad_input = grad_input if new is None else tuple(new)
+                return tuple(g for i, g in zip(tensors, grad_input) if i in by_index)
+
+        if not floating:
+            return args
+        hooked = iter(FullBackwardHooks.apply(*(args[i] for i in floating)))
+        return tuple(next(hooked) if i in floating else a for i, a in enumerate(args))
+
+    return pre_hook
 
 
 def _output_gradient_hooks(hooks: list[Any]) -> Any:
@@ -114,10 +185,10 @@ def _refusing_module_hooks(root: nn.Module, names: dict[int, str]) -> Iterator[N
             name = names.get(id(module), type(module).__name__)
             raise UnsupportedHookError(
                 f"module {name!r} ({type(module).__name__}) has a backward hook, {_describe(hooks)}, "
-                "which a traced program would silently drop.",
+                f"which a traced program would silently drop: {_why_refused(module)}",
                 where=user_frame(),
-                fix="remove it before export (handle.remove()), or move its effect into the forward as an "
-                "autograd.Function whose backward does the same.",
+                fix="remove it before export (handle.remove()), make it a pure function of the gradients "
+                "(a full backward hook may only use grad_input), or move its effect into an autograd.Function.",
             )
 
     # A global pre-hook puts every module call on torch's slow path: install it only when some
