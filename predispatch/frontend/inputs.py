@@ -95,13 +95,13 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     state = lift_state(module)
     dynamic = fake_dynamic_inputs(module, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
     fake_mode = dynamic.fake_mode if dynamic else ti.new_fake_mode()
-    device = _inputs_device(pytree.tree_leaves((args, kwargs)))
+    flat = pytree.tree_leaves((args, kwargs))
+    device = _inputs_device(flat)
     fake_state = tuple(_fakify(fake_mode, s.tensor, s.spec.kind is InputKind.PARAMETER, device) for s in state)
     if dynamic:
-        flat = pytree.tree_leaves((dynamic.fake_args, dynamic.fake_kwargs))
-        fake_user = tuple(x for x in flat if isinstance(x, torch.Tensor))
+        fake_flat = pytree.tree_leaves((dynamic.fake_args, dynamic.fake_kwargs))
+        fake_user = tuple(x for x in fake_flat if isinstance(x, torch.Tensor))
     else:
-        flat = pytree.tree_leaves((args, kwargs))
         fake_user = tuple(_fakify(fake_mode, x) for x in flat if isinstance(x, torch.Tensor))
     user_specs = _user_input_specs(leaves, taken={s.spec.name for s in state})
     arg_names = tuple(_parameter_names(signature_of, args))

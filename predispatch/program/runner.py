@@ -103,9 +103,7 @@ class ProgramModule(nn.Module):
         return self._program.signature.arg_names
 
     def _lookup(self, fqn: str) -> torch.Tensor:
-        owner, _, attr = fqn.rpartition(".")
-        root = self._live if self._live is not None else self
-        return getattr(root.get_submodule(owner), attr)
+        return getattr(*_owner(self._live if self._live is not None else self, fqn))
 
 
 def _copy(tensor: torch.Tensor, kind: InputKind) -> torch.Tensor:

@@ -41,6 +41,12 @@ def is_composite(op: object) -> bool:
         return False
 
 
+def mutates_or_aliases(op: torch._ops.OpOverload) -> bool:
+    """Rule 2: the schema itself rules the op out of a functional graph (in-place, out=, views)."""
+    schema = op._schema
+    return schema.is_mutable or any(a.alias_info for a in schema.arguments)
+
+
 @dataclass
 class DecompositionLog:
     """What the trace decided for each composite it met: name -> (kept whole?, why).
@@ -109,8 +115,7 @@ class DecompositionPolicy:
             return True, "decompose= asked for it"
         if names & self.preserve:
             return False, "preserve= asked for it"
-        schema = op._schema
-        if schema.is_mutable or any(a.alias_info for a in schema.arguments):
+        if mutates_or_aliases(op):
             return True, "its schema mutates or aliases"
         if op.namespace != "aten":
             return True, "non-aten composites decompose by default"
@@ -168,9 +173,8 @@ def _check_preservable(op: torch._ops.OpOverload) -> None:
     from predispatch.audit import Verdict, load_table
     from predispatch.errors import DecompositionError, user_frame
 
-    schema = op._schema
     reason = None
-    if schema.is_mutable or any(a.alias_info for a in schema.arguments):
+    if mutates_or_aliases(op):
         reason = "its schema mutates or aliases, which no functional graph can hold"
     elif op.namespace == "aten":
         entry = load_table().get(op)

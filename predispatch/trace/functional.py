@@ -25,7 +25,7 @@ from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
 from predispatch.trace.decompose import DecompositionLog, DecompositionPolicy
 from predispatch.trace.grad_history import GradHistoryKeeper
-from predispatch.trace.hooks import refuse_backward_hooks
+from predispatch.trace.hooks import backward_hooks
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class _Root(nn.Module):
             stack.enter_context(ti.reparametrize(prepared.module, bound))
             stack.enter_context(keeper)  # Note [Mutations inside grad regions]
             stack.enter_context(keeper.observer())
-            stack.enter_context(refuse_backward_hooks(prepared.module, keeper))
+            stack.enter_context(backward_hooks(prepared.module, keeper))
             stack.enter_context(capture_autograd_functions(self))
             out = prepared.module(*args, **kwargs)
         self._grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None

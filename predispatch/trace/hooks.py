@@ -46,13 +46,13 @@ from predispatch.errors import UnsupportedHookError, user_frame
 
 
 @contextlib.contextmanager
-def refuse_backward_hooks(root: nn.Module, keeper: Any) -> Iterator[None]:
+def backward_hooks(root: nn.Module, keeper: Any) -> Iterator[None]:
     """While active: backward pre-hooks and `Tensor.register_hook` are captured where they can
     be, and calling a module with any other backward hook raises (see the module docstring).
     `keeper` tells which tensors ops have read."""
     names = {id(m): path or type(root).__name__ for path, m in root.named_modules(remove_duplicate=False)}
     _check_global_hooks()
-    with _captured_pre_hooks(root), _refusing_module_hooks(root, names):
+    with _captured_module_hooks(root), _refusing_module_hooks(root, names):
         original = torch.Tensor.register_hook
         torch.Tensor.register_hook = lambda tensor, hook: _capture_tensor_hook(tensor, hook, keeper)
         try:
@@ -62,7 +62,7 @@ def refuse_backward_hooks(root: nn.Module, keeper: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _captured_pre_hooks(root: nn.Module) -> Iterator[None]:
+def _captured_module_hooks(root: nn.Module) -> Iterator[None]:
     """Set aside the capturable backward hooks of each module and apply them through captured
     Functions instead (restored on exit): pre-hooks on the module's outputs, full hooks on its
     inputs.  A module keeps torch's machinery (and is refused) unless all its hooks qualify."""
@@ -91,7 +91,7 @@ def _captured_pre_hooks(root: nn.Module) -> Iterator[None]:
 
 
 def _why_refused(module: nn.Module) -> str:
-    """Why `_captured_pre_hooks` left a module's backward hooks in place (for the error)."""
+    """Why `_captured_module_hooks` left a module's backward hooks in place (for the error)."""
     for hook in [*module._backward_pre_hooks.values(), *module._backward_hooks.values()]:
         effect = side_effect(hook)
         if effect:
@@ -151,6 +151,8 @@ def _input_gradient_hooks(hooks: list[Any]) -> Any:
 def _output_gradient_hooks(hooks: list[Any]) -> Any:
     """A forward hook that routes the module's floating outputs through `hooks` in backward."""
 
+    # Each hook kind keeps its own Function class (here, for inputs, for tensors): the class's
+    # name and forward signature name the captured subgraphs and their placeholders.
     def forward_hook(module: nn.Module, args: Any, output: Any) -> Any:
         leaves, spec = pytree.tree_flatten(output)
         index = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
