@@ -9,6 +9,9 @@ and nowhere else: a torch upgrade touches this file only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import sys
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,9 +21,16 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._ops import OpOverload
 from torch._subclasses.schema_check_mode import SchemaCheckMode
 from torch.fx.node import _side_effectful_functions
+from torch.fx.proxy import _STACK_TRACE_ANCHORS
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch._functorch.aot_autograd import aot_export_module
+from torch._functorch._aot_autograd.functional_utils import (
+    has_data_mutation as _has_data_mutation,
+    has_metadata_mutation as _has_metadata_mutation,
+)
+from torch._higher_order_ops.effects import _EffectType
+from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
@@ -31,6 +41,7 @@ from torch.export._remove_effect_tokens_pass import _replace_with_effects_node
 from torch._export.verifier import TrainingIRVerifier
 from torch._export.non_strict_utils import make_fake_inputs, produce_guards_and_solve_constraints
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch.nn.utils.stateless import _reparametrize_module
 
 # custom autograd.Function capture (trace/autograd_function.py)
@@ -72,10 +83,14 @@ __all__ = [
     "autograd_function_apply",
     "detect_fake_mode",
     "discarding_unbacked_symbols",
+    "free_symbols",
     "is_traced_tensor",
     "disable_proxy_modes_tracing",
     "outside_trace",
     "trace_functional",
+    "trace_program",
+    "forward_frames_only",
+    "ProgramTrace",
     "track_tensor_tree",
     "FakeTensor",
     "FakeTensorMode",
@@ -277,22 +292,137 @@ def trace_functional(
     mutated: list[int] = []
 
     def functional(*inputs: Any) -> Any:
-        mode = FunctionalTensorMode(pre_dispatch=True, export=True, _allow_token_discovery=True)
-        exclude = torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize))
-        with exclude, mode:
-            wrapped = [FunctionalTensor.to_functional(t) if isinstance(t, torch.Tensor) else t for t in inputs]
-            out = fn(*wrapped)
-            out = torch.utils._pytree.tree_map_only(FunctionalTensor, functional_value, out)
-            for i, t in enumerate(wrapped):
-                if isinstance(t, FunctionalTensor):
-                    torch._sync(t)
-                    if torch._functionalize_has_data_mutation(t.elem) or torch._functionalize_has_metadata_mutation(t.elem):
-                        mutated.append(i)
+        with _functional_mode() as wrap:
+            wrapped = wrap(inputs)
+            out = torch.utils._pytree.tree_map_only(FunctionalTensor, functional_value, fn(*wrapped))
+            mutated.extend(i for i, changed in enumerate(_mutations(wrapped, inputs)) if any(changed))
         return out
 
     with fake_mode:
         gm = make_fx(functional, pre_dispatch=True)(*args)
     return gm, tuple(mutated)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTrace:
+    """What `trace_program` captured.
+
+    graph_module: inputs `(token, *args)`, outputs `(*new values of data_mutated, *fn's outputs)`;
+        `token` orders effectful ops (`with_effects`), see `strip_effect_token`.
+    data_mutated / metadata_mutated: positions in `args` whose data / shape, strides or storage
+        `fn` changed in place.
+    """
+
+    graph_module: torch.fx.GraphModule
+    data_mutated: tuple[int, ...]
+    metadata_mutated: tuple[int, ...]
+
+
+def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn.Module) -> ProgramTrace:
+    """Capture `fn(*args)` once: a functional graph at the PreDispatch key (call under the fake mode).
+
+    What `aot_export_module(pre_dispatch=True)` records in its capture pass, without its
+    metadata pass (a second run of the user's forward, with functionalization below
+    PreDispatch, only to learn which inputs are mutated): FunctionalTensorMode on the
+    PreDispatch stack over make_fx's proxy tracer, and the mutations read off the
+    FunctionalTensor inputs after the run, as AOTAutograd's own metadata analysis reads them.
+    `scope` names modules in each node's `nn_module_stack`.
+    """
+    data: list[int] = []
+    metadata: list[int] = []
+
+    def functional(token: torch.Tensor, *inputs: Any) -> tuple[Any, ...]:
+        with _functional_mode() as wrap:
+            f_token, *wrapped = wrap((token, *inputs))
+            mode = torch.utils._python_dispatch._detect_infra_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL)
+            mode._tokens = {effect: f_token for effect in _EffectType}
+            out = fn(*wrapped)
+            for i, (data_changed, meta_changed) in enumerate(_mutations(wrapped, inputs)):
+                if meta_changed:
+                    metadata.append(i)
+                elif data_changed:
+                    data.append(i)
+            new_values = [functional_value(wrapped[i]) for i in data]
+            out = torch.utils._pytree.tree_map_only(FunctionalTensor, functional_value, out)
+        return (*new_values, *out)
+
+    functional._orig_mod = scope  # make_fx's module-stack tracer names modules from here
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(enable_python_dispatcher())
+        stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+        stack.enter_context(_disable_saved_tensors_hooks_during_tracing())
+        stack.enter_context(forward_frames_only())
+        token = torch.empty(0)
+        gm = make_fx(functional, record_module_stack=True, pre_dispatch=True)(token, *args)
+    return ProgramTrace(gm, tuple(data), tuple(metadata))
+
+
+class _ForwardFrames:
+    """FX's per-node stack trace at a fraction of the cost: only the frames FX keeps.
+
+    make_fx's module-stack tracer records, for every node, the stack's `forward` frames (and
+    `torch/__init__.py` and registered anchors; `_filter_traceback_frames` drops the rest).
+    torch extracts and symbolizes the *whole* stack first (pytest, the model, torch's
+    dispatch: a hundred frames) for each node, 15-20% of an export.  This stand-in for
+    `CapturedTraceback` walks the stack and keeps those frames only, so FX's filter returns
+    the same frames and the node's `stack_trace` is the same text.
+    """
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: list[tuple[str, int, str]]):
+        self.frames = frames
+
+    @staticmethod
+    def extract(**_: Any) -> _ForwardFrames:
+        frames = []
+        frame = sys._getframe(1)
+        while frame is not None:
+            code = frame.f_code
+            if (
+                code.co_name == "forward"
+                or code.co_filename.endswith("torch/__init__.py")
+                or (code.co_filename, code.co_name) in _STACK_TRACE_ANCHORS
+            ):
+                frames.append((code.co_filename, frame.f_lineno, code.co_name))
+            frame = frame.f_back
+        return _ForwardFrames(frames)
+
+    def summary(self) -> traceback.StackSummary:
+        return traceback.StackSummary.from_list([traceback.FrameSummary(*f) for f in reversed(self.frames)])
+
+
+@contextlib.contextmanager
+def forward_frames_only() -> Iterator[None]:
+    """While active, FX tracers capture stack traces with `_ForwardFrames` (same text, less work)."""
+    original = torch.fx.proxy.CapturedTraceback
+    torch.fx.proxy.CapturedTraceback = _ForwardFrames
+    try:
+        yield
+    finally:
+        torch.fx.proxy.CapturedTraceback = original
+
+
+@contextlib.contextmanager
+def _functional_mode() -> Iterator[Callable[[Any], list[Any]]]:
+    """FunctionalTensorMode at PreDispatch, as AOTAutograd enters it (Python functionalization
+    only: the C++ Functionalize key is excluded); yields a function wrapping tensors for it."""
+    mode = FunctionalTensorMode(pre_dispatch=True, export=True, _allow_token_discovery=True)
+    exclude = torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize))
+    with exclude, mode:
+        yield lambda values: [FunctionalTensor.to_functional(t) if isinstance(t, torch.Tensor) else t for t in values]
+
+
+def _mutations(wrapped: list[Any], originals: Any) -> Iterator[tuple[bool, bool]]:
+    """(data mutated, metadata mutated) of each wrapped input, AOTAutograd's tests
+    (`torch._functorch._aot_autograd.functional_utils`); a storage swap (`set_`) counts as metadata."""
+    for f_arg, arg in zip(wrapped, originals):
+        if not isinstance(f_arg, FunctionalTensor):
+            yield False, False
+            continue
+        torch._sync(f_arg)
+        meta_changed = _has_metadata_mutation(f_arg, arg, check_only_storage_mutation=False)
+        yield _has_data_mutation(f_arg) and not meta_changed, meta_changed
 
 
 def discarding_unbacked_symbols(fake_mode: FakeTensorMode):

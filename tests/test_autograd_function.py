@@ -602,14 +602,14 @@ def _grads(module, x):
 
 @pytest.mark.parametrize(("module_cls", "calls"), [(Ste, 1), (Twice, 2), (InNoGrad, 2)], ids=["once", "twice", "regions"])
 def test_forward_and_backward_run_once_per_call(module_cls, calls):
-    """AOTAutograd runs the module's forward twice; each Function's forward still runs once per call."""
+    """Each Function's forward and backward run once per call, as the module's forward runs once per export."""
     CALLS.update(forward=0, backward=0)
     predispatch.export(module_cls(), (torch.randn(3),))
     assert CALLS == {"forward": calls, "backward": calls}
 
 
-class Flaky(nn.Module):
-    """Calls a different Function in AOTAutograd's second pass: the capture is redone, not reused."""
+class Counting(nn.Module):
+    """Counts its forward calls: an export runs the user's forward exactly once."""
 
     def __init__(self):
         super().__init__()
@@ -617,13 +617,15 @@ class Flaky(nn.Module):
 
     def forward(self, x):
         self.passes += 1
-        return (StraightThrough if self.passes == 1 else ScaledMul).apply(x, *(() if self.passes == 1 else (x, 2.0)))
+        return StraightThrough.apply(x)
 
 
-def test_call_that_changes_between_passes_is_traced_again():
-    ep = predispatch.export(Flaky(), (torch.randn(3),))
+def test_module_forward_runs_once_per_export():
+    module = Counting()
+    ep = predispatch.export(module, (torch.randn(3),))
+    assert module.passes == 1
     (node,) = ep.graph.find_nodes(op="call_function", target=torch.ops.higher_order.autograd_function_apply)
-    assert node.args[0].target.startswith("scaled_mul_fwd")
+    assert node.args[0].target.startswith("straight_through_fwd")
     assert mutable_ops(ep.graph_module) == []
 
 

@@ -43,8 +43,8 @@ class DynamicShapes(TestCase):
 ExportedProgram:
     class GraphModule(torch.nn.Module):
         def forward(self, p_lin_weight: "f32[8, 8]", p_lin_bias: "f32[8]", x: "f32[s77, 8]", y: "f32[s17, 8]"):
-            linear: "f32[s77, 8]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  p_lin_weight = p_lin_bias = None
-            sym_size_int: "Sym(s77)" = torch.ops.aten.sym_size.int(x, 0);  x = None
+            sym_size_int: "Sym(s77)" = torch.ops.aten.sym_size.int(x, 0)
+            linear: "f32[s77, 8]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
             view: "f32[8*s77]" = torch.ops.aten.view.default(linear, [-1])
             cat: "f32[s17 + s77, 8]" = torch.ops.aten.cat.default([linear, y]);  y = None
             sum_1: "f32[1, 8]" = torch.ops.aten.sum.dim_IntList(linear, [0], True);  linear = None
@@ -131,7 +131,7 @@ ExportedProgram:
     class GraphModule(torch.nn.Module):
         def forward(self, x: "f32[5]"):
             sum_1: "f32[]" = torch.ops.aten.sum.default(x)
-            _local_scalar_dense: "Sym(zuf1)" = torch.ops.aten._local_scalar_dense.default(sum_1);  sum_1 = None
+            _local_scalar_dense: "Sym(zuf0)" = torch.ops.aten._local_scalar_dense.default(sum_1);  sum_1 = None
             mul: "f32[5]" = torch.ops.aten.mul.Tensor(x, _local_scalar_dense);  x = None
             return (mul, _local_scalar_dense)
 

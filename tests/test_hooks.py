@@ -1,11 +1,15 @@
-"""Module hooks: forward hooks traced, backward hooks refused by name, state_dict hooks honoured,
-and hook changes after export detected."""
+"""Module hooks: forward hooks traced, pure backward hooks captured and the others refused by
+name, state_dict hooks honoured, and hook changes after export detected."""
 
 from __future__ import annotations
 
 
+import copy
+import warnings
+
 import pytest
 import torch
+import torch.nn.functional as F
 from expecttest import TestCase
 from helpers import assert_same_tree, check_gradients, export_and_check, graph, stable_message as message
 from torch import nn
@@ -106,13 +110,6 @@ class BackwardHooks(TestCase):
         self.assertIn("full_backward_hooks_bwd_0", ep.graph_module.code)
         self.assertEqual(len(net.out._backward_hooks), 1)  # restored after export
 
-    def test_full_backward_hook_reading_grad_output_is_refused(self):
-        net = Net()
-        net.out.register_full_backward_hook(lambda module, grad_input, grad_output: (grad_input[0] * grad_output[0].sum(),))
-        with pytest.raises(errors.UnsupportedHookError) as info:
-            predispatch.export(net, (torch.randn(4, 3),))
-        self.assertIn("a full backward hook that reads grad_output cannot be captured", message(info.value))
-
     def test_full_backward_hook_is_refused(self):
         net = Net()
         net.out.register_full_backward_hook(print_grads)
@@ -121,7 +118,7 @@ class BackwardHooks(TestCase):
         self.assertExpectedInline(message(info.value), """\
 module 'out' (Linear) has a backward hook, print_grads defined at test_hooks.py:N, which a traced program would silently drop: it has a Python side effect (calls print).
   at test_hooks.py:N (return self.out(torch.relu(self.lin(x))) * scale)
-  fix: remove it before export (handle.remove()), make it a pure function of the gradients (a full backward hook may only use grad_input), or move its effect into an autograd.Function.
+  fix: remove it before export (handle.remove()), make it a pure function of the gradients, or move its effect into an autograd.Function.
   see docs/errors.md#unsupportedhookerror""")
 
     def test_backward_pre_hook_is_captured(self):
@@ -231,6 +228,277 @@ class GraphModule(torch.nn.Module):
         self.assertEqual(list(net.out._backward_hooks.values()), [print_grads])
         self.assertEqual(torch.Tensor.register_hook.__qualname__, "Tensor.register_hook")
         handle.remove()
+
+
+class Deconv(nn.Module):
+    """Linear, ReLU, Linear: the ReLU is where deconvnet-style hooks go."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.act = nn.ReLU()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(self.act(self.lin(x)))
+
+
+class Pair(nn.Module):
+    def forward(self, x):
+        return x * 2, x.sin()
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.pair = Pair()
+
+    def forward(self, x):
+        a, b = self.pair(self.lin(x))
+        return a * b + a
+
+
+class Scaled(nn.Module):
+    def forward(self, x, scale):
+        return x * scale
+
+
+class CallsScaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.scaled = Scaled()
+
+    def forward(self, x):
+        return self.scaled(self.lin(x), 2.0)
+
+
+def deconvnet(module, grad_input, grad_output):
+    return (F.relu(grad_output[0]),)
+
+
+class GradOutputHooks(TestCase):
+    """Full backward hooks that read grad_output: captured (Note [Carrying grad_output]),
+    gradients through `ep.module()` equal eager's bitwise."""
+
+    maxDiff = None
+
+    def test_deconvnet_hook_on_relu(self):
+        net = Deconv()
+        net.act.register_full_backward_hook(deconvnet)
+        ep = check_gradients(net, (torch.randn(5, 3),))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[4, 3]", p_lin_bias: "f32[4]", p_out_weight: "f32[2, 4]", p_out_bias: "f32[2]", x: "f32[5, 3]"):
+        linear: "f32[5, 4]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+        full_backward_hooks_fwd_0 = self.full_backward_hooks_fwd_0
+        full_backward_hooks_bwd_0 = self.full_backward_hooks_bwd_0
+        autograd_function_apply = torch.ops.higher_order.autograd_function_apply(full_backward_hooks_fwd_0, full_backward_hooks_bwd_0, linear, non_differentiable_idx = [], saved_for_backward_idx = []);  full_backward_hooks_fwd_0 = full_backward_hooks_bwd_0 = linear = None
+        clone: "f32[5, 4]" = autograd_function_apply[0]
+        zeros: "f32[5, 4]" = autograd_function_apply[1];  autograd_function_apply = None
+        relu: "f32[5, 4]" = torch.ops.aten.relu.default(clone);  clone = None
+        grad_output_carrier_fwd_0 = self.grad_output_carrier_fwd_0
+        grad_output_carrier_bwd_0 = self.grad_output_carrier_bwd_0
+        autograd_function_apply_1 = torch.ops.higher_order.autograd_function_apply(grad_output_carrier_fwd_0, grad_output_carrier_bwd_0, relu, zeros, non_differentiable_idx = [], saved_for_backward_idx = []);  grad_output_carrier_fwd_0 = grad_output_carrier_bwd_0 = relu = zeros = None
+        clone_1: "f32[5, 4]" = autograd_function_apply_1[0];  autograd_function_apply_1 = None
+        linear_1: "f32[5, 2]" = torch.ops.aten.linear.default(clone_1, p_out_weight, p_out_bias);  clone_1 = p_out_weight = p_out_bias = None
+        return (linear_1,)
+
+    class full_backward_hooks_fwd_0(torch.nn.Module):
+        def forward(self, args_0: "f32[5, 4]"):
+            clone: "f32[5, 4]" = torch.ops.aten.clone.default(args_0);  args_0 = None
+            zeros: "f32[5, 4]" = torch.ops.aten.zeros.default([5, 4], dtype = torch.float32, device = device(type='cpu'), pin_memory = False)
+            return ((clone, zeros), ())
+
+    class full_backward_hooks_bwd_0(torch.nn.Module):
+        def forward(self, grad_out_0: "f32[5, 4]", grad_out_1: "f32[5, 4]"):
+            relu: "f32[5, 4]" = torch.ops.aten.relu.default(grad_out_1);  grad_out_1 = None
+            return (relu,)
+
+    class grad_output_carrier_fwd_0(torch.nn.Module):
+        def forward(self, args_0: "f32[5, 4]", args_1: "f32[5, 4]"):
+            clone: "f32[5, 4]" = torch.ops.aten.clone.default(args_0);  args_0 = None
+            return ((clone,), ())
+
+    class grad_output_carrier_bwd_0(torch.nn.Module):
+        def forward(self, grad_out: "f32[5, 4]"):
+            return (grad_out, grad_out)""")
+
+        self.assertEqual(list(net.act._backward_hooks.values()), [deconvnet])  # restored after export
+        self.assertEqual((len(net.act._forward_pre_hooks), len(net.act._forward_hooks)), (0, 0))
+
+    def test_hook_replacing_grad_input_by_grad_output(self):
+        net = Deconv()
+        net.act.register_full_backward_hook(lambda module, grad_input, grad_output: (grad_output[0] * 2,))
+        check_gradients(net, (torch.randn(5, 3),))
+
+    def test_hook_mixing_grad_input_and_grad_output_on_linear(self):
+        net = Deconv()
+        net.out.register_full_backward_hook(lambda m, grad_input, grad_output: (grad_input[0] * grad_output[0].sum(),))
+        net.lin.register_full_backward_hook(lambda m, gi, go: (gi[0] + go[0].mean(-1, keepdim=True),))
+        check_gradients(net, (torch.randn(5, 3),))
+
+    def test_module_with_two_outputs(self):
+        net = TwoOutputs()
+        net.pair.register_full_backward_hook(lambda m, gi, go: (gi[0] + go[0] * go[1],))
+        ep = check_gradients(net, (torch.randn(4, 3),))
+        self.assertIn("return (grad_out_0, grad_out_1, grad_out_0, grad_out_1)", graph(ep))  # one carrier each
+
+    def test_forward_hook_changing_the_output_shape(self):
+        net = Deconv()
+        net.lin.register_forward_hook(lambda m, args, output: torch.cat([output, output]))
+        net.lin.register_full_backward_hook(lambda m, gi, go: (gi[0] + go[0][:5, :3] - go[0][5:, 1:],))
+        ep = check_gradients(net, (torch.randn(5, 3),))
+        self.assertIn('zeros: "f32[10, 4]"', graph(ep))  # the carrier is shaped like the hooked output
+
+    def test_backward_pre_hook_changes_grad_output_before_full_hooks_see_it(self):
+        for pre_first in (True, False):
+            net = Deconv()
+            pre = lambda m, grad_output: (grad_output[0] + 1,)  # noqa: E731
+            full = lambda m, gi, go: (gi[0] * 0.5 + go[0].sum(-1, keepdim=True)[:, :1],)  # noqa: E731
+            if pre_first:
+                net.lin.register_full_backward_pre_hook(pre)
+            net.lin.register_full_backward_hook(full)
+            if not pre_first:
+                net.lin.register_full_backward_pre_hook(pre)
+            with self.subTest(pre_first=pre_first):
+                check_gradients(net, (torch.randn(5, 3),))
+
+    def test_input_that_does_not_require_grad(self):
+        class Detached(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(3, 3)
+                self.out = nn.Linear(3, 2)
+
+            def forward(self, x):
+                return self.out(x.detach()) + self.lin(x)[:, :2]
+
+        net = Detached()
+        # eager calls the hook with grad_input (None,) and requires None back
+        net.out.register_full_backward_hook(lambda m, gi, go: None if gi[0] is None else (gi[0] * go[0].sum(),))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Full backward hook is firing")
+            check_gradients(net, (torch.randn(4, 3),))
+
+    def test_program_input_that_does_not_require_grad(self):
+        net = Deconv()
+        net.lin.register_full_backward_hook(lambda m, gi, go: None if gi[0] is None else (gi[0] * go[0].sum(),))
+        x = torch.randn(5, 3)  # no grad: eager calls the hook with grad_input (None,), the program skips it
+        ep = predispatch.export(net, (x,))
+        eager, program = copy.deepcopy(net), ep.module()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Full backward hook is firing")
+            eager(x).sum().backward()
+        program(x).sum().backward()
+        for e, p in zip(eager.parameters(), program.parameters()):
+            assert_same_tree(p.grad, e.grad)
+
+    def test_grad_input_has_one_entry_per_argument(self):
+        hooks = {
+            "grad_input only": lambda m, grad_input, grad_output: (grad_input[0] * 3, None),
+            "grad_output too": lambda m, grad_input, grad_output: (grad_input[0] * grad_output[0], grad_input[1]),
+        }
+        for name, hook in hooks.items():
+            net = CallsScaled()  # calls self.scaled(h, 2.0): grad_input is (grad of h, None)
+            net.scaled.register_full_backward_hook(hook)
+            with self.subTest(name):
+                check_gradients(net, (torch.randn(4, 3),))
+
+    def test_batchnorm_in_train_mode_updates_running_stats_once(self):
+        net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU())
+        net[1].register_full_backward_hook(lambda m, gi, go: (gi[0] + go[0] * 0.1,))
+        export_and_check(net, (torch.randn(6, 3),))  # export leaves the stats alone; one run matches eager
+        ep = check_gradients(net, (torch.randn(6, 3),))
+        self.assertEqual(int(net[1].num_batches_tracked), 0)
+        program = ep.module()
+        program(torch.randn(6, 3))
+        self.assertEqual(int(program.state_dict()["1.num_batches_tracked"]), 1)
+
+    def test_dynamic_shapes(self):
+        net = Deconv()
+        net.lin.register_forward_hook(lambda m, args, output: torch.cat([output, output]))
+        net.lin.register_full_backward_hook(lambda m, gi, go: (gi[0] + go[0].sum(),))
+        batch = torch.export.Dim("batch", min=2, max=64)
+        ep = predispatch.export(net, (torch.randn(5, 3),), dynamic_shapes={"x": {0: batch}})
+        self.assertIn('zeros: "f32[2*s', graph(ep))
+        for rows in (3, 9):
+            x = torch.randn(rows, 3)
+            eager_x, program_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+            net(eager_x).sum().backward()
+            ep.module()(program_x).sum().backward()
+            assert_same_tree(program_x.grad, eager_x.grad)
+
+    def test_output_shape_from_values_is_refused(self):
+        class Positive(nn.Module):
+            def forward(self, x):
+                return x[x > 0] * 2
+
+        net = nn.Sequential(Positive())
+        net[0].register_full_backward_hook(lambda m, gi, go: (gi[0] * go[0].mean(),))
+        with pytest.raises(errors.UnsupportedHookError) as info:
+            predispatch.export(net, (torch.randn(4, 3),))
+        self.assertIn(
+            "module '0' (Positive) has a full backward hook that reads grad_output, and the shape of its output "
+            "depends on tensor values (u0)",
+            message(info.value),
+        )
+
+    def test_deprecated_backward_hook_is_refused(self):
+        net = Net()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            net.out.register_backward_hook(lambda m, grad_input, grad_output: (grad_output[0] @ m.weight,))
+        with pytest.raises(errors.UnsupportedHookError) as info:
+            predispatch.export(net, (torch.randn(4, 3),))
+        self.assertIn("module 'out' (Linear) has a backward hook", message(info.value))
+        self.assertIn("it was registered with the deprecated register_backward_hook.", message(info.value))
+
+    def test_probe_failure_names_the_module(self):
+        outside = {}
+
+        class ReadsOutside(nn.Module):
+            def forward(self, x):
+                return x * outside["scale"]  # a tensor of the trace that is no argument and no state
+
+        class Sets(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.randn(3))
+                self.inner = ReadsOutside()
+
+            def forward(self, x):
+                outside["scale"] = self.w * 2
+                return self.inner(x)
+
+        net = Sets()
+        net.inner.register_full_backward_hook(lambda m, gi, go: (gi[0] * go[0].mean(),))
+        with pytest.raises(errors.UnsupportedHookError) as info:
+            predispatch.export(net, (torch.randn(4, 3),))
+        self.assertIn(
+            "module 'inner' (ReadsOutside) has a full backward hook that reads grad_output; export learns the "
+            "shape of grad_output by running the module once more on stand-in tensors, which failed",
+            message(info.value),
+        )
+        self.assertIn("test_hooks.py:N (return x * outside", message(info.value))
+
+    def test_hook_with_side_effect_is_refused(self):
+        seen = []
+
+        def keep_grad_output(module, grad_input, grad_output):
+            seen.append(grad_output[0])
+            return (grad_input[0] * grad_output[0].sum(),)
+
+        net = Net()
+        net.out.register_full_backward_hook(keep_grad_output)
+        with pytest.raises(errors.UnsupportedHookError) as info:
+            predispatch.export(net, (torch.randn(4, 3),))
+        self.assertExpectedInline(message(info.value), """\
+module 'out' (Linear) has a backward hook, GradOutputHooks.test_hook_with_side_effect_is_refused.<locals>.keep_grad_output defined at test_hooks.py:N, which a traced program would silently drop: it has a Python side effect (calls append).
+  at test_hooks.py:N (return self.out(torch.relu(self.lin(x))) * scale)
+  fix: remove it before export (handle.remove()), make it a pure function of the gradients, or move its effect into an autograd.Function.
+  see docs/errors.md#unsupportedhookerror""")
 
 
 class Renamed(nn.Module):

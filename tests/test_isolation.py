@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -99,3 +100,27 @@ def test_bad_input_changes_nothing():
     with pytest.raises(predispatch.errors.UnsupportedInputError):
         predispatch.export(model, x)
     _assert_unchanged(before, model)
+
+
+def test_no_garbage_collection_during_the_trace():
+    """The cyclic collector runs finalizers (Python code: a half-read generator under no_grad
+    closes by toggling grad mode) at any allocation; inside a trace they would run under the
+    tracer's modes, so collection waits until the trace is done, and is on again after."""
+    from predispatch.trace.functional import is_tracing
+
+    during = []
+
+    def watch(phase, info):
+        if phase == "start":
+            during.append(is_tracing())
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # collect at nearly every allocation
+    gc.callbacks.append(watch)
+    try:
+        predispatch.export(nn.Sequential(nn.Linear(3, 3), nn.ReLU()), (torch.randn(2, 3),))
+    finally:
+        gc.callbacks.remove(watch)
+        gc.set_threshold(*threshold)
+    assert during and not any(during), "a collection ran while tracing"
+    assert gc.isenabled()

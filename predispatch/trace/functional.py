@@ -1,8 +1,9 @@
-"""The functional pre-dispatch trace through `aot_export_module(pre_dispatch=True)`."""
+"""The functional pre-dispatch trace: one run of the user's forward (see `ti.trace_program`)."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,10 +52,10 @@ class TracedGraph:
 
 
 class _Root(nn.Module):
-    """What `aot_export_module` sees: flat tensors in, flat tensors out.
+    """What the trace runs: flat tensors in, flat tensors out.
 
-    Lifted state is registered here under slot names `s0, s1, ...` (parameters first, as
-    AOTAutograd orders them) so that tied weights are one input; `forward` binds the slots back
+    Lifted state is registered here under slot names `s0, s1, ...` (parameters first) so that
+    tied weights are one input; `forward` binds the slots back
     to every fully qualified name in the user's module, calls it, and flattens its output.
     """
 
@@ -79,7 +80,9 @@ class _Root(nn.Module):
             if lifted.spec.kind is not InputKind.PARAMETER and not lifted.tensor.requires_grad
         ]
 
-    def forward(self, *user_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def run(self, *user_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Call the user's module on its bound state (named `run`, not `forward`: node stack
+        traces keep only `forward` frames, and this one is not the user's)."""
         prepared = self._prepared
         bound = {}
         for i, lifted in enumerate(prepared.state):
@@ -95,6 +98,7 @@ class _Root(nn.Module):
             stack.enter_context(capture_autograd_functions(self))
             out = prepared.module(*args, **kwargs)
         self._grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
+        self._input_metadata_write = keeper.input_metadata_write
         self._outputs = _output_leaves(out)
         return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, _GRAPH_OUTPUT_TYPES) and not _is_static(x))
 
@@ -120,47 +124,79 @@ def _counted():
 def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
     """Capture `prepared.module` once as a functional graph (see the package docstring)."""
     root = _Root(prepared)
-    fakes = {f"s{i}": fake for i, fake in enumerate(prepared.fake_state)}
+    n_state = len(prepared.fake_state)
     log = DecompositionLog()
+
+    def program(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with ti.reparametrize(root, {f"s{i}": t for i, t in enumerate(tensors[:n_state])}):
+            return root.run(*tensors[n_state:])
+
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_no_garbage_collection())
         stack.enter_context(torch.enable_grad())  # the ambient mode regions are relative to
-        stack.enter_context(ti.reparametrize(root, fakes))
         stack.enter_context(ti.exporting_flags())
         stack.enter_context(ti.decomposition_hook(lambda op, default: policy.should_decompose(op, default, log)))
         stack.enter_context(prepared.fake_mode)
         stack.enter_context(_counted())
         with _user_errors():
-            gm, aot_signature = ti.aot_export_module(
-                root, prepared.fake_user_inputs, trace_joint=False, pre_dispatch=True
-            )
-    _remove_effect_tokens(gm, len(aot_signature.input_tokens), len(aot_signature.output_tokens))
+            captured = ti.trace_program(program, (*prepared.fake_state, *prepared.fake_user_inputs), prepared.module)
+    if captured.metadata_mutated:
+        raise TraceError(
+            f"forward changes the shape, strides or storage of {_input_label(prepared, captured.metadata_mutated[0])} "
+            "in place (x.t_(), x.resize_(), x.set_(...)); a functional graph cannot hand that change back.",
+            where=root._input_metadata_write or f"{user_frame()} (the export call)",
+            fix="write it out of place (x = x.t()) and return the new tensor.",
+        )
+    gm = captured.graph_module
+    _remove_effect_tokens(gm)
+    gm.graph.eliminate_dead_code()  # what the trace computed and nothing used, as AOTAutograd drops it
     if prepared.dynamic is not None:
         check_constraints(prepared.dynamic, gm)
     output_leaves, out_spec = root._outputs
-    return TracedGraph(gm, _mutated_inputs(gm, aot_signature), output_leaves, out_spec, log, root._grad_mode_on_exit)
+    return TracedGraph(gm, captured.data_mutated, output_leaves, out_spec, log, root._grad_mode_on_exit)
 
 
-def _remove_effect_tokens(gm: fx.GraphModule, n_inputs: int, n_outputs: int) -> None:
-    """Drop AOTAutograd's effect tokens: the graph's order of effects is its node order.
+@contextlib.contextmanager
+def _no_garbage_collection():
+    """Hold the cyclic garbage collector off during the trace.
+
+    A collection can run at any allocation, and the finalizers it runs are Python code: a
+    half-consumed generator decorated with `torch.no_grad()` (op_db's sample generators are)
+    closes by exiting no_grad, and a trace running at that moment records the toggle into the
+    graph as if the user's forward had made it.  Collection resumes after the trace.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _input_label(prepared: PreparedInputs, position: int) -> str:
+    """How the user knows the graph input at `position`: its state name or input name."""
+    n_state = len(prepared.state)
+    spec = prepared.state[position].spec if position < n_state else prepared.user_inputs[position - n_state]
+    return f"input {spec.target!r}"
+
+
+def _remove_effect_tokens(gm: fx.GraphModule) -> None:
+    """Drop the effect token (the graph's first input): the graph's order of effects is its node order.
 
     Ops registered as effectful (`aten::_linalg_check_errors`, under `linalg.inv` and
-    friends) make AOTAutograd thread a token input through `with_effects` calls to a token
-    output.  An exported program runs its nodes in order, so the token carries nothing:
-    `with_effects(token, op, *args)` becomes `op(*args)` and the token input and output go.
+    friends) are traced as `with_effects(token, op, *args)` calls threading a token.  An
+    exported program runs its nodes in order, so the token carries nothing:
+    `with_effects(token, op, *args)` becomes `op(*args)` and the token input goes.
     """
-    if not (n_inputs or n_outputs):
-        return
     for node in list(gm.graph.find_nodes(op="call_function", target=ti.with_effects)):
         ti.unwrap_effects(gm, node)
-    output = gm.graph.output_node()
-    output.args = (tuple(output.args[0][n_outputs:]),)
     for node in reversed(list(gm.graph.nodes)):  # the token getitems and with_effects calls, now unused
         if node.op != "output" and not node.users and (node.target is ti.with_effects or _is_token_item(node)):
             gm.graph.erase_node(node)
-    for node in list(gm.graph.find_nodes(op="placeholder"))[:n_inputs]:
-        assert not node.users, f"effect token {node} is still used"
-        gm.graph.erase_node(node)
-    gm.recompile()
+    token = next(iter(gm.graph.find_nodes(op="placeholder")))
+    assert not token.users, f"effect token {token} is still used"
+    gm.graph.erase_node(token)
 
 
 def _is_token_item(node: fx.Node) -> bool:
@@ -201,19 +237,6 @@ def _output_leaves(out: Any) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:
                 "containers with torch.utils._pytree.register_pytree_node.",
             )
     return tuple(leaves), spec
-
-
-def _mutated_inputs(gm: fx.GraphModule, sig: Any) -> tuple[int, ...]:
-    """Positions of the graph inputs AOTAutograd reported as mutated, in input order.
-
-    AOTAutograd returns the new values of mutated inputs first, in input order; its signature
-    names them by slot (`s3`) or placeholder (`arg7_1`), which we map back to positions.
-    """
-    placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
-    slot_of = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
-    position = {slot_of.get(name, name): i for i, name in enumerate(placeholders)}
-    mutated = [*sig.buffers_to_mutate.values(), *sig.parameters_to_mutate.values(), *sig.user_inputs_to_mutate.values()]
-    return tuple(sorted(position[name] for name in mutated))
 
 
 @contextlib.contextmanager

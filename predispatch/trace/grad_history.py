@@ -51,6 +51,12 @@ from torch.overrides import TorchFunctionMode
 from predispatch import _meta
 from predispatch import _torch_internals as ti
 from predispatch import ops  # noqa: F401 - registers predispatch::keep_history
+from predispatch.errors import user_frame
+
+
+def _writes_metadata(func: torch._ops.OpOverload) -> bool:
+    """An in-place op that changes its first argument's shape, strides or storage (`t_`, `resize_`, `set_`)."""
+    return torch.Tag.inplace_view in func.tags or func.overloadpacket in (torch.ops.aten.resize_, torch.ops.aten.set_)
 
 
 def _called_from_exit() -> bool:
@@ -85,6 +91,9 @@ class GradHistoryKeeper(TorchFunctionMode):
         self._inputs = _IdentitySet(inputs)
         self._born_without_grad = _IdentitySet(without_history)
         self._used = _IdentitySet()  # tensors some op has read (see `was_used`)
+        #: where forward first changed an input's shape, strides or storage in place (`x.t_()`),
+        #: for the error a functional graph's refusal of it gives
+        self.input_metadata_write: str | None = None
         self.open_regions = 0  # grad regions entered and not exited: > 0 when forward returns
         # means forward leaves grad mode set for its caller (a plain set_grad_enabled call)
         self._pending: list[tuple[Any, torch.Tensor, Any]] = []  # (tensor, value before, mode)
@@ -119,7 +128,11 @@ class GradHistoryKeeper(TorchFunctionMode):
         for value in pytree.tree_leaves((args, kwargs)):
             if isinstance(value, ti.FunctionalTensor):
                 self._used.add(value)
-        if torch.is_grad_enabled() or not isinstance(func, torch._ops.OpOverload) or not func._schema.is_mutable:
+        if not isinstance(func, torch._ops.OpOverload) or not func._schema.is_mutable:
+            return
+        if self.input_metadata_write is None and args and self.is_input(args[0]) and _writes_metadata(func):
+            self.input_metadata_write = user_frame()
+        if torch.is_grad_enabled():
             return
         for value, schema_arg in zip((*args, *kwargs.values()), func._schema.arguments):
             info = schema_arg.alias_info
