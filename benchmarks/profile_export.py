@@ -4,10 +4,8 @@
 
 Two views of warm exports (one untimed warm-up first):
 
-- Stages, wall clock: the pipeline's stage functions, and AOTAutograd's own phases inside the
-  trace, are wrapped with timers (negligible overhead).  AOTAutograd runs the user's forward
-  twice: a metadata pass (`run_functionalized_fw_and_collect_metadata`, which learns what is
-  mutated and aliased) and a capture pass (`aot_stage1_graph_capture`, which records the graph).
+- Stages, wall clock: the pipeline's stage functions, and the parts of the one trace (the
+  user's forward, FX's per-node stack traces), are wrapped with timers (small overhead).
 - cProfile: own time (tottime) summed by code area (predispatch's own files, AOTAutograd,
   functionalization, fake tensors, FX, ...), and predispatch's most expensive functions.
 """
@@ -26,27 +24,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch._functorch.aot_autograd as aot
 import transformers
 
 import predispatch
 import predispatch._export as pipeline
+import predispatch._torch_internals as ti
 import predispatch.program.exported_program as program_stage
 from predispatch.trace import functional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import BENCHES  # noqa: E402
 
-#: (label, owner, attribute): callables timed in place; nested labels are indented.  The
-#: metadata pass is a factory: the function it returns runs the pass (see `_timed_factory`).
+#: (label, owner, attribute): callables timed in place; nested labels are indented.
 STAGES = [
     ("export (total)", predispatch, "export"),
     ("  prepare: frontend", pipeline, "prepare"),
     ("  trace", pipeline, "trace"),
-    ("    aot: metadata pass", aot, "run_functionalized_fw_and_collect_metadata"),
-    ("    aot: capture pass", aot, "aot_stage1_graph_capture"),
-    ("    aot: stage 2 (export wrap-up)", aot, "aot_stage2_export"),
-    ("    user forward, all passes", functional._Root, "forward"),
+    ("    trace_program (the one functional make_fx pass)", ti, "trace_program"),
+    ("      user forward under the tracer", functional._Root, "run"),
+    ("      node stack traces (forward frames)", ti._ForwardFrames, "extract"),
     ("  build_program", pipeline, "build_program"),
     ("    name_placeholders", program_stage, "name_placeholders"),
     ("    remove_copies", program_stage, "remove_copies"),
@@ -54,7 +50,6 @@ STAGES = [
     ("    check_functional", program_stage, "check_functional"),
     ("  fx recompile (all callers)", torch.fx.GraphModule, "recompile"),
 ]
-FACTORIES = {"    aot: metadata pass"}
 
 #: Code areas for cProfile's own time, first match wins (path fragments).
 AREAS = [
@@ -84,9 +79,7 @@ def stage_timers() -> Iterator[dict[str, list[float]]]:
     for label, owner, name in STAGES:
         original = getattr(owner, name)
         saved.append((owner, name, original))
-
-        wrap = _timed_factory if label in FACTORIES else _timed
-        setattr(owner, name, functools.wraps(original)(wrap(original, times[label])))
+        setattr(owner, name, functools.wraps(original)(_timed(original, times[label])))
     try:
         yield times
     finally:
@@ -103,11 +96,6 @@ def _timed(fn, samples: list[float]):
             samples.append(time.perf_counter() - start)
 
     return timed
-
-
-def _timed_factory(factory, samples: list[float]):
-    """`factory(...)` returns the function that does the work: time that one's calls."""
-    return lambda *args, **kwargs: _timed(factory(*args, **kwargs), samples)
 
 
 def profile_stages(name: str, reps: int) -> list[str]:

@@ -832,8 +832,8 @@ according to whether a trace can keep it:
 | hook | what export does |
 | --- | --- |
 | forward pre-hooks and forward hooks (module or global) | they run during the trace, so their ops are in the graph |
-| full backward hooks reading `grad_output`, global backward hooks, hooks with side effects | refused with `UnsupportedHookError`: a trace on fake tensors never builds the autograd nodes they live on, so the program would silently drop them |
-| pure backward pre-hooks, pure full backward hooks using only `grad_input` | captured: the module's outputs (pre-hooks) or inputs (full hooks) pass through an `autograd_function_apply` whose backward runs the hooks |
+| pure backward pre-hooks, pure full backward hooks (reading `grad_input`, `grad_output` or both) | captured: the module's outputs (pre-hooks) or inputs (full hooks) pass through an `autograd_function_apply` whose backward runs the hooks; `grad_output` reaches full hooks through a carrier tensor |
+| backward hooks with side effects, global backward hooks, the deprecated `register_backward_hook` | refused with `UnsupportedHookError`: a trace on fake tensors never builds the autograd nodes they live on, so the program would silently drop them |
 | `Tensor.register_hook` with a pure hook on a fresh intermediate | captured: an `autograd_function_apply` node whose backward is the hook |
 | `Tensor.register_hook` on a used tensor, an input, or with side effects | refused with `UnsupportedHookError`, saying which |
 | `state_dict` / `load_state_dict` hooks | honoured by `ep.module().state_dict()` and `load_state_dict()` |
@@ -875,11 +875,49 @@ print(ep.graph_module.code.strip())
 print()
 check("program output equals eager", torch.equal(ep.module()(x), net(x)))"""),
     md("""\
-## Backward hooks are refused, by name
+## Full backward hooks are captured, `grad_output` included
 
-A backward hook on `out` would be dropped from any traced program (torch.export drops it
-without a word). predispatch refuses, naming the module, the hook and where it was defined,
-and says what to do instead. The hook stays registered: export changes nothing."""),
+A backward hook lives on autograd nodes, which a trace on fake tensors never builds, so
+torch.export drops it without a word. predispatch captures a pure one: here a deconvnet-style
+hook on a ReLU, which passes back the positive part of the output gradient instead of masking it
+by the input's sign. It reads `grad_output`, computed where the module's output is
+differentiated, and returns `grad_input`, so a carrier tensor brings the one to the other in the
+program (Note [Carrying grad_output] in `predispatch/trace/hooks.py`). Gradients through the
+program equal eager's, and differ from the model's without the hook."""),
+    code("""\
+class Deconv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.act = nn.ReLU()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(self.act(self.lin(x)))
+
+
+def deconvnet(module, grad_input, grad_output):
+    return (F.relu(grad_output[0]),)
+
+
+def input_gradient(module):
+    x_grad = x.clone().requires_grad_()
+    module(x_grad).square().sum().backward()
+    return x_grad.grad
+
+
+deconv = Deconv()
+plain = input_gradient(deconv)
+deconv.act.register_full_backward_hook(deconvnet)
+program = predispatch.export(deconv, (x,)).module()
+check("input gradients equal eager's", torch.equal(input_gradient(program), input_gradient(deconv)))
+check("the hook changed them", not torch.equal(input_gradient(program), plain))"""),
+    md("""\
+## Backward hooks with side effects are refused, by name
+
+A hook that logs would run its `print` once, at export, and never in the program. predispatch
+refuses it, naming the module, the hook and where it was defined, and says what to do instead.
+The hook stays registered: export changes nothing."""),
     code("""\
 def log_grads(module, grad_input, grad_output):
     print("grad_output norm:", grad_output[0].norm())
@@ -896,10 +934,9 @@ print()
 check("the hook is still registered", list(net.out._backward_hooks.values()) == [log_grads])
 bw_handle.remove()"""),
     md("""\
-The fix the message suggests: express the gradient transformation in forward as an
-`autograd.Function` (identity forward, the hook's effect as backward), which predispatch
-captures with its backward (notebook 4). For example, a hook that scales `out`'s input gradient
-by 0.1:"""),
+A gradient transformation can also be written in forward, as an `autograd.Function` (identity
+forward, the hook's effect as backward), which predispatch captures with its backward
+(notebook 4). For example, scaling `out`'s input gradient by 0.1:"""),
     code("""\
 class ScaleGrad(torch.autograd.Function):
     @staticmethod

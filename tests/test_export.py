@@ -441,3 +441,36 @@ class MetaModel(TestCase):
         program.load_state_dict(real.state_dict(), assign=True)
         x = torch.randn(2, 4)
         exact(program(x), real(x))
+
+
+class RepeatedInput(TestCase):
+    """One tensor passed at two places (`model(ids, labels=ids)`): two independent inputs."""
+
+    def test_each_place_is_its_own_input(self):
+        class Shift(nn.Module):
+            def forward(self, ids, labels=None):
+                return ids * 2 - labels
+
+        x = torch.randn(3)
+        ep = predispatch.export(Shift(), (x,), {"labels": x})
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, ids: "f32[3]", labels: "f32[3]"):
+        mul: "f32[3]" = torch.ops.aten.mul.Tensor(ids, 2);  ids = None
+        sub: "f32[3]" = torch.ops.aten.sub.Tensor(mul, labels);  mul = labels = None
+        return (sub,)""")
+        a, b = torch.randn(3), torch.randn(3)
+        torch.testing.assert_close(ep.module()(a, labels=b), a * 2 - b, rtol=0, atol=0)
+
+    def test_mutating_it_is_refused(self):
+        class AddInPlace(nn.Module):
+            def forward(self, x, y):
+                x.add_(1)
+                return x + y
+
+        x = torch.randn(3)
+        before = x.clone()
+        with self.assertRaises(predispatch.errors.TraceError) as info:
+            predispatch.export(AddInPlace(), (x, x))
+        self.assertIn("the same tensor is passed as input 'x' and input 'y'", str(info.exception))
+        self.assertTrue(torch.equal(x, before))

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from helpers import assert_same_tree, graph, state_bits
+from test_one_pass import both_ways
 from torch import nn
 
 import predispatch
@@ -243,6 +244,16 @@ def test_model(case: ModelCase, mode: str):
     named = dict(program.named_parameters())
     for name, param in eager.named_parameters():
         assert_same_tree(named[name].grad, param.grad)
+
+
+@pytest.mark.parametrize("case, mode", list(_params(CASES)))
+def test_same_program_as_aot_export_module(case: ModelCase, mode: str, monkeypatch):
+    """The one-pass trace prints the program AOTAutograd's export entry point gives (test_one_pass.py)."""
+    torch.manual_seed(0)
+    model = case.build().train(mode == "train")
+    args, kwargs = case.inputs()
+    one_pass, reference = both_ways(model, args, monkeypatch, kwargs)
+    assert one_pass == reference
 
 
 def _run(module: nn.Module, args: tuple, kwargs: dict, seed: int = 1) -> Any:

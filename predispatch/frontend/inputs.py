@@ -47,7 +47,10 @@ class PreparedInputs:
     in_spec: the pytree spec of `(args, kwargs)`.
     fake_mode: the FakeTensorMode (with a ShapeEnv) every fake tensor below belongs to.
     fake_state: fake twins of `state`, in order.
-    fake_user_inputs: fake twins of the tensor leaves, in order.
+    fake_user_inputs: fake twins of the tensor leaves, in order; one tensor passed at several
+        places gets a twin of its own at each (see `_one_twin_per_place`).
+    repeated: (position, first position) of every tensor leaf that is the same tensor as an
+        earlier one (`model(ids, labels=ids)`), positions among the tensor leaves.
     dynamic: torch's dynamic-shape bookkeeping when `dynamic_shapes` was given, else None.
     """
 
@@ -61,6 +64,7 @@ class PreparedInputs:
     fake_state: tuple[torch.Tensor, ...]
     fake_user_inputs: tuple[torch.Tensor, ...]
     dynamic: DynamicInputs | None = None
+    repeated: tuple[tuple[int, int], ...] = ()
 
     def call_args(self, user_tensors: tuple[torch.Tensor, ...]) -> tuple[tuple, dict]:
         """Rebuild `(args, kwargs)` from tensors for the tensor leaves and the recorded constants."""
@@ -103,9 +107,44 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
         fake_user = tuple(x for x in fake_flat if isinstance(x, torch.Tensor))
     else:
         fake_user = tuple(_fakify(fake_mode, x) for x in flat if isinstance(x, torch.Tensor))
+    repeated = _repeated([x for x in flat if isinstance(x, torch.Tensor)])
+    fake_user = _one_twin_per_place(fake_mode, fake_user, repeated)
     user_specs = _user_input_specs(leaves, taken={s.spec.name for s in state})
     arg_names = tuple(_parameter_names(signature_of, args))
-    return PreparedInputs(module, state, user_specs, arg_names, leaves, in_spec, fake_mode, fake_state, fake_user, dynamic)
+    return PreparedInputs(
+        module, state, user_specs, arg_names, leaves, in_spec, fake_mode, fake_state, fake_user, dynamic, repeated
+    )
+
+
+def _repeated(tensors: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    """(position, first position) of each tensor that already occurred earlier in `tensors`."""
+    first: dict[int, int] = {}
+    pairs = []
+    for i, t in enumerate(tensors):
+        earlier = first.setdefault(id(t), i)
+        if earlier != i:
+            pairs.append((i, earlier))
+    return tuple(pairs)
+
+
+def _one_twin_per_place(
+    fake_mode: ti.FakeTensorMode, fakes: tuple[torch.Tensor, ...], repeated: tuple[tuple[int, int], ...]
+) -> tuple[torch.Tensor, ...]:
+    """A fresh twin for each repeated place: the program takes one input per place.
+
+    The tracer binds a fake tensor to one graph input; the same fake at two places would make
+    every use read the last place's input (`embedding(weight, labels)` for `model(ids,
+    labels=ids)`), wrong when the program is called with different tensors there.  The fresh
+    twin has the same shape (symbols included), strides, dtype and device, and no storage in
+    common: the two places are independent inputs (a mutation of one is refused at trace time).
+    """
+    fakes = list(fakes)
+    for position, _ in repeated:
+        t = fakes[position]
+        with fake_mode:
+            twin = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        fakes[position] = twin.requires_grad_(t.requires_grad)
+    return tuple(fakes)
 
 
 def as_module(obj: Any, args: tuple = (), kwargs: dict | None = None) -> tuple[nn.Module, Callable[..., Any]]:

@@ -95,7 +95,7 @@ class _Root(nn.Module):
             stack.enter_context(keeper)  # Note [Mutations inside grad regions]
             stack.enter_context(keeper.observer())
             stack.enter_context(backward_hooks(prepared.module, keeper))
-            stack.enter_context(capture_autograd_functions(self))
+            stack.enter_context(capture_autograd_functions())
             out = prepared.module(*args, **kwargs)
         self._grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
         self._input_metadata_write = keeper.input_metadata_write
@@ -147,6 +147,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
             where=root._input_metadata_write or f"{user_frame()} (the export call)",
             fix="write it out of place (x = x.t()) and return the new tensor.",
         )
+    _check_repeated_inputs(prepared, captured.data_mutated)
     gm = captured.graph_module
     _remove_effect_tokens(gm)
     gm.graph.eliminate_dead_code()  # what the trace computed and nothing used, as AOTAutograd drops it
@@ -172,6 +173,21 @@ def _no_garbage_collection():
     finally:
         if enabled:
             gc.enable()
+
+
+def _check_repeated_inputs(prepared: PreparedInputs, mutated: tuple[int, ...]) -> None:
+    """Refuse a mutation of a tensor passed at several places: eager's other places see the
+    change through the shared tensor; the program's inputs are independent."""
+    n_state = len(prepared.state)
+    for position, first in prepared.repeated:
+        if {position + n_state, first + n_state} & set(mutated):
+            raise TraceError(
+                f"the same tensor is passed as {_input_label(prepared, first + n_state)} and "
+                f"{_input_label(prepared, position + n_state)}, and forward changes it in place; "
+                "the program takes them as independent inputs, so the change could not reach both.",
+                where=f"{user_frame()} (the export call)",
+                fix="pass a copy at one place (x.clone()), or do not change the input in place.",
+            )
 
 
 def _input_label(prepared: PreparedInputs, position: int) -> str:

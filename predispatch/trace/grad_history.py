@@ -26,8 +26,8 @@ It is emitted *outside* the region (grad on), so its autograd edge exists at run
 
 Which tensors: every floating tensor written while grad is off, except tensors created in that
 same no-grad stretch and buffers/constants that do not require grad.  `requires_grad` cannot
-decide more: during AOTAutograd's graph-capture pass it is not computed for intermediates, and a
-user input or parameter may require grad at run time though its example did not.
+decide more: the trace does not compute it for intermediates, and a user input or parameter may
+require grad at run time though its example did not.
 `keep_history` is value-exact, so a spurious one changes no number and no gradient: at run
 time autograd decides whether the old value has any history.
 
@@ -106,7 +106,7 @@ class GradHistoryKeeper(TorchFunctionMode):
         result = func(*args, **kwargs)
         closing = _called_from_exit()
         self.open_regions += -1 if closing else 1
-        if isinstance(result, fx.Node):  # the capture pass: tell wrap_regions how to nest
+        if isinstance(result, fx.Node):  # recorded in the graph: tell wrap_regions how to nest
             result.meta[_meta.GRAD_TOGGLE] = "exit" if closing else "enter"
         if args[0] and not was_enabled:
             self._rebind_pending()

@@ -48,9 +48,10 @@ grad_output before full hooks see it, so their Function comes after GradOutputCa
 
 A carrier is made before the forward runs, yet shaped like its output: `_probe_outputs` learns
 the shape by running the module's forward and forward hooks once more, at export, on stand-in
-fake tensors outside the trace.  So the forward Python of a module with such a hook runs one
-more time per trace of the module (side effects of that Python included); hooks that do not
-read grad_output are given None for it and need no carrier and no probe.
+fake tensors outside the trace.  So at export the forward Python of a module with such a hook
+runs once more for each call of the module, just before its traced run (side effects of that
+Python included); hooks that do not read grad_output are given None for it and need no carrier
+and no probe.
 
 As in eager, a hook changes nothing when no floating input requires grad at run time
 (FullBackwardHooks then has no backward; eager calls the hook with Nones and requires None
@@ -455,8 +456,8 @@ def _plain_autograd() -> Iterator[None]:
     """For the probe: torch's own `Function.apply`, and `Tensor.register_hook` doing nothing.
 
     The trace replaces both (`capture_autograd_functions`, `backward_hooks`): a Function the
-    probe calls must not count as a captured call (captures are replayed by call order), and
-    a tensor hook changes no shape, while torch's would refuse a stand-in without grad.
+    probe calls must not be captured (its subgraphs would be traced for a run nothing records),
+    and a tensor hook changes no shape, while torch's would refuse a stand-in without grad.
     """
     saved = torch.autograd.Function.__dict__["apply"], torch.Tensor.register_hook
     torch.autograd.Function.apply, torch.Tensor.register_hook = _TORCH_APPLY, lambda tensor, hook: _ProbeHandle()

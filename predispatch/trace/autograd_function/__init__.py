@@ -25,15 +25,14 @@ the Function directly), so the trace reaches the graph through a trace-time HOP 
 (`hop.py`) that dispatches through functionalization, proxy, autograd and fake levels and emits
 torch's op.
 
-Traced once: while the user's forward is traced, `Function.apply` is intercepted (`capture.py`).
-At the first call the user's forward runs once, on fresh fake tensors in a nested functional
-trace; what it left on ctx (saved tensors, attributes, marks) becomes data; the backward is
-traced from fakes of the output gradients and saved values, never running forward again.
-AOTAutograd runs the module's forward twice (a metadata pass, then the capture pass): calls are
-cached by their order in the pass and replayed from the graphs in the second.  Functions called
-inside a captured forward or backward are inlined, as eager runs them under no_grad.  torch's
-own Functions (the autograd kernels of custom ops and HOPs) are left to torch: the op is what
-the graph records.  torch's `autograd_function_apply`, met when the trace runs an exported
+Traced once: the user's forward runs once per export, and while it is traced `Function.apply`
+is intercepted (`capture.py`).  Each Function's forward runs once per call, on fresh fake tensors
+in a nested functional trace; what it left on ctx (saved tensors, attributes, marks) becomes
+data; the backward is traced from fakes of the output gradients and saved values, never running
+forward again.  The outer graph gets the pair through a HOP that runs no user code.  Functions
+called inside a captured forward or backward are inlined, as eager runs them under no_grad.
+torch's own Functions (the autograd kernels of custom ops and HOPs) are left to torch: the op is
+what the graph records.  torch's `autograd_function_apply`, met when the trace runs an exported
 program (re-export, nested export) or a Dynamo-traced `torch.cond` branch, is captured again as
 a Function made from its two graphs, so re-exporting a program prints the same program.
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,32 +41,25 @@ RUN_INSTEAD: dict[type, tuple[Callable[..., Any], str]] = {
 
 @dataclass
 class _Calls:
-    """The captured calls of one export, by call order; shared by AOTAutograd's two passes.
+    """What the interception keeps during one export.
 
-    position: how many calls the running pass has made so far.
-    pairs: `autograd_function_apply` graph pairs met in the trace, as Functions (`_pair_function`).
     depth: > 0 while a Function's own forward or backward is being traced: Functions they call
         are inlined (eager runs them under no_grad, so their backward is never used).
+    pairs: `autograd_function_apply` graph pairs met in the trace, as Functions (`_pair_function`).
     """
 
-    captured: list[CapturedCall] = field(default_factory=list)
-    position: int = 0
     depth: int = 0
     pairs: dict[tuple[int, int], tuple[type, Any, Any]] = field(default_factory=dict)
 
 
-_EXPORTS: weakref.WeakKeyDictionary[object, _Calls] = weakref.WeakKeyDictionary()
-
-
 @contextlib.contextmanager
-def capture_autograd_functions(owner: object) -> Iterator[None]:
+def capture_autograd_functions() -> Iterator[None]:
     """While active, each `Function.apply` becomes one `autograd_function_apply` node.
 
-    `owner` identifies the export (the traced root module): captures made in AOTAutograd's
-    first pass are replayed, not retraced, in its second; see Note [Capturing autograd.Function].
+    Each call is traced as it is met, its forward once and its backward from fakes; see
+    Note [Capturing autograd.Function].
     """
-    calls = _EXPORTS.setdefault(owner, _Calls())
-    calls.position = 0
+    calls = _Calls()
     original = torch.autograd.Function.__dict__["apply"]
     hop_type = type(ti.autograd_function_apply)
     original_hop_call = hop_type.__dict__["__call__"]
@@ -120,9 +112,9 @@ def _bind(cls: type, args: tuple, kwargs: dict) -> tuple:
 
 
 def _apply(calls: _Calls, cls: type, args: tuple) -> Any:
-    """Capture (first pass) or replay (second pass) one call, then run it through the HOP."""
+    """Capture one call, then run it through the HOP into the outer graph."""
     site = CallSite(cls, args)
-    call = _captured(calls, site)
+    call = _capture(calls, site)
     operands = site.operands()
     outputs = list(function_call(call, *operands))
     for output, operand in call.dirty:  # ctx.mark_dirty: the input now holds the output
@@ -131,20 +123,14 @@ def _apply(calls: _Calls, cls: type, args: tuple) -> Any:
     return call.user_output(outputs)
 
 
-def _captured(calls: _Calls, site: CallSite) -> CapturedCall:
-    """The capture for this call: the first pass's when it matches, else a new trace."""
-    index = calls.position
-    calls.position += 1
-    if index < len(calls.captured) and calls.captured[index].key == site.key():
-        return calls.captured[index]
+def _capture(calls: _Calls, site: CallSite) -> CapturedCall:
+    """Trace this call's forward and backward; Functions they call are left to torch (`calls.depth`)."""
     fake_mode = ti.detect_fake_mode(site.operands())
     calls.depth += 1
     try:
-        call = capture_call(site, fake_mode)
+        return capture_call(site, fake_mode)
     finally:
         calls.depth -= 1
-    calls.captured[index:index + 1] = [call]
-    return call
 
 
 def _pair_function(calls: _Calls, fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule, attrs: dict) -> type:
@@ -153,8 +139,8 @@ def _pair_function(calls: _Calls, fwd: torch.fx.GraphModule, bwd: torch.fx.Graph
     The trace meets torch's op when it runs an exported program (`export(ep.module())`, a
     nested export) or a region Dynamo traced (`torch.cond` branches).  Its `__call__` would
     inline the forward; instead the pair is captured like any Function, which also makes
-    Dynamo's torch-level graphs functional ATen graphs.  One class per pair, so both of
-    AOTAutograd's passes find the same capture.
+    Dynamo's torch-level graphs functional ATen graphs.  One class per pair, made at its first
+    call and reused by the pair's later calls.
     """
     key = (id(fwd), id(bwd))
     if key not in calls.pairs:

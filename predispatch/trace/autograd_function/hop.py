@@ -11,7 +11,8 @@ outer trace's levels, it leaves torch's own `autograd_function_apply` in the gra
     autograd           an autograd.Function, so outputs require grad as the Function's would
     fake               run the forward graph on the fake operands (shapes and dtypes only)
 
-so the user's Python never runs here: AOTAutograd's two passes both replay the same graphs.
+so the user's Python never runs here: its forward already ran once, in the nested trace that
+made the graphs (`subgraphs.py`), and the outer trace sees only those graphs.
 """
 
 from __future__ import annotations

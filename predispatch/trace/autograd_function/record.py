@@ -56,11 +56,9 @@ class SavedSlot:
 
 @dataclass(frozen=True, eq=False)
 class CapturedCall:
-    """One `Function.apply` call, traced once, replayed by each of AOTAutograd's passes.
+    """One `Function.apply` call, its forward and backward traced once each.
 
     function: the user's Function class (or one made from a pair of graphs, `capture._pair_function`).
-    key: what a later call at the same position must match to reuse this capture: the class,
-        each tensor argument's shape, stride, dtype and device, and the constant arguments.
     forward: `(*operands) -> ((*outputs), (*saved))`, the user's forward as a functional graph;
         operands are the tensor leaves of the arguments, in pytree order.
     backward: `(*output_grads, *saved) -> (*operand_grads)`, the user's backward as a functional
@@ -75,7 +73,6 @@ class CapturedCall:
     """
 
     function: type
-    key: tuple
     forward: fx.GraphModule
     backward: fx.GraphModule
     outputs: tuple[OutputLeaf, ...]

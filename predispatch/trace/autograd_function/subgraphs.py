@@ -68,23 +68,11 @@ class CallSite:
         """The tensor leaves of the arguments, in pytree order: the HOP's operands."""
         return [x for x in pytree.tree_leaves(self.args) if isinstance(x, torch.Tensor)]
 
-    def key(self) -> tuple:
-        """What identifies this call across AOTAutograd's two passes (see `CapturedCall.key`)."""
-        leaves, spec = pytree.tree_flatten(self.args)
-        return (self.function, str(spec), tuple(_leaf_key(x) for x in leaves))
-
     def with_operands(self, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
         """The arguments with their tensor leaves replaced, in order, by `tensors`."""
         leaves, spec = pytree.tree_flatten(self.args)
         it = iter(tensors)
         return pytree.tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-
-
-def _leaf_key(x: Any) -> Any:
-    """Tensors by metadata (their values differ between passes), constants by value, objects by type."""
-    if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
-    return ("constant", type(x), x) if isinstance(x, CONSTANT_TYPES) else ("object", type(x))
 
 
 @dataclass(frozen=True)
@@ -119,7 +107,6 @@ def capture_call(site: CallSite, fake_mode: ti.FakeTensorMode) -> CapturedCall:
         backward = _trace_backward(site, forward, record, needs_input_grad, fake_mode)
     return CapturedCall(
         site.function,
-        site.key(),
         forward,
         backward,
         record.outputs,
