@@ -137,3 +137,20 @@ def test_reference_keeps_the_contract(monkeypatch):
     kinds = [spec.kind.name for spec in ep.signature.outputs]
     assert "USER_INPUT_MUTATION" in kinds
     assert all(isinstance(n, fx.Node) for n in ep.graph.nodes)
+
+
+def test_forward_frame_stack_traces_are_torchs_text(monkeypatch):
+    """`forward_frames_only` walks the stack for the frames FX keeps instead of symbolizing it
+    all; each node's `stack_trace` must be the text torch's own capture gives."""
+    import contextlib
+
+    module = WithHook().train()
+    args = (torch.randn(2, 3),)
+    fast = predispatch.export(module, args)
+    with monkeypatch.context() as patch:
+        patch.setattr(ti, "forward_frames_only", contextlib.nullcontext)
+        torch_own = predispatch.export(module, args)
+    traces = [n.meta.get("stack_trace") for n in fast.graph.nodes]
+    assert traces == [n.meta.get("stack_trace") for n in torch_own.graph.nodes]
+    assert sum(t is not None for t in traces) >= 3
+    assert all("in forward" in t and "predispatch" not in t for t in traces if t)
