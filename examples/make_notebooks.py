@@ -832,7 +832,7 @@ according to whether a trace can keep it:
 | hook | what export does |
 | --- | --- |
 | forward pre-hooks and forward hooks (module or global) | they run during the trace, so their ops are in the graph |
-| pure backward pre-hooks, pure full backward hooks (reading `grad_input`, `grad_output` or both) | captured: the module's outputs (pre-hooks) or inputs (full hooks) pass through an `autograd_function_apply` whose backward runs the hooks; `grad_output` reaches full hooks through a carrier tensor |
+| pure backward pre-hooks, pure full backward hooks (reading `grad_input`, `grad_output`, their module's tensors) | captured: the module's outputs (pre-hooks) or inputs (full hooks) pass through an `autograd_function_apply` whose backward runs the hooks; `grad_output` reaches full hooks through a carrier tensor; the module's tensors are operands of that node |
 | backward hooks with side effects, global backward hooks, the deprecated `register_backward_hook` | refused with `UnsupportedHookError`: a trace on fake tensors never builds the autograd nodes they live on, so the program would silently drop them |
 | `Tensor.register_hook` with a pure hook on a fresh intermediate | captured: an `autograd_function_apply` node whose backward is the hook |
 | `Tensor.register_hook` on a used tensor, an input, or with side effects | refused with `UnsupportedHookError`, saying which |

@@ -1,7 +1,8 @@
 """The one place that imports torch's private APIs.
 
-predispatch reuses torch's own machinery (AOTAutograd's export entry point, fake tensors,
-functionalization, the PreDispatch mode stack) instead of reimplementing it.  Those live
+predispatch reuses torch's own machinery (make_fx's proxy tracer, FunctionalTensorMode on the
+PreDispatch mode stack, fake tensors, AOTAutograd's mutation analysis; AOTAutograd's export
+entry point is kept as the tests' reference) instead of reimplementing it.  Those live
 behind underscores and move between releases, so every private name we use is imported here
 and nowhere else: a torch upgrade touches this file only.
 """
@@ -102,6 +103,7 @@ __all__ = [
     "exporting_flags",
     "functional_dispatch_observer",
     "functional_value",
+    "mutation_count",
     "wrap_functional",
     "wrap_with_autocast",
     "wrap_with_set_grad_enabled",
@@ -240,6 +242,12 @@ def functional_value(t: FunctionalTensor) -> torch.Tensor:
     """The tensor a FunctionalTensor currently stands for (its latest functional value)."""
     torch._sync(t)
     return torch._from_functional_tensor(t.elem)
+
+
+def mutation_count(t: torch.Tensor) -> int | None:
+    """How many times a tensor of the running functional trace was changed in place so far
+    (None for any other tensor): two counts differ when it changed in between."""
+    return torch._functionalize_mutation_counter(t.elem) if isinstance(t, FunctionalTensor) else None
 
 
 def wrap_functional(value: torch.Tensor, mode: FunctionalTensorMode) -> FunctionalTensor:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 
 import copy
+import dataclasses
 import warnings
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -477,8 +479,8 @@ class GraphModule(torch.nn.Module):
         with pytest.raises(errors.UnsupportedHookError) as info:
             predispatch.export(net, (torch.randn(4, 3),))
         self.assertIn(
-            "module 'inner' (ReadsOutside) has a full backward hook that reads grad_output; export learns the "
-            "shape of grad_output by running the module once more on stand-in tensors, which failed",
+            "module 'inner' (ReadsOutside) has a full backward hook; export learns which outputs its grad_output "
+            "holds by running the module once more on stand-in tensors, which failed",
             message(info.value),
         )
         self.assertIn("test_hooks.py:N (return x * outside", message(info.value))
@@ -499,6 +501,287 @@ module 'out' (Linear) has a backward hook, GradOutputHooks.test_hook_with_side_e
   at test_hooks.py:N (return self.out(torch.relu(self.lin(x))) * scale)
   fix: remove it before export (handle.remove()), make it a pure function of the gradients, or move its effect into an autograd.Function.
   see docs/errors.md#unsupportedhookerror""")
+
+
+def hook_ops(ep: predispatch.ExportedProgram) -> list[str]:
+    """The operands of each captured Function in the program's top-level graph."""
+    nodes = ep.graph_module.graph.find_nodes(op="call_function", target=torch.ops.higher_order.autograd_function_apply)
+    return [", ".join(str(a) for a in n.args[2:]) for n in nodes]
+
+
+class Tied(nn.Module):
+    """Two Linears sharing one weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class SelfClipping(nn.Module):
+    """Registers its own method as a backward pre-hook; the method reads the module through `self`."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_full_backward_pre_hook(self.clip)
+
+    def clip(self, module, grad_output):
+        return (grad_output[0].clamp(-1, 1) * self.lin.bias,)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+OTHER = nn.Linear(3, 3)
+GLOBAL_SCALE = torch.tensor([1.0, 2.0, 3.0])
+
+
+class ModuleState(TestCase):
+    """Hooks that read their module's parameters and buffers: Note [Hooks reading module state].
+    Gradients through `ep.module()` equal eager's bitwise."""
+
+    maxDiff = None
+
+    def test_pre_hook_reading_the_bias(self):
+        lin = nn.Linear(3, 2)
+        lin.register_full_backward_pre_hook(lambda m, grad_output: (grad_output[0] * m.bias,))
+        ep = check_gradients(lin, (torch.randn(4, 3),))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_weight: "f32[2, 3]", p_bias: "f32[2]", input: "f32[4, 3]"):
+        input_1 = input
+        linear: "f32[4, 2]" = torch.ops.aten.linear.default(input_1, p_weight, p_bias);  input_1 = None
+        backward_pre_hooks_fwd_0 = self.backward_pre_hooks_fwd_0
+        backward_pre_hooks_bwd_0 = self.backward_pre_hooks_bwd_0
+        autograd_function_apply = torch.ops.higher_order.autograd_function_apply(backward_pre_hooks_fwd_0, backward_pre_hooks_bwd_0, linear, p_weight, p_bias, non_differentiable_idx = [], saved_for_backward_idx = [0, 1]);  backward_pre_hooks_fwd_0 = backward_pre_hooks_bwd_0 = linear = p_weight = p_bias = None
+        clone: "f32[4, 2]" = autograd_function_apply[0];  autograd_function_apply = None
+        return (clone,)
+
+    class backward_pre_hooks_fwd_0(torch.nn.Module):
+        def forward(self, args_0: "f32[4, 2]", module_weight: "f32[2, 3]", module_bias: "f32[2]"):
+            clone: "f32[4, 2]" = torch.ops.aten.clone.default(args_0);  args_0 = None
+            return ((clone,), (module_weight, module_bias))
+
+    class backward_pre_hooks_bwd_0(torch.nn.Module):
+        def forward(self, grad_out: "f32[4, 2]", saved_module_weight: "f32[2, 3]", saved_module_bias: "f32[2]"):
+            mul: "f32[4, 2]" = torch.ops.aten.mul.Tensor(grad_out, saved_module_bias);  grad_out = saved_module_bias = None
+            return (mul, None, None)""")
+
+    def test_full_hook_reading_the_weight(self):
+        net = Deconv()
+        net.out.register_full_backward_hook(lambda m, grad_input, grad_output: (grad_output[0] @ m.weight,))
+        ep = check_gradients(net, (torch.randn(5, 3),))
+        self.assertEqual(hook_ops(ep), ["relu, p_out_weight, p_out_bias", "linear_1, zeros"])
+
+    def test_hook_that_does_not_read_the_module_takes_no_state(self):
+        net = Deconv()
+        net.out.register_full_backward_pre_hook(lambda m, grad_output: (grad_output[0] * 2,))
+        net.out.register_full_backward_hook(lambda m, grad_input, grad_output: (grad_input[0] * 3,))
+        ep = check_gradients(net, (torch.randn(5, 3),))
+        self.assertEqual(hook_ops(ep), ["relu", "linear_1"])
+
+    def test_submodule_state_and_buffers(self):
+        net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU()).eval()
+        net.register_full_backward_hook(
+            lambda m, grad_input, grad_output: (grad_input[0] + grad_output[0] @ m[0].weight / m[1].running_var.sum(),)
+        )
+        ep = check_gradients(nn.Sequential(net), (torch.randn(6, 3),))
+        self.assertEqual(len(hook_ops(ep)[0].split(", ")), 1 + 2 + 2 + 3)  # x, 0.weight, 0.bias, 1.weight, ...
+
+    def test_tied_weight_is_passed_once(self):
+        net = Tied()
+        net.register_full_backward_hook(
+            lambda m, grad_input, grad_output: (grad_input[0] * m.a.weight.sum() + grad_output[0] @ m.b.weight,)
+        )
+        ep = check_gradients(nn.Sequential(net), (torch.randn(4, 3),))
+        self.assertEqual(hook_ops(ep)[0], "input_1, p_0_a_weight, p_0_a_bias, p_0_b_bias")
+
+    def test_closure_over_the_module_and_bound_method(self):
+        net = Deconv()
+        out = net.out
+        net.out.register_full_backward_pre_hook(lambda m, grad_output: (grad_output[0] - out.bias,))
+        check_gradients(net, (torch.randn(5, 3),))
+        check_gradients(nn.Sequential(SelfClipping()), (torch.randn(5, 3),))
+
+    def test_state_changed_later_in_the_forward_is_refused(self):
+        net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU())
+        net[1].register_full_backward_hook(lambda m, grad_input, grad_output: (grad_input[0] / m.running_var,))
+        with pytest.raises(errors.UnsupportedHookError) as info:
+            predispatch.export(net, (torch.randn(6, 3),))
+        self.assertExpectedInline(message(info.value), """\
+module '1' (BatchNorm1d) has a full backward hook (ModuleState.test_state_changed_later_in_the_forward_is_refused.<locals>.<lambda> defined at test_hooks.py:N) that may read the module's tensors, and the forward pass changes 'running_mean' after the hook's Function took it (as BatchNorm does to its running statistics in training): the program's hook would see the value from before the change, eager's sees the value when backward runs.
+  at test_hooks.py:N (predispatch.export(net, (torch.randn(6, 3),)))
+  fix: export with the module in eval mode (BatchNorm's running statistics then stay as they are), or remove the hook before export (handle.remove()).
+  see docs/errors.md#unsupportedhookerror""")
+        check_gradients(net.eval(), (torch.randn(6, 3),))
+        net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU())
+        net[1].register_full_backward_pre_hook(lambda m, grad_output: (grad_output[0] / m.running_var,))
+        check_gradients(net, (torch.randn(6, 3),))  # a pre-hook takes the statistics after their update
+
+    def test_tensor_from_outside_the_module_is_refused(self):
+        hooks = {
+            "another module's weight": lambda m, grad_input, grad_output: (grad_output[0] @ OTHER.weight,),
+            "a global tensor": lambda m, grad_input, grad_output: (grad_input[0] * GLOBAL_SCALE,),
+        }
+        for name, hook in hooks.items():
+            net = Deconv()
+            net.out.register_full_backward_hook(hook)
+            with self.subTest(name), pytest.raises(errors.UnsupportedHookError) as info:
+                predispatch.export(net, (torch.randn(5, 3),))
+            self.assertIn("module 'out' (Linear) has a full backward hook (ModuleState.", message(info.value))
+            self.assertIn("that reads a tensor which is neither one of its gradients nor", message(info.value))
+        self.assertExpectedInline(message(info.value), """\
+module 'out' (Linear) has a full backward hook (ModuleState.test_tensor_from_outside_the_module_is_refused.<locals>.<lambda> defined at test_hooks.py:N) that reads a tensor which is neither one of its gradients nor a parameter, buffer or tensor attribute of that module (a global tensor, another module's weight); the program's backward would hold its value at export.
+  at test_hooks.py:N (return self.out(self.act(self.lin(x))))
+  fix: reach the tensor through the module the hook is given (module.weight): register it on that module (as a parameter or buffer), or register the hook on a module that holds every tensor it reads.
+  see docs/errors.md#unsupportedhookerror""")
+
+    def test_hook_that_cannot_be_traced_is_refused(self):
+        net = Deconv()
+        net.out.register_full_backward_pre_hook(lambda m, grad_output: (grad_output[0], grad_output[0]))
+        with pytest.raises(errors.UnsupportedHookError) as info:  # eager raises in backward
+            predispatch.export(net, (torch.randn(5, 3),))
+        self.assertExpectedInline(message(info.value), """\
+module 'out' (Linear) has a backward pre-hook (ModuleState.test_hook_that_cannot_be_traced_is_refused.<locals>.<lambda> defined at test_hooks.py:N) that cannot be captured: RuntimeError: Backward pre hook returned an invalid number of grad_output, got 2, but expected 1
+  at test_hooks.py:N (return self.out(self.act(self.lin(x))))
+  fix: compute the hook with torch operations on its gradients and on its module's tensors, returning one gradient (or None) per entry it is given; or remove it before export (handle.remove()).
+  see docs/errors.md#unsupportedhookerror""")
+        net = Deconv()
+        net.out.register_full_backward_hook(lambda m, grad_input, grad_output: (torch.from_numpy(grad_input[0].numpy()),))
+        with pytest.raises(errors.UnsupportedHookError) as info:
+            predispatch.export(net, (torch.randn(5, 3),))
+        self.assertIn("that cannot be captured: RuntimeError: .numpy() is not supported", message(info.value))
+        self.assertIn("at test_hooks.py:N (net.out.register_full_backward_hook(lambda", message(info.value))
+
+
+class Halves(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@dataclasses.dataclass
+class HalvesData:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+#: Module outputs laid out in the ways torch's BackwardHook tells apart, from `x * 2`, `x.sin()`
+#: and the integer tensor `x.argmax(-1)`.
+LAYOUTS = {
+    "tensor": lambda a, b, i: a,
+    "tuple": lambda a, b, i: (a, i, b),
+    "namedtuple": lambda a, b, i: Halves(a, b),
+    "nested tuple": lambda a, b, i: (a, (b, i)),
+    "list": lambda a, b, i: [a, b],
+    "dict": lambda a, b, i: {"a": a, "b": b},
+    "dataclass": lambda a, b, i: HalvesData(a, b),
+    "no floating tensor": lambda a, b, i: (i, 3),
+}
+
+
+class Returns(nn.Module):
+    def __init__(self, layout):
+        super().__init__()
+        self.layout = layout
+
+    def forward(self, x):
+        return LAYOUTS[self.layout](x * 2, x.sin(), x.argmax(-1))
+
+
+class AfterLinear(nn.Module):
+    """A Linear, then `inner` (the hooked module) on its result and the other arguments."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.inner = inner
+
+    def forward(self, x, *rest):
+        out = self.inner(self.lin(x), *rest)
+        return vars(out) if dataclasses.is_dataclass(out) else out  # a program returns no dataclass
+
+
+def scale_by_position(module, grad_output):
+    """A pre-hook whose result shows the layout it is given: each gradient scaled by its position and the count."""
+    return tuple(None if g is None else g * (10 * len(grad_output) + i + 1) for i, g in enumerate(grad_output))
+
+
+def mix_by_position(module, grad_input, grad_output):
+    """A full hook whose result shows the layout of grad_output: its count, its Nones, its gradients by position."""
+    nones = sum(2**i for i, g in enumerate(grad_output) if g is None)
+    mixed = sum((i + 1) * g.mean() for i, g in enumerate(grad_output) if g is not None)
+    return (grad_input[0] * (len(grad_output) + nones) + mixed,)
+
+
+def scale_grad_input(module, grad_input, grad_output):
+    return (grad_input[0] * 7,)
+
+
+class Combines(nn.Module):
+    def forward(self, x, pair, index, *, shift):
+        return x * pair[0] + pair[1] * index.unsqueeze(-1) + shift
+
+
+class CallsCombines(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.combine = Combines()
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.combine(h, [h.sin(), h.cos()], x.argmax(-1), shift=h.tanh())
+
+
+class Counts(nn.Module):
+    def forward(self, x, position):
+        position.add_(1)
+        return x * position, position * 1  # the second output shows the update
+
+
+class EagerLayout(TestCase):
+    """Module backward hooks see the top level of the positional arguments and of the output, as
+    torch's BackwardHook lays them out; outputs and gradients equal eager's for each layout."""
+
+    def test_output_layouts(self):
+        hooks = {
+            "pre-hook": lambda m: m.register_full_backward_pre_hook(scale_by_position),
+            "full hook reading grad_output": lambda m: m.register_full_backward_hook(mix_by_position),
+            "full hook on grad_input": lambda m: m.register_full_backward_hook(scale_grad_input),
+        }
+        never_called = {"list", "dict", "dataclass", "no floating tensor"}
+        for kind in LAYOUTS:
+            for name, register in hooks.items():
+                net = AfterLinear(Returns(kind))
+                register(net.inner)
+                with self.subTest(kind, hook=name), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # eager's, for the layouts it never hooks
+                    ep = check_gradients(net, (torch.randn(4, 3),))
+                    self.assertEqual(hook_ops(ep) == [], kind in never_called)
+
+    def test_export_warns_as_eager_does(self):
+        net = AfterLinear(Returns("dict"))
+        net.inner.register_full_backward_pre_hook(scale_by_position)
+        with pytest.warns(UserWarning, match="For backward hooks to be called, module output should be a Tensor or"):
+            predispatch.export(net, (torch.randn(4, 3),))
+
+    def test_grad_input_has_top_level_positional_arguments_only(self):
+        net = CallsCombines()  # grad_input: (grad of h, None for the list, one for the index)
+        net.combine.register_full_backward_hook(
+            lambda m, grad_input, grad_output: (grad_input[0] * (len(grad_input) + 10 * (grad_input[1] is None)), None, None)
+        )
+        ep = check_gradients(net, (torch.randn(4, 3),))
+        self.assertEqual(hook_ops(ep), ["linear"])  # not the list's tensors, not the keyword shift
+
+    def test_integer_argument_updated_in_place_reaches_the_caller(self):
+        net = AfterLinear(Counts())
+        net.inner.register_full_backward_hook(lambda m, grad_input, grad_output: (grad_input[0] * 2, None))
+        check_gradients(net, (torch.randn(3), torch.tensor([1, 2, 3])))
 
 
 class Renamed(nn.Module):
