@@ -402,7 +402,11 @@ class _ForwardFrames:
 
 @contextlib.contextmanager
 def forward_frames_only() -> Iterator[None]:
-    """While active, FX tracers capture stack traces with `_ForwardFrames` (same text, less work)."""
+    """While active, FX tracers capture stack traces with `_ForwardFrames` (same text, less work).
+
+    It patches FX's module global, so a tracer running meanwhile in another thread gets it too;
+    only a tracer not filtering to `forward` frames would then see a shorter stack trace.
+    """
     original = torch.fx.proxy.CapturedTraceback
     torch.fx.proxy.CapturedTraceback = _ForwardFrames
     try:
