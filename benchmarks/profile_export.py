@@ -41,7 +41,7 @@ STAGES = [
     ("  prepare: frontend", pipeline, "prepare"),
     ("  trace", pipeline, "trace"),
     ("    trace_program (the one functional make_fx pass)", ti, "trace_program"),
-    ("      user forward under the tracer", functional._Root, "run"),
+    ("      user forward under the tracer", functional._Program, "__call__"),
     ("      node stack traces (forward frames)", ti._ForwardFrames, "extract"),
     ("  build_program", pipeline, "build_program"),
     ("    name_placeholders", program_stage, "name_placeholders"),

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch import fx, nn
+from torch import fx
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import (
@@ -51,45 +51,38 @@ class TracedGraph:
     grad_mode_on_exit: bool | None
 
 
-class _Root(nn.Module):
-    """What the trace runs: flat tensors in, flat tensors out.
+class _Program:
+    """What the trace runs: `(*state, *user tensors)` in, the flat graph outputs out.
 
-    Lifted state is registered here under slot names `s0, s1, ...` (parameters first) so that
-    tied weights are one input; `forward` binds the slots back
-    to every fully qualified name in the user's module, calls it, and flattens its output.
+    Each state tensor is bound to every fully qualified name it has in the user's module (tied
+    weights are one input with several names), the module is called, and what the call leaves
+    for the stages after the trace is kept: the output's structure, the grad mode forward leaves
+    set, where forward first changed an input's metadata.  A call, not a `forward`: node stack
+    traces keep only `forward` frames, and this frame is not the user's.
     """
 
     def __init__(self, prepared: PreparedInputs):
-        super().__init__()
         self._prepared = prepared
-        self._outputs: tuple[tuple[Leaf, ...], pytree.TreeSpec] | None = None
-        for i, lifted in enumerate(prepared.state):
-            # The trace swaps fakes into these slots; a nested export's state belongs to the
-            # outer trace, so an empty stand-in holds its slot.
-            tensor = lifted.tensor if type(lifted.tensor) in (torch.Tensor, nn.Parameter) else torch.empty(0)
-            if lifted.spec.kind is InputKind.PARAMETER:
-                self.register_parameter(f"s{i}", tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor))
-            else:
-                self.register_buffer(f"s{i}", tensor)
+        self.outputs: tuple[tuple[Leaf, ...], pytree.TreeSpec] | None = None
+        self.grad_mode_on_exit: bool | None = None
+        self.input_metadata_write: str | None = None
 
-    def _without_history(self) -> list[torch.Tensor]:
-        """Buffers and constants that do not require grad: their updates need no history kept."""
-        return [
-            getattr(self, f"s{i}")
-            for i, lifted in enumerate(self._prepared.state)
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        prepared = self._prepared
+        state, user_tensors = tensors[: len(prepared.state)], tensors[len(prepared.state) :]
+        bound = {
+            fqn: tensor
+            for lifted, tensor in zip(prepared.state, state)
+            for fqn in (lifted.spec.target, *lifted.spec.aliases)
+        }
+        # buffers and constants that do not require grad: their updates need no history kept
+        without_history = [
+            tensor
+            for lifted, tensor in zip(prepared.state, state)
             if lifted.spec.kind is not InputKind.PARAMETER and not lifted.tensor.requires_grad
         ]
-
-    def run(self, *user_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Call the user's module on its bound state (named `run`, not `forward`: node stack
-        traces keep only `forward` frames, and this one is not the user's)."""
-        prepared = self._prepared
-        bound = {}
-        for i, lifted in enumerate(prepared.state):
-            for fqn in (lifted.spec.target, *lifted.spec.aliases):
-                bound[fqn] = getattr(self, f"s{i}")
         args, kwargs = prepared.call_args(user_tensors)
-        keeper = GradHistoryKeeper(self._without_history(), [*bound.values(), *user_tensors])
+        keeper = GradHistoryKeeper(without_history, [*state, *user_tensors])
         with contextlib.ExitStack() as stack:
             stack.enter_context(ti.reparametrize(prepared.module, bound))
             stack.enter_context(keeper)  # Note [Mutations inside grad regions]
@@ -97,9 +90,9 @@ class _Root(nn.Module):
             stack.enter_context(backward_hooks(prepared.module, keeper))
             stack.enter_context(capture_autograd_functions())
             out = prepared.module(*args, **kwargs)
-        self._grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
-        self._input_metadata_write = keeper.input_metadata_write
-        self._outputs = _output_leaves(out)
+        self.grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
+        self.input_metadata_write = keeper.input_metadata_write
+        self.outputs = _output_leaves(out)
         return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, _GRAPH_OUTPUT_TYPES) and not _is_static(x))
 
 
@@ -123,14 +116,8 @@ def _counted():
 
 def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
     """Capture `prepared.module` once as a functional graph (see the package docstring)."""
-    root = _Root(prepared)
-    n_state = len(prepared.fake_state)
+    program = _Program(prepared)
     log = DecompositionLog()
-
-    def program(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with ti.reparametrize(root, {f"s{i}": t for i, t in enumerate(tensors[:n_state])}):
-            return root.run(*tensors[n_state:])
-
     with contextlib.ExitStack() as stack:
         stack.enter_context(_no_garbage_collection())
         stack.enter_context(torch.enable_grad())  # the ambient mode regions are relative to
@@ -144,7 +131,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
         raise TraceError(
             f"forward changes the shape, strides or storage of {_input_label(prepared, captured.metadata_mutated[0])} "
             "in place (x.t_(), x.resize_(), x.set_(...)); a functional graph cannot hand that change back.",
-            where=root._input_metadata_write or f"{user_frame()} (the export call)",
+            where=program.input_metadata_write or f"{user_frame()} (the export call)",
             fix="write it out of place (x = x.t()) and return the new tensor.",
         )
     _check_repeated_inputs(prepared, captured.data_mutated)
@@ -153,8 +140,8 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
     gm.graph.eliminate_dead_code()  # what the trace computed and nothing used, as AOTAutograd drops it
     if prepared.dynamic is not None:
         check_constraints(prepared.dynamic, gm)
-    output_leaves, out_spec = root._outputs
-    return TracedGraph(gm, captured.data_mutated, output_leaves, out_spec, log, root._grad_mode_on_exit)
+    output_leaves, out_spec = program.outputs
+    return TracedGraph(gm, captured.data_mutated, output_leaves, out_spec, log, program.grad_mode_on_exit)
 
 
 @contextlib.contextmanager
