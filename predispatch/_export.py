@@ -48,7 +48,7 @@ def _export_with_policy(
 ) -> ExportedProgram:
     """`export` once the user's options are checked (tests call it to bypass those checks)."""
     if is_tracing():  # called by the code another export is tracing
-        with ti.suspended_tracing(), isolated(modules_of(module_or_fn, args, kwargs)):
+        with ti.outside_trace(keep_decomposition_policy=False), isolated(modules_of(module_or_fn, args, kwargs)):
             return _export_nested(module_or_fn, args, kwargs, policy)
     with isolated(modules_of(module_or_fn, args, kwargs)):
         prepared = prepare(module_or_fn, args, kwargs, dynamic_shapes)

@@ -113,7 +113,6 @@ __all__ = [
     "new_fake_mode",
     "pop_modes_to",
     "reparametrize",
-    "suspended_tracing",
 ]
 
 #: What torch raises when Python needs a value that only exists at run time.
@@ -166,24 +165,28 @@ def decomposition_hook(should_decompose: Callable[[Any, Callable[[], bool]], boo
         FunctionalTensorMode._can_decompose = original
 
 
-#: FunctionalTensorMode's own methods, before predispatch patches any (see `suspended_tracing`).
+#: FunctionalTensorMode's own methods, before predispatch patches any (see `outside_trace`).
 _PRISTINE_FUNCTIONAL_MODE = {
     name: FunctionalTensorMode.__dict__[name] for name in ("__torch_dispatch__", "_can_decompose")
 }
 
 
 @contextlib.contextmanager
-def suspended_tracing() -> Iterator[None]:
-    """Run code as if no trace were active: no dispatch, pre-dispatch or function modes, and
-    FunctionalTensorMode without predispatch's patches.  Used for an export nested in an export.
-    """
-    from torch.utils._python_dispatch import _disable_current_modes
+def outside_trace(*, keep_decomposition_policy: bool = True) -> Iterator[None]:
+    """Set the running trace aside: its dispatch, pre-dispatch and torch-function modes and
+    predispatch's patches of FunctionalTensorMode; put everything back on exit.
 
-    patched = {name: FunctionalTensorMode.__dict__[name] for name in _PRISTINE_FUNCTIONAL_MODE}
+    Code run inside sees a clean stack, so neither the outer graph nor the outer observers
+    record what it runs.  A Function's subgraphs (`trace_functional`) keep the export's
+    decomposition policy (`decomposition_hook`); an export nested in an export, and anything
+    else that must run as if no trace were active, passes `keep_decomposition_policy=False`.
+    """
+    names = ["__torch_dispatch__"] if keep_decomposition_policy else list(_PRISTINE_FUNCTIONAL_MODE)
+    patched = {name: FunctionalTensorMode.__dict__[name] for name in names}
     function_modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
     try:
-        for name, method in _PRISTINE_FUNCTIONAL_MODE.items():
-            setattr(FunctionalTensorMode, name, method)
+        for name in names:
+            setattr(FunctionalTensorMode, name, _PRISTINE_FUNCTIONAL_MODE[name])
         with _disable_current_modes():
             yield
     finally:
@@ -262,32 +265,6 @@ def unwrap_effects(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
 
 # --- custom autograd.Function capture (trace/autograd_function.py) ---------------------------
 
-#: torch's own FunctionalTensorMode dispatch, taken before any observer is installed.
-_FUNCTIONAL_DISPATCH = FunctionalTensorMode.__torch_dispatch__
-
-
-@contextlib.contextmanager
-def outside_trace() -> Iterator[None]:
-    """Set the running trace aside: its dispatch, pre-dispatch and torch-function modes and
-    any `functional_dispatch_observer`; put everything back on exit.
-
-    A nested trace started inside (`trace_functional`) then sees a clean stack, so neither the
-    outer graph nor the outer observers record what it runs.
-    """
-    function_modes = []
-    while torch._C._len_torch_function_stack() > 0:
-        function_modes.append(torch._C._pop_torch_function_stack())
-    observed = FunctionalTensorMode.__torch_dispatch__
-    FunctionalTensorMode.__torch_dispatch__ = _FUNCTIONAL_DISPATCH
-    try:
-        with _disable_current_modes():
-            yield
-    finally:
-        FunctionalTensorMode.__torch_dispatch__ = observed
-        for mode in reversed(function_modes):
-            torch._C._push_on_torch_function_stack(mode)
-
-
 def trace_functional(
     fn: Callable[..., Any], args: tuple[Any, ...], fake_mode: FakeTensorMode
 ) -> tuple[torch.fx.GraphModule, tuple[int, ...]]:
@@ -300,8 +277,8 @@ def trace_functional(
     mutated: list[int] = []
 
     def functional(*inputs: Any) -> Any:
-        with _functional_mode() as wrap:
-            wrapped = wrap(inputs)
+        with _functional_mode():
+            wrapped = _to_functional(inputs)
             out = torch.utils._pytree.tree_map_only(FunctionalTensor, functional_value, fn(*wrapped))
             mutated.extend(i for i, changed in enumerate(_mutations(wrapped, inputs)) if any(changed))
         return out
@@ -316,7 +293,8 @@ class ProgramTrace:
     """What `trace_program` captured.
 
     graph_module: inputs `(token, *args)`, outputs `(*new values of data_mutated, *fn's outputs)`;
-        `token` orders effectful ops (`with_effects`), see `strip_effect_token`.
+        `token` orders effectful ops (`with_effects`); trace/functional.py's
+        `_remove_effect_tokens` takes it out again.
     data_mutated / metadata_mutated: positions in `args` whose data / shape, strides or storage
         `fn` changed in place.
     """
@@ -340,9 +318,8 @@ def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn
     metadata: list[int] = []
 
     def functional(token: torch.Tensor, *inputs: Any) -> tuple[Any, ...]:
-        with _functional_mode() as wrap:
-            f_token, *wrapped = wrap((token, *inputs))
-            mode = torch.utils._python_dispatch._detect_infra_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL)
+        with _functional_mode() as mode:
+            f_token, *wrapped = _to_functional((token, *inputs))
             mode._tokens = {effect: f_token for effect in _EffectType}
             out = fn(*wrapped)
             for i, (data_changed, meta_changed) in enumerate(_mutations(wrapped, inputs)):
@@ -416,13 +393,18 @@ def forward_frames_only() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _functional_mode() -> Iterator[Callable[[Any], list[Any]]]:
-    """FunctionalTensorMode at PreDispatch, as AOTAutograd enters it (Python functionalization
-    only: the C++ Functionalize key is excluded); yields a function wrapping tensors for it."""
+def _functional_mode() -> Iterator[FunctionalTensorMode]:
+    """FunctionalTensorMode at PreDispatch, entered as AOTAutograd enters it (Python
+    functionalization only: the C++ Functionalize key is excluded)."""
     mode = FunctionalTensorMode(pre_dispatch=True, export=True, _allow_token_discovery=True)
     exclude = torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize))
     with exclude, mode:
-        yield lambda values: [FunctionalTensor.to_functional(t) if isinstance(t, torch.Tensor) else t for t in values]
+        yield mode
+
+
+def _to_functional(values: Any) -> list[Any]:
+    """The tensors among `values` wrapped for the active functional mode; the rest as they are."""
+    return [FunctionalTensor.to_functional(t) if isinstance(t, torch.Tensor) else t for t in values]
 
 
 def _mutations(wrapped: list[Any], originals: Any) -> Iterator[tuple[bool, bool]]:

@@ -100,14 +100,15 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     dynamic = fake_dynamic_inputs(module, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
     fake_mode = dynamic.fake_mode if dynamic else ti.new_fake_mode()
     flat = pytree.tree_leaves((args, kwargs))
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     device = _inputs_device(flat)
     fake_state = tuple(_fakify(fake_mode, s.tensor, s.spec.kind is InputKind.PARAMETER, device) for s in state)
     if dynamic:
         fake_flat = pytree.tree_leaves((dynamic.fake_args, dynamic.fake_kwargs))
         fake_user = tuple(x for x in fake_flat if isinstance(x, torch.Tensor))
     else:
-        fake_user = tuple(_fakify(fake_mode, x) for x in flat if isinstance(x, torch.Tensor))
-    repeated = _repeated([x for x in flat if isinstance(x, torch.Tensor)])
+        fake_user = tuple(_fakify(fake_mode, x) for x in tensors)
+    repeated = _repeated(tensors)
     fake_user = _one_twin_per_place(fake_mode, fake_user, repeated)
     user_specs = _user_input_specs(leaves, taken={s.spec.name for s in state})
     arg_names = tuple(_parameter_names(signature_of, args))
@@ -140,11 +141,15 @@ def _one_twin_per_place(
     """
     fakes = list(fakes)
     for position, _ in repeated:
-        t = fakes[position]
-        with fake_mode:
-            twin = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-        fakes[position] = twin.requires_grad_(t.requires_grad)
+        fakes[position] = _fake_from_metadata(fake_mode, fakes[position]).requires_grad_(fakes[position].requires_grad)
     return tuple(fakes)
+
+
+def _fake_from_metadata(fake_mode: ti.FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
+    """A fake tensor with `tensor`'s shape (symbols included), strides, dtype and device, and
+    storage of its own: made from metadata alone, never from data."""
+    with fake_mode:
+        return torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
 
 
 def as_module(obj: Any, args: tuple = (), kwargs: dict | None = None) -> tuple[nn.Module, Callable[..., Any]]:
@@ -355,8 +360,7 @@ def _fakify(
     elif type(tensor) in (torch.Tensor, nn.Parameter):
         fake = fake_mode.from_tensor(tensor, static_shapes=True)
     else:
-        with fake_mode:
-            fake = torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+        fake = _fake_from_metadata(fake_mode, tensor)
     if parameter:
         fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
     return fake

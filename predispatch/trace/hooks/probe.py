@@ -42,7 +42,13 @@ def probe_outputs(module: nn.Module, args: tuple, kwargs: dict, capture: Capture
     """
     fake_mode = ti.detect_fake_mode([t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
     try:
-        with ti.suspended_tracing(), capture.probe(), _plain_autograd(), fake_mode, ti.discarding_unbacked_symbols(fake_mode):
+        with (
+            ti.outside_trace(keep_decomposition_policy=False),
+            capture.probe(),
+            _plain_autograd(),
+            fake_mode,
+            ti.discarding_unbacked_symbols(fake_mode),
+        ):
             stand_in = _StandIns()
             p_args, p_kwargs = pytree.tree_map_only(torch.Tensor, stand_in, (args, kwargs))
             with ti.reparametrize(module, {name: stand_in(t) for name, t in module_tensors(module)}):
