@@ -474,3 +474,13 @@ class GraphModule(torch.nn.Module):
             predispatch.export(AddInPlace(), (x, x))
         self.assertIn("the same tensor is passed as input 'x' and input 'y'", str(info.exception))
         self.assertTrue(torch.equal(x, before))
+
+
+def test_nn_module_stack_names_the_users_modules():
+    """Each node records the user's module path and class that called it, as torch.export does."""
+    ep = predispatch.export(MLP(), (torch.randn(2, 4),))
+    stacks = {n.name: n.meta.get("nn_module_stack") for n in ep.graph.nodes if n.op == "call_function"}
+    first_linear = next(name for name in stacks if name.startswith("linear"))
+    paths = [(path, cls) for path, cls in stacks[first_linear].values()]
+    assert paths[0] == ("", f"{MLP.__module__}.MLP")
+    assert paths[-1] == ("fc1", "torch.nn.modules.linear.Linear")
