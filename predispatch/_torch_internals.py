@@ -524,3 +524,10 @@ def fake_of_meta(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.devic
     fakes are made on the device the real weights will live on (the inputs' device) instead.
     """
     return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, t, device)
+
+
+# ep.module() as torch.export's unlifted module: pytree calling convention generated into its code
+from torch.fx.graph import _PyTreeCodeGen as PyTreeCodeGen, _PyTreeInfo as PyTreeInfo  # noqa: E402
+from torch.fx.graph_module import _USER_PRESERVED_ATTRIBUTES_KEY as USER_PRESERVED_ATTRIBUTES  # noqa: E402
+
+__all__ += ["PyTreeCodeGen", "PyTreeInfo", "USER_PRESERVED_ATTRIBUTES"]

@@ -64,18 +64,21 @@ class ExportedProgram:
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
 
-    def module(self) -> nn.Module:
-        """An `nn.Module` that runs the program like the original: same call, same results.
+    def module(self) -> fx.GraphModule:
+        """An `fx.GraphModule` that runs the program like the original: same call, same results.
 
         It takes the original (pytree) args and kwargs, returns outputs in the original
-        structure, and applies buffer and input mutations back as eager does.  For a module
-        export, its parameters and buffers are copies, so running or training it never changes
-        the exported model; its `state_dict()` has the original module's keys.  For a function
-        export it uses the reached modules themselves, as calling the function would.
+        structure, and applies buffer and input mutations back as eager does, all in its
+        generated code (see predispatch/program/unlift.py), so `torch.compile(..., fullgraph=True)`
+        and graph tools such as PT2E quantizers take it whole.  A forward pre-hook checks each
+        call against the exported one.  For a module export, its parameters and buffers are
+        copies, so running or training it never changes the exported model; its `state_dict()`
+        has the original module's keys.  For a function export it uses the reached modules
+        themselves, as calling the function would.
         """
-        from predispatch.program.runner import ProgramModule
+        from predispatch.program.unlift import module_of
 
-        return ProgramModule(self)
+        return module_of(self)
 
     def verify_hooks(self, module: nn.Module) -> None:
         """Raise `HooksChangedError` if `module`'s hooks (or the global module hooks) differ

@@ -1,81 +1,101 @@
-"""`ProgramModule`: run an `ExportedProgram` with the original calling convention."""
+"""`ProgramModule`: the `fx.GraphModule` `ep.module()` returns, and what it runs around its graph.
+
+The module's generated code (see `unlift.py`) does everything a call needs, so compilers and
+graph tools see it whole: pytree in and out, state read from attributes, the write-back step
+(`apply_mutations`), captured Functions (`run_autograd_function`).  Two things stay outside the
+graph, in hooks, because they inspect Python values rather than compute:
+
+- `_before_call` (forward pre-hook): the input checks (`check_inputs`: structure, constants,
+  dtype and shape, dynamic-shape ranges), then the saved-tensor snapshot (`_snapshot_saved`);
+- `_after_call` (forward hook, always called): closes the snapshot.
+
+Under Dynamo both hooks step aside (see Note [Checks under torch.compile]).
+"""
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+import copy
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch import nn
+from torch import fx, nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
-from predispatch.program.signature import InputKind, OutputKind, ShapeRecord
-
-if TYPE_CHECKING:
-    from predispatch.program.exported_program import ExportedProgram
+from predispatch.program.signature import InputKind, Leaf, OutputKind, ShapeRecord
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
+#: Where a function (or nested) export's `module()` keeps the live module it reads state from:
+#: an attribute, not a submodule (its children are submodules, as the state_dict shows them).
+LIVE_ROOT = "_live_root"
 
-class ProgramModule(nn.Module):
-    """Holds copies of the program's state under the original fully qualified names.
 
-    Submodules are plain `nn.Module` containers mirroring the original hierarchy, so
-    `state_dict()` keys (tied names included) equal the original module's.
+@dataclass(frozen=True)
+class CallContract:
+    """What a call must match, and where its mutations land; plain data, so copies keep it.
+
+    in_spec: pytree spec of `(args, kwargs)` at export.
+    input_leaves: every leaf of the call, tensors and constants, in `in_spec` order.
+    tensor_meta: for each tensor leaf, its dtype and sizes (None for a symbolic size).
+    shapes: the symbols, ranges and derived sizes of a dynamic export.
+    writes: per mutation output, the state's fully qualified name, or for a user input its index
+        among the call's tensor leaves (for the saved-tensor snapshot).
+    arg_names: the exported callable's positional parameter names.
+    state: `(target, aliases)` of each lifted tensor, for `state_dict` with hooks.
     """
 
-    def __init__(self, ep: ExportedProgram):
-        super().__init__()
-        object.__setattr__(self, "_program", ep)  # not a submodule: keeps state_dict() clean
-        object.__setattr__(self, "_live", ep.live_root)
-        if ep.live_root is not None:  # share the user's modules: state is read at each call
-            for name, child in ep.live_root.named_children():
-                self.add_module(name, child)
-        else:
-            for spec in ep.signature.inputs_of(*_STATE_KINDS):
-                source = ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else ep.state_dict[spec.target]
-                tensor = _copy(source, spec.kind)
-                for fqn in (spec.target, *spec.aliases):
-                    _install(self, fqn, tensor, spec.kind, spec.persistent)
-        self._prepare_calls()
+    in_spec: pytree.TreeSpec
+    input_leaves: tuple[Leaf, ...]
+    tensor_meta: tuple[tuple[torch.dtype, tuple[int | None, ...]], ...]
+    shapes: ShapeRecord
+    writes: tuple[str | int, ...]
+    arg_names: tuple[str, ...]
+    state: tuple[tuple[str, tuple[str, ...]], ...]
 
-    def _prepare_calls(self) -> None:
-        """Resolve, once, what every call needs: the module owning each state tensor (read by
-        attribute at call time, so reassigned or live tensors are seen) and which graph outputs
-        write back where."""
-        sig = self._program.signature
-        root = self._live if self._live is not None else self
-        owners = [_owner(root, spec.target) for spec in sig.inputs_of(*_STATE_KINDS)]
-        user_index = {spec.name: i for i, spec in enumerate(sig.inputs_of(InputKind.USER_INPUT))}
-        writes = [
-            (None, user_index[s.target]) if s.kind is OutputKind.USER_INPUT_MUTATION else _owner(root, s.target)
-            for s in sig.mutations
-        ]
-        object.__setattr__(self, "_state_owners", owners)
-        object.__setattr__(self, "_writes", writes)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        ep = self._program
-        sig = ep.signature
-        user = _user_tensors(ep, args, kwargs)
-        state = [getattr(owner, attr) for owner, attr in self._state_owners]
-        targets = [user[attr] if owner is None else getattr(owner, attr) for owner, attr in self._writes]
-        mutations = sig.mutations
-        with _snapshot_saved(targets):
-            outs = ep.graph_module(*state, *user)
-        for target, value in zip(targets, outs):
-            _write_back(target, value)
-        if sig.grad_mode_on_exit is not None:
-            torch.set_grad_enabled(sig.grad_mode_on_exit)
-        results = iter(outs[len(mutations):])
-        leaves = [next(results) if leaf.is_tensor else leaf.value for leaf in sig.output_leaves]
-        return pytree.tree_unflatten(leaves, sig.out_spec)
+class ProgramModule(fx.GraphModule):
+    """`ep.module()`: an `fx.GraphModule` with the original calling convention.
+
+    State sits under the original fully qualified names (plain container modules mirror the
+    hierarchy), so `state_dict()` keys, tied names included, equal the original module's; for
+    a function export the reached modules are the user's own, read at each call.  Tensors the
+    graph itself creates live in `_graph_constants`, which is neither state nor a submodule.
+    """
+
+    def __deepcopy__(self, memo: dict) -> ProgramModule:
+        """A copy with the same kinds of state (fx's own deepcopy re-creates each attribute the
+        graph reads as a persistent buffer), sharing only the exported module kept for its
+        state_dict hooks."""
+        for shared in (self.__dict__.get("_state_dict_owner"), self.call_contract):
+            memo[id(shared)] = shared  # the exported module (for its hooks); plain immutable data
+        copied = ProgramModule(nn.Module(), fx.Graph())
+        memo[id(self)] = copied
+        skip = ("_graph", "_code", "_in_spec", "_out_spec", "_open_snapshots")
+        copied.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in skip}, memo))
+        graph = fx.Graph()
+        output, old_output = graph.graph_copy(self.graph, {}, return_output_node=True)
+        graph.output(output, type_expr=getattr(old_output, "type", None))
+        graph._codegen = self.graph._codegen  # names and pytree specs, never changed in place
+        copied.graph = graph  # generates the copy's own code
+        keep_class_names(self, copied)
+        return copied
+
+    @property
+    def call_contract(self) -> CallContract:
+        return self.meta[ti.USER_PRESERVED_ATTRIBUTES]["call_contract"]
+
+    @property
+    def positional_names(self) -> tuple[str, ...]:
+        """The exported callable's positional parameter names (read by a re-export)."""
+        return self.call_contract.arg_names
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """As the exported module's `state_dict()`, its state_dict hooks applied, with our tensors."""
-        owner = self._program.state_dict_owner
+        owner = self.__dict__.get("_state_dict_owner")
         if owner is None:
             return super().state_dict(*args, **kwargs)
         with ti.reparametrize(owner, self._bindings()):
@@ -83,7 +103,7 @@ class ProgramModule(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """As the exported module's `load_state_dict()`, its hooks applied, loading into our tensors."""
-        owner = self._program.state_dict_owner
+        owner = self.__dict__.get("_state_dict_owner")
         if owner is None:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         with ti.reparametrize(owner, self._bindings()):
@@ -91,63 +111,87 @@ class ProgramModule(nn.Module):
 
     def _bindings(self) -> dict[str, torch.Tensor]:
         """Every fully qualified name of the program's state, bound to this module's tensor."""
-        return {
-            fqn: self._lookup(spec.target)
-            for spec in self._program.signature.inputs_of(*_STATE_KINDS)
-            for fqn in (spec.target, *spec.aliases)
-        }
-
-    @property
-    def positional_names(self) -> tuple[str, ...]:
-        """The exported callable's positional parameter names (read by a re-export)."""
-        return self._program.signature.arg_names
-
-    def _lookup(self, fqn: str) -> torch.Tensor:
-        return getattr(*_owner(self._live if self._live is not None else self, fqn))
+        return {fqn: getattr(*owner_of(self, target)) for target, aliases in self.call_contract.state for fqn in (target, *aliases)}
 
 
-def _copy(tensor: torch.Tensor, kind: InputKind) -> torch.Tensor:
-    copy = tensor.detach().clone()
-    if kind is InputKind.PARAMETER:
-        return nn.Parameter(copy, requires_grad=tensor.requires_grad)
-    return copy
+class GraphConstant:
+    """A tensor the trace created, read by the graph (`getattr(_constant_x, 'tensor')`).
+
+    Wrapped so that it is neither module state nor a tensor attribute: `state_dict()` keys stay
+    the original module's, and re-exporting `ep.module()` keeps it a constant of the graph.
+    """
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        return f"GraphConstant({tuple(self.tensor.shape)}, {self.tensor.dtype})"
 
 
-def _install(root: nn.Module, fqn: str, tensor: torch.Tensor, kind: InputKind, persistent: bool | None) -> None:
-    """Put `tensor` at `fqn`, creating empty container modules along the path."""
-    *path, attr = fqn.split(".")
-    owner = root
-    for part in path:
-        if not hasattr(owner, part):
-            owner.add_module(part, nn.Module())
-        owner = getattr(owner, part)
-    if kind is InputKind.PARAMETER:
-        owner.register_parameter(attr, tensor)
-    elif kind is InputKind.BUFFER:
-        owner.register_buffer(attr, tensor, persistent=persistent is not False)
-    else:
-        setattr(owner, attr, tensor)
+def keep_class_names(original: nn.Module, copied: nn.Module) -> None:
+    """Give each copied subgraph its original's class name, which fx's deepcopy resets to
+    "GraphModule": a captured Function's graphs are named after it (`straight_through_fwd_0`)."""
+    for (_, a), (_, b) in zip(original.named_modules(), copied.named_modules()):
+        if isinstance(b, fx.GraphModule) and b is not copied:
+            type(b).__name__ = type(a).__name__
 
 
-def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+def attach_call_hooks(module: ProgramModule) -> None:
+    """Register the input checks and the saved-tensor snapshot around each call."""
+    module.register_forward_pre_hook(_before_call, with_kwargs=True)
+    module.register_forward_hook(_after_call, always_call=True)
+
+
+# Note [Checks under torch.compile]
+# Dynamo compiles a module's hooks with its forward.  The checks read pytree specs, Python
+# constants and sympy expressions: tracing them would cost graph breaks, which fullgraph=True
+# refuses.  So under Dynamo they step aside, as torch.export's unlifted module does: Dynamo's
+# own guards on dtypes, shapes and constants recompile (or, with dynamic shapes, generalise)
+# where our checks would refuse.  The saved-tensor snapshot steps aside too: AOTAutograd
+# functionalizes the write-back, so the compiled backward never sees a written-back input.
+
+
+def _before_call(module: ProgramModule, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_dynamo_compiling():  # Note [Checks under torch.compile]
+        return
+    contract = module.call_contract
+    tensors = check_inputs(contract, args, kwargs)
+    root = module.__dict__.get(LIVE_ROOT, module)
+    targets = [tensors[w] if isinstance(w, int) else getattr(*owner_of(root, w)) for w in contract.writes]
+    snapshot = _snapshot_saved(targets)
+    snapshot.__enter__()
+    module.__dict__.setdefault("_open_snapshots", []).append(snapshot)
+
+
+def _after_call(module: ProgramModule, args: tuple, output: Any) -> None:
+    if torch.compiler.is_dynamo_compiling():  # Note [Checks under torch.compile]
+        return
+    snapshots = module.__dict__.get("_open_snapshots")
+    if snapshots:
+        snapshots.pop().__exit__(None, None, None)
+
+
+def owner_of(root: nn.Module, fqn: str) -> tuple[Any, str]:
+    """The object holding `fqn` and the attribute's name."""
     owner, _, attr = fqn.rpartition(".")
-    return root.get_submodule(owner), attr
+    return (root.get_submodule(owner) if owner else root), attr
 
 
-def _user_tensors(ep: ExportedProgram, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+# --- the input checks --------------------------------------------------------------------------
+
+
+def check_inputs(contract: CallContract, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor leaves of the call, after checking it matches the exported call."""
-    sig = ep.signature
     flat, spec = pytree.tree_flatten((args, kwargs))
-    if spec != sig.in_spec:
+    if spec != contract.in_spec:
         raise InputMismatchError(
-            f"the program was exported for inputs structured as\n    {sig.in_spec}\nbut was called with\n    {spec}",
+            f"the program was exported for inputs structured as\n    {contract.in_spec}\nbut was called with\n    {spec}",
             where=user_frame(),
             fix="call it with the same structure of args and kwargs as at export, or export again.",
         )
     tensors = []
-    placeholders = ep.graph.find_nodes(op="placeholder")[len(sig.inputs_of(*_STATE_KINDS)) :]
-    examples = iter(n.meta.get("val") for n in placeholders)
-    for leaf, value in zip(sig.input_leaves, flat):
+    examples = iter(contract.tensor_meta)
+    for leaf, value in zip(contract.input_leaves, flat):
         if leaf.is_tensor:
             _check_tensor(leaf.path, value, next(examples))
             tensors.append(value)
@@ -158,10 +202,17 @@ def _user_tensors(ep: ExportedProgram, args: tuple, kwargs: dict) -> list[torch.
                 where=user_frame(),
                 fix="call with the exported value, or export again with this one.",
             )
-    if sig.shapes.is_dynamic:
-        paths = [leaf.path for leaf in sig.input_leaves if leaf.is_tensor]
-        _check_symbols(sig.shapes, paths, tensors)
+    if contract.shapes.is_dynamic:
+        paths = [leaf.path for leaf in contract.input_leaves if leaf.is_tensor]
+        _check_symbols(contract.shapes, paths, tensors)
     return tensors
+
+
+def tensor_meta(example: Any) -> tuple[torch.dtype, tuple[int | None, ...]] | None:
+    """A placeholder's dtype and sizes, symbolic sizes as None (what `_check_tensor` compares)."""
+    if not isinstance(example, torch.Tensor):
+        return None
+    return example.dtype, tuple(s if isinstance(s, int) else None for s in example.shape)
 
 
 def _check_symbols(shapes: ShapeRecord, paths: list[str], tensors: list[torch.Tensor]) -> None:
@@ -193,22 +244,53 @@ def _shape_error(what: str) -> None:
     )
 
 
-def _check_tensor(path: str, value: Any, example: Any) -> None:
+def _check_tensor(path: str, value: Any, example: tuple[torch.dtype, tuple[int | None, ...]] | None) -> None:
     if not isinstance(value, torch.Tensor):
         raise InputMismatchError(
             f"input {path!r} was a tensor at export and has type {type(value).__name__} now.", where=user_frame()
         )
     if example is None:
         return
-    wrong_rank = value.dim() != len(example.shape)
-    static_dims = [(a, e) for a, e in zip(value.shape, example.shape) if isinstance(e, int)]
-    if value.dtype != example.dtype or wrong_rank or any(a != e for a, e in static_dims):
+    dtype, shape = example
+    wrong_rank = value.dim() != len(shape)
+    if value.dtype != dtype or wrong_rank or any(e is not None and a != e for a, e in zip(value.shape, shape)):
+        exported = tuple("?" if s is None else s for s in shape)
         raise InputMismatchError(
-            f"input {path!r} was exported as {example.dtype} {tuple(example.shape)} and is "
-            f"{value.dtype} {tuple(value.shape)} now.",
+            f"input {path!r} was exported as {dtype} {exported} and is {value.dtype} {tuple(value.shape)} now.".replace("'?'", "?"),
             where=user_frame(),
             fix="call with the exported shape and dtype, export again, or mark the dimension dynamic.",
         )
+
+
+# --- the write-back step (called from the generated code) --------------------------------------
+
+
+def apply_mutations(kinds: tuple[str, ...], targets: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> None:
+    """Write every mutation back, after the graph computed all of them.
+
+    One call in the generated code for all of a call's mutations (`kinds` are `OutputKind`
+    values, strings so the generated code can hold them): a step that must see every target
+    before the first write has them all here.
+    """
+    for kind, target, value in zip(kinds, targets, values):
+        _WRITE_BACK[kind](target, value)
+
+
+def _write_back(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Apply a mutation as eager would: in place, autograd-visible unless the target is a leaf."""
+    if target.is_leaf and target.requires_grad:
+        with torch.no_grad():
+            target.copy_(value)
+    else:
+        target.copy_(value)
+
+
+#: How each kind of mutation output is written back (keys: `OutputKind` values).
+_WRITE_BACK = {
+    OutputKind.BUFFER_MUTATION.value: _write_back,
+    OutputKind.PARAMETER_MUTATION.value: _write_back,
+    OutputKind.USER_INPUT_MUTATION.value: _write_back,
+}
 
 
 def _snapshot_saved(targets: list[torch.Tensor]):
@@ -229,10 +311,52 @@ def _snapshot_saved(targets: list[torch.Tensor]):
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
-def _write_back(target: torch.Tensor, value: torch.Tensor) -> None:
-    """Apply a mutation as eager would: in place, autograd-visible unless the target is a leaf."""
-    if target.is_leaf and target.requires_grad:
-        with torch.no_grad():
-            target.copy_(value)
-    else:
-        target.copy_(value)
+# --- captured autograd.Functions (called from the generated code) ------------------------------
+
+# Note [Captured Functions under Dynamo]
+# A captured Function (or backward hook) is torch's `autograd_function_apply` over a pair of
+# graphs.  Run eagerly, or traced again by predispatch (a re-export, a nested export), the
+# generated code calls that op itself: its eager implementation is a real autograd.Function, and
+# predispatch's trace recognises it and captures the pair unchanged.  Dynamo has no handler for
+# the op called directly, but traces user autograd.Functions, backward included, into its joint
+# graph; so under Dynamo the same pair runs as such a Function (`dynamo_function`, made once
+# per pair when the module is built, attached to the forward graph).  Same graphs, same saved
+# values, same non-differentiable outputs: the two paths compute the same thing.
+
+
+def run_autograd_function(fwd: fx.GraphModule, bwd: fx.GraphModule, *operands: Any, **attrs: Any) -> Any:
+    """One captured Function call; see Note [Captured Functions under Dynamo]."""
+    if torch.compiler.is_dynamo_compiling():
+        return fwd.dynamo_function.apply(*operands)
+    return ti.autograd_function_apply(fwd, bwd, *operands, **attrs)
+
+
+def dynamo_function(fwd: fx.GraphModule, bwd: fx.GraphModule, non_differentiable: tuple[int, ...], name: str) -> type:
+    """The pair of graphs as an autograd.Function Dynamo traces, backward included.
+
+    Saved tensors go through `save_for_backward` (autograd's bookkeeping, no reference cycle);
+    saved non-tensors (None) are kept on ctx.
+    """
+
+    class CapturedFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *args: Any) -> Any:
+            output, saved = fwd(*args)
+            outputs = output if isinstance(output, tuple) else (output,)
+            tensor_at = [i for i, v in enumerate(saved) if isinstance(v, torch.Tensor)]
+            ctx.save_for_backward(*(saved[i] for i in tensor_at))
+            ctx.layout = (len(saved), tuple(tensor_at), tuple(None if isinstance(v, torch.Tensor) else v for v in saved))
+            if non_differentiable:
+                ctx.mark_non_differentiable(*(outputs[i] for i in non_differentiable))
+            return output
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            count, tensor_at, others = ctx.layout
+            saved = list(others)
+            for i, t in zip(tensor_at, ctx.saved_tensors):
+                saved[i] = t
+            return bwd(*grads, *saved)
+
+    CapturedFunction.__name__ = CapturedFunction.__qualname__ = name
+    return CapturedFunction

@@ -1,0 +1,276 @@
+"""`module_of`: an `ExportedProgram` as the `fx.GraphModule` `ep.module()` returns.
+
+The program's graph takes `(*state, *user_tensors)` and returns `(*mutations, *user_outputs)`.
+The module's graph, on a copy, takes the call as the user makes it, as torch.export's unlifted
+module does:
+
+    def forward(self, x, mask):                                   # the exported parameters
+        x, mask, = fx_pytree.tree_flatten_spec(([x, mask], {}), self._in_spec)
+        lin_weight = self.lin.weight                              # state: get_attr by FQN
+        ...                                                       # the program's body
+        apply_mutations(('buffer_mutation',), (bn_running_mean,), (add_1,))  # the write-back
+        return pytree.tree_unflatten([linear, 'label'], self._out_spec)     # constants back in
+
+- every leaf of the call is a placeholder, in pytree order (constants too, checked by the
+  pre-hook; the graph does not read them);
+- each lifted tensor is a `get_attr` of its first fully qualified name; tied names are more
+  attributes holding the same tensor;
+- mutations are written back by one `apply_mutations` call (runner.py), then a forward that
+  leaves grad mode changed for its caller sets it;
+- a captured Function calls `run_autograd_function` (Note [Captured Functions under Dynamo]);
+- a tensor the graph creates (`_tensor_constant0`) is read through a `GraphConstant`, so it is
+  neither state (state_dict keys stay the original module's) nor lifted by a re-export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import keyword
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx, nn
+
+from predispatch import _torch_internals as ti
+from predispatch.program import runner
+from predispatch.program.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
+from predispatch.program.signature import InputKind, OutputKind
+
+if TYPE_CHECKING:
+    from predispatch.program.exported_program import ExportedProgram
+
+#: Names the generated code uses as globals; a positional parameter must not shadow them.
+_RESERVED = frozenset({"self", "torch", "fx_pytree", "pytree", "inf", "nan", "NoneType", "device", "math"})
+
+
+def module_of(ep: ExportedProgram) -> ProgramModule:
+    """Build `ep.module()`; see the module docstring."""
+    source = copy.deepcopy(ep.graph_module)  # the module's graph is its own: tools rewrite it
+    runner.keep_class_names(ep.graph_module, source)
+    graph = source.graph
+    sig = ep.signature
+    placeholders = graph.find_nodes(op="placeholder")
+    n_state = len(sig.inputs_of(*_STATE_KINDS))
+    user = _placeholders_per_leaf(graph, sig, placeholders[n_state:])
+    state = _unlift_state(graph, sig, placeholders[:n_state], "" if ep.live_root is None else f"{runner.LIVE_ROOT}.")
+    _write_back_and_return(graph, sig, state, user)
+    for gm in source.modules():
+        if isinstance(gm, fx.GraphModule):
+            _call_functions_through_runner(gm, top=gm is source)
+    graph._codegen = ti.PyTreeCodeGen(ti.PyTreeInfo(_argument_names(ep), sig.in_spec, sig.out_spec))
+    module = ProgramModule(nn.Module(), fx.Graph())
+    _install_state(module, ep)
+    _install_subgraphs(module, source)
+    module.meta[ti.USER_PRESERVED_ATTRIBUTES] = {"call_contract": _contract(ep)}
+    if ep.state_dict_owner is not None:
+        module.__dict__["_state_dict_owner"] = ep.state_dict_owner
+    module.graph = graph  # generates the code
+    runner.attach_call_hooks(module)
+    return module
+
+
+def _placeholders_per_leaf(graph: fx.Graph, sig: Any, tensor_placeholders: list[fx.Node]) -> list[fx.Node]:
+    """One placeholder per leaf of the call, in pytree order, first in the graph."""
+    tensors = iter(tensor_placeholders)
+    ordered = []
+    for leaf in sig.input_leaves:
+        if leaf.is_tensor:
+            ordered.append(next(tensors))
+        else:
+            node = graph.placeholder(_identifier(leaf.path))
+            node.meta["val"] = leaf.value
+            ordered.append(node)
+    first = next(iter(graph.nodes))
+    for i, node in enumerate(ordered):
+        if i == 0:
+            if node is not first:
+                first.prepend(node)
+        else:
+            ordered[i - 1].append(node)
+    return ordered
+
+
+def _unlift_state(graph: fx.Graph, sig: Any, placeholders: list[fx.Node], prefix: str) -> dict[str, fx.Node]:
+    """Each state placeholder becomes a `get_attr` of its fully qualified name (under `prefix`:
+    the live root of a function export); by that name."""
+    anchor = graph.find_nodes(op="placeholder")
+    by_target = {}
+    for spec, node in zip(sig.inputs_of(*_STATE_KINDS), placeholders):
+        where = graph.inserting_after(anchor[-1]) if anchor else graph.inserting_before(next(iter(graph.nodes)))
+        with where, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the attribute is installed once the graph is complete
+            attr = graph.get_attr(prefix + spec.target)
+        attr.meta = dict(node.meta)
+        node.replace_all_uses_with(attr)
+        graph.erase_node(node)
+        anchor = [attr]
+        by_target[spec.target] = attr
+    return by_target
+
+
+def _write_back_and_return(graph: fx.Graph, sig: Any, state: dict[str, fx.Node], user: list[fx.Node]) -> None:
+    """The write-back call, grad mode for the caller, and every output leaf in pytree order."""
+    output = graph.output_node()
+    values = list(output.args[0])
+    mutations = sig.mutations
+    tensor_inputs = [node for leaf, node in zip(sig.input_leaves, user) if leaf.is_tensor]
+    by_name = {spec.name: node for spec, node in zip(sig.inputs_of(InputKind.USER_INPUT), tensor_inputs)}
+    with graph.inserting_before(output):
+        if mutations:
+            targets = tuple(by_name[s.target] if s.kind is OutputKind.USER_INPUT_MUTATION else state[s.target] for s in mutations)
+            kinds = tuple(s.kind.value for s in mutations)
+            graph.call_function(runner.apply_mutations, (kinds, targets, tuple(values[: len(mutations)])))
+        if sig.grad_mode_on_exit is not None:
+            graph.call_function(torch._C._set_grad_enabled, (sig.grad_mode_on_exit,))
+    results = iter(values[len(mutations) :])
+    leaves = [next(results) if leaf.is_tensor else leaf.value for leaf in sig.output_leaves]
+    output.args = (leaves,)
+
+
+def _call_functions_through_runner(gm: fx.GraphModule, *, top: bool) -> None:
+    """`autograd_function_apply` nodes call `run_autograd_function`, with the pair's Function
+    for Dynamo made now (Note [Captured Functions under Dynamo])."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is ti.autograd_function_apply:
+            fwd, bwd = (_attribute(gm, arg.target) for arg in node.args[:2])
+            non_differentiable = tuple(node.kwargs.get("non_differentiable_idx", ()))
+            function = runner.dynamo_function(fwd, bwd, non_differentiable, f"{type(fwd).__name__}_function")
+            fwd.dynamo_function = function  # kept by deepcopy, as fx keeps user-preserved attributes:
+            fwd.meta.setdefault(ti.USER_PRESERVED_ATTRIBUTES, {})["dynamo_function"] = function
+            node.target = runner.run_autograd_function
+    if not top:  # the top graph's code is generated once, by the module
+        gm.recompile()
+
+
+def _argument_names(ep: ExportedProgram) -> list[str]:
+    """The parameters of the generated `forward`: positional names, then keyword names.
+
+    Keyword names are the call's keys; a positional name that is not a usable parameter (or
+    would shadow a global of the generated code) becomes `arg_<i>`.
+    """
+    in_spec, names = ep.signature.in_spec, list(ep.signature.arg_names)
+    count = in_spec.child(0).num_children
+    if len(names) != count:
+        names = [f"arg_{i}" for i in range(count)]
+    keywords = list(in_spec.child(1).context)
+    usable = [n if _usable(n) and n not in keywords else f"arg_{i}" for i, n in enumerate(names)]
+    return usable + keywords
+
+
+def _usable(name: str) -> bool:
+    return name.isidentifier() and not keyword.iskeyword(name) and name not in _RESERVED
+
+
+def _identifier(path: str) -> str:
+    """A placeholder name for a constant leaf (the graph uniquifies it)."""
+    name = "".join(c if c.isalnum() else "_" for c in path).strip("_") or "constant"
+    return f"_{name}" if name[0].isdigit() else name
+
+
+def _install_state(module: ProgramModule, ep: ExportedProgram) -> None:
+    """State under every fully qualified name: copies for a module export; for a function (or
+    nested) export the reached modules themselves, read at each call."""
+    if ep.live_root is not None:  # read through `_live_root`; its children show in state_dict()
+        module.__dict__[runner.LIVE_ROOT] = ep.live_root
+        for name, child in ep.live_root.named_children():
+            module.add_module(name, child)
+        return
+    for spec in ep.signature.inputs_of(*_STATE_KINDS):
+        source = ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else ep.state_dict[spec.target]
+        tensor = _copy(source, spec.kind)
+        for fqn in (spec.target, *spec.aliases):
+            _install(module, fqn, tensor, spec.kind, spec.persistent)
+
+
+def _install_subgraphs(module: ProgramModule, source: fx.GraphModule) -> None:
+    """The HOP subgraphs become submodules; each tensor a graph creates is wrapped (`_install_constants`)."""
+    for gm in source.modules():
+        if isinstance(gm, fx.GraphModule):
+            _install_constants(gm, top=gm is source)
+    for name, child in source.named_children():
+        if hasattr(module, name):
+            raise AssertionError(f"subgraph {name!r} collides with state of the same name")
+        module.add_module(name, child)
+    for name, value in vars(source).items():
+        if isinstance(value, GraphConstant):
+            setattr(module, name, value)
+
+
+def _install_constants(gm: fx.GraphModule, *, top: bool) -> None:
+    """A tensor the trace created (`_tensor_constant0`, a buffer of the graph) is held by a
+    `GraphConstant` and read through it: it is neither state (so `state_dict()` keys stay the
+    original module's) nor a tensor attribute a re-export would lift."""
+    moved: dict[str, str] = {}
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        if top and not _is_graph_attr(gm, node.target):
+            continue  # unlifted state, installed on the module
+        value = _attribute(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if node.target not in moved:
+            moved[node.target] = name = f"_constant_{node.target.replace('.', '_').lstrip('_')}"
+            wrapped = GraphConstant(value)
+            with contextlib.suppress(AttributeError):
+                delattr(gm, node.target)
+            gm.__dict__[name] = wrapped
+        node.target = moved[node.target]
+        with gm.graph.inserting_after(node):
+            read = gm.graph.call_function(getattr, (node, "tensor"))
+        node.replace_all_uses_with(read, delete_user_cb=lambda user: user is not read)
+        read.meta = dict(node.meta)
+    if not top:  # the top graph's code is generated once, by the module
+        gm.recompile()
+
+
+def _attribute(root: Any, target: str) -> Any:
+    for part in target.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def _is_graph_attr(source: fx.GraphModule, target: str) -> bool:
+    """A top-level get_attr that is the graph's own (a subgraph or a tensor the trace created),
+    as opposed to unlifted state, which `_unlift_state` added and `source` does not hold."""
+    head = target.split(".")[0]
+    return head != runner.LIVE_ROOT and head in source.__dict__ or head in source._modules or head in source._buffers
+
+
+def _contract(ep: ExportedProgram) -> CallContract:
+    sig = ep.signature
+    placeholders = ep.graph.find_nodes(op="placeholder")[len(sig.inputs_of(*_STATE_KINDS)) :]
+    user_index = {spec.name: i for i, spec in enumerate(sig.inputs_of(InputKind.USER_INPUT))}
+    writes = tuple(user_index[s.target] if s.kind is OutputKind.USER_INPUT_MUTATION else s.target for s in sig.mutations)
+    return CallContract(
+        in_spec=sig.in_spec,
+        input_leaves=sig.input_leaves,
+        tensor_meta=tuple(runner.tensor_meta(n.meta.get("val")) for n in placeholders),
+        shapes=sig.shapes,
+        writes=writes,
+        arg_names=sig.arg_names,
+        state=tuple((s.target, s.aliases) for s in sig.inputs_of(*_STATE_KINDS)),
+    )
+
+
+def _copy(tensor: torch.Tensor, kind: InputKind) -> torch.Tensor:
+    copy_ = tensor.detach().clone()
+    if kind is InputKind.PARAMETER:
+        return nn.Parameter(copy_, requires_grad=tensor.requires_grad)
+    return copy_
+
+
+def _install(root: nn.Module, fqn: str, tensor: torch.Tensor, kind: InputKind, persistent: bool | None) -> None:
+    """Put `tensor` at `fqn`, creating empty container modules along the path."""
+    *path, attr = fqn.split(".")
+    owner = root
+    for part in path:
+        if not hasattr(owner, part):
+            owner.add_module(part, nn.Module())
+        owner = getattr(owner, part)
+    if kind is InputKind.PARAMETER:
+        owner.register_parameter(attr, tensor)
+    elif kind is InputKind.BUFFER:
+        owner.register_buffer(attr, tensor, persistent=persistent is not False)
+    else:
+        setattr(owner, attr, tensor)
