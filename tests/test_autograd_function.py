@@ -513,10 +513,21 @@ def test_save_and_load_keep_backward(case, tmp_path):
 
 
 def test_torch_compile_of_the_program_keeps_backward():
-    """torch.compile traces `autograd_function_apply` with the custom backward into its joint graph."""
+    """torch.compile(fullgraph=True) traces the captured Function, custom backward included, into
+    one graph: one frame, no graph break, and the straight-through gradient where |2x| <= 1
+    (autograd through round() would give 0 everywhere)."""
+    import torch._dynamo.testing
+
     x = torch.tensor([0.3, 0.6, -0.2, 1.4])
-    compiled = torch.compile(predispatch.export(Ste(), (x,)).module(), backend="aot_eager")
-    torch.testing.assert_close(_input_grad(compiled, x), _input_grad(Ste(), x), rtol=0, atol=0)
+    program = predispatch.export(Ste(), (x,)).module()
+    assert torch._dynamo.explain(program)(x).graph_break_count == 0
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(program, backend=counter, fullgraph=True)
+    grad = _input_grad(compiled, x)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(grad, torch.tensor([2.0, 0.0, 2.0, 0.0]), rtol=0, atol=0)
+    torch.testing.assert_close(grad, _input_grad(Ste(), x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

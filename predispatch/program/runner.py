@@ -265,6 +265,22 @@ def _check_tensor(path: str, value: Any, example: tuple[torch.dtype, tuple[int |
 # --- the write-back step (called from the generated code) --------------------------------------
 
 
+# Note [Saved inputs that are written back]
+# The graph reads a buffer (or a mutated input), autograd may save it for backward, and the
+# write-back then changes it in place: backward would see a bumped version (an error) or, with
+# the version hidden, the new values (a wrong gradient).  Eagerly, `_snapshot_saved` clones
+# exactly the saved ones as autograd saves them.  Dynamo cannot trace saved-tensor hooks, so
+# under Dynamo the ops read a clone instead (`read_before_write`); AOTAutograd then saves the
+# value the graph read, and the compiled write-back leaves it alone.
+
+
+def read_before_write(target: torch.Tensor) -> torch.Tensor:
+    """What the ops read of a tensor written back later; see Note [Saved inputs that are written back]."""
+    if torch.compiler.is_dynamo_compiling():
+        return target.clone()
+    return target
+
+
 def apply_mutations(kinds: tuple[str, ...], targets: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> None:
     """Write every mutation back, after the graph computed all of them.
 

@@ -34,7 +34,7 @@ import torch
 from torch import fx, nn
 
 from predispatch import _torch_internals as ti
-from predispatch.program import runner
+from predispatch.program import interop, runner
 from predispatch.program.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
 from predispatch.program.signature import InputKind, OutputKind
 
@@ -56,8 +56,9 @@ def module_of(ep: ExportedProgram) -> ProgramModule:
     user = _placeholders_per_leaf(graph, sig, placeholders[n_state:])
     state = _unlift_state(graph, sig, placeholders[:n_state], "" if ep.live_root is None else f"{runner.LIVE_ROOT}.")
     _write_back_and_return(graph, sig, state, user)
-    for gm in source.modules():
+    for gm in list(source.modules()):
         if isinstance(gm, fx.GraphModule):
+            _lift_region_constants(gm)
             _call_functions_through_runner(gm, top=gm is source)
     graph._codegen = ti.PyTreeCodeGen(ti.PyTreeInfo(_argument_names(ep), sig.in_spec, sig.out_spec))
     module = ProgramModule(nn.Module(), fx.Graph())
@@ -120,6 +121,7 @@ def _write_back_and_return(graph: fx.Graph, sig: Any, state: dict[str, fx.Node],
     with graph.inserting_before(output):
         if mutations:
             targets = tuple(by_name[s.target] if s.kind is OutputKind.USER_INPUT_MUTATION else state[s.target] for s in mutations)
+            _read_written_targets_through_runner(graph, targets)
             kinds = tuple(s.kind.value for s in mutations)
             graph.call_function(runner.apply_mutations, (kinds, targets, tuple(values[: len(mutations)])))
         if sig.grad_mode_on_exit is not None:
@@ -127,6 +129,39 @@ def _write_back_and_return(graph: fx.Graph, sig: Any, state: dict[str, fx.Node],
     results = iter(values[len(mutations) :])
     leaves = [next(results) if leaf.is_tensor else leaf.value for leaf in sig.output_leaves]
     output.args = (leaves,)
+
+
+def _read_written_targets_through_runner(graph: fx.Graph, targets: tuple[fx.Node, ...]) -> None:
+    """The ops read each written-back tensor through `read_before_write` (Note [Saved inputs
+    that are written back]); the write-back itself gets the tensor."""
+    for target in dict.fromkeys(targets):
+        readers = [user for user in target.users]
+        if not readers:
+            continue
+        with graph.inserting_after(target):
+            read = graph.call_function(runner.read_before_write, (target,))
+        read.meta = dict(target.meta)
+        for user in readers:
+            user.replace_input_with(target, read)
+
+
+def _lift_region_constants(gm: fx.GraphModule) -> None:
+    """Tensors a grad-mode or autocast region's body creates become operands of its HOP call, read
+    by `gm` (as `to_torch` lifts them): Dynamo refuses a region body that reads anything but its
+    operands ("wrap_with_set_grad_enabled expects no freevars")."""
+    for node in list(gm.graph.nodes):
+        body = interop._body(node)
+        if body is None:
+            continue
+        lifted = interop._lift_from_subgraph(_attribute(gm, body.target), body.target)
+        operands = []
+        for path, tensor, meta in lifted:
+            name = "_lifted_" + path.replace(".", "_")
+            gm.register_buffer(name, tensor)  # a graph constant, wrapped by `_install_constants`
+            with gm.graph.inserting_before(node):
+                operands.append(gm.graph.get_attr(name))
+            operands[-1].meta = dict(meta)
+        node.args = (*node.args, *operands)
 
 
 def _call_functions_through_runner(gm: fx.GraphModule, *, top: bool) -> None:

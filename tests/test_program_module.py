@@ -1,0 +1,292 @@
+"""`ep.module()` is an `fx.GraphModule` that compilers and graph tools take whole.
+
+Every case checks the calling convention in the generated code, then what a consumer sees:
+`torch.compile(..., fullgraph=True)` compiles it as one frame with no graph break (custom
+backwards included, checked by a straight-through estimator whose autograd-through-forward
+gradient is 0), with outputs, gradients and buffers equal to eager's; torchao's PT2E
+`prepare_pt2e` -> calibrate -> `convert_pt2e` runs it close to eager.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo.testing
+from expecttest import TestCase
+from helpers import assert_same_tree
+from torch import fx, nn
+
+import predispatch
+from predispatch.errors import InputMismatchError
+
+
+class StraightThrough(torch.autograd.Function):
+    """round() forward; the gradient passes straight through (autograd through round gives 0)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class ConvBn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+class NoGradRegion(nn.Module):
+    """A no_grad region that reads a tensor the forward creates (a region body constant)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = x.abs().mean(0) * torch.tensor([1.0, 2.0, 3.0, 4.0])
+        return self.lin(x) * scale
+
+
+class AutocastRegion(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.lin(x)
+        return y.float() + x
+
+
+class Quantized(nn.Module):
+    """A straight-through estimator, as in quantization-aware training."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(StraightThrough.apply(x * 4) / 4)
+
+
+class BackwardHooks(nn.Module):
+    """A module backward hook and a tensor hook, both captured as autograd_function_apply."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.out.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0].clamp(-0.01, 0.01),))
+
+    def forward(self, x):
+        h = self.hidden(x)
+        h.register_hook(lambda g: g * 10)
+        return self.out(h)
+
+
+def _transformer_block():
+    return nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+
+
+#: name -> (module factory, example args); each module in train mode unless the name says eval.
+CASES = {
+    "mlp": (Mlp, lambda: (torch.randn(3, 8),)),
+    "conv_bn_train": (ConvBn, lambda: (torch.randn(2, 3, 8, 8),)),
+    "conv_bn_eval": (lambda: ConvBn().eval(), lambda: (torch.randn(2, 3, 8, 8),)),
+    "transformer_block": (_transformer_block, lambda: (torch.randn(2, 5, 16),)),
+    "no_grad_region": (NoGradRegion, lambda: (torch.randn(3, 4),)),
+    "autocast_region": (AutocastRegion, lambda: (torch.randn(3, 4),)),
+    "straight_through": (Quantized, lambda: (torch.randn(3, 4),)),
+    "backward_hooks": (BackwardHooks, lambda: (torch.randn(3, 4),)),
+}
+
+
+def _run(module, args):
+    """Outputs, input and parameter gradients, and the state after one training step's forward."""
+    inputs = [a.clone().requires_grad_() for a in args]
+    out = module(*inputs)
+    out.sum().backward()
+    grads = [p.grad for p in module.parameters()]
+    return out, [x.grad for x in inputs], grads, getattr(module, "_orig_mod", module).state_dict()
+
+
+class ModuleIsAGraphModule(TestCase):
+    def test_calling_convention_is_generated_code(self):
+        """Pytree in (kwargs, a constant), state by FQN, the write-back, constants back in the output."""
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+                self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+            def forward(self, x, *, scale, tag="a"):
+                self.steps += 1
+                return {"y": self.lin(x) * scale, "tag": tag}
+
+        net, x, scale = Net(), torch.randn(2, 4), torch.tensor(2.0)
+        program = predispatch.export(net, (x,), {"scale": scale, "tag": "a"}).module()
+        self.assertIsInstance(program, fx.GraphModule)
+        self.assertExpectedInline(
+            program.code.strip(),
+            """\
+def forward(self, x, scale, tag):
+    x, scale, tag, = fx_pytree.tree_flatten_spec(([x], {'scale':scale, 'tag':tag}), self._in_spec)
+    lin_weight = self.lin.weight
+    lin_bias = self.lin.bias
+    steps = self.steps
+    read_before_write = predispatch_program_runner_read_before_write(steps)
+    add = torch.ops.aten.add.Tensor(read_before_write, 1);  read_before_write = None
+    linear = torch.ops.aten.linear.default(x, lin_weight, lin_bias);  x = lin_weight = lin_bias = None
+    mul = torch.ops.aten.mul.Tensor(linear, scale);  linear = scale = None
+    apply_mutations = predispatch_program_runner_apply_mutations(('buffer_mutation',), (steps,), (add,));  steps = add = apply_mutations = None
+    return pytree.tree_unflatten([mul, 'a'], self._out_spec)""",
+        )
+        eager = copy.deepcopy(net)
+        assert_same_tree(program(x, scale=scale, tag="a"), eager(x, scale=scale, tag="a"))
+        assert_same_tree(program.state_dict(), eager.state_dict())
+        self.assertEqual(list(program.state_dict()), list(net.state_dict()))
+        with pytest.raises(InputMismatchError, match="'tag' was 'a' at export and is 'b' now"):
+            program(x, scale=scale, tag="b")
+        with pytest.raises(InputMismatchError, match="exported as torch.float32"):
+            program(x.double(), scale=scale, tag="a")
+        self.assertEqual(program.steps.item(), 1)  # the refused calls wrote nothing
+
+    def test_graph_constants_are_not_state(self):
+        """A tensor the forward creates is read by the graph but is neither state nor a buffer."""
+        module = NoGradRegion()
+        program = predispatch.export(module, (torch.randn(3, 4),)).module()
+        self.assertEqual(list(program.state_dict()), list(module.state_dict()))
+        self.assertEqual([name for name, _ in program.named_buffers()], [])
+
+    def test_deepcopy_keeps_kinds_of_state_and_runs(self):
+        module = ConvBn()
+        module.register_buffer("scratch", torch.ones(1), persistent=False)
+        x = torch.randn(2, 3, 8, 8)
+        program = predispatch.export(module, (x,)).module()
+        copied = copy.deepcopy(program)
+        self.assertEqual(list(copied.state_dict()), list(module.state_dict()))
+        self.assertIsNot(copied.conv.weight, program.conv.weight)
+        assert_same_tree(copied(x), program(x))
+        assert_same_tree(copied.state_dict(), program.state_dict())
+
+
+def _compiled(module):
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    return torch.compile(module, backend=counter, fullgraph=True), counter
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_torch_compile_fullgraph_one_frame_no_breaks(case):
+    """One frame, no graph break; outputs, gradients (parameters and inputs) and state equal eager."""
+    torch.manual_seed(0)
+    make_module, make_args = CASES[case]
+    module, args = make_module(), make_args()
+    eager = copy.deepcopy(module)
+    program = predispatch.export(module, args).module()
+    assert torch._dynamo.explain(copy.deepcopy(program))(*args).graph_break_count == 0
+    torch._dynamo.reset()
+    compiled, counter = _compiled(program)
+    got, want = _run(compiled, args), _run(eager, args)
+    assert counter.frame_count == 1
+    for g, w in zip(got, want):
+        pytree_close(g, w)
+
+
+def pytree_close(got, want):
+    assert_same_tree(got, want, exact=False)
+
+
+def test_straight_through_compiled_uses_the_custom_backward():
+    """Autograd through round() gives 0; the compiled program gives the custom backward's gradient."""
+    x = torch.tensor([[0.3, 0.6, -0.2, 1.4]])
+    module = Quantized()
+    program, eager = predispatch.export(module, (x,)).module(), copy.deepcopy(module)
+    compiled, counter = _compiled(program)
+    grad = _run(compiled, (x,))[1][0]
+    assert counter.frame_count == 1
+    assert grad.abs().sum() > 0
+    torch.testing.assert_close(grad, _run(eager, (x,))[1][0])
+
+
+def test_compiled_batch_norm_updates_running_stats_like_eager():
+    torch.manual_seed(0)
+    module, x = ConvBn(), torch.randn(2, 3, 8, 8)
+    eager = copy.deepcopy(module)
+    compiled, counter = _compiled(predispatch.export(module, (x,)).module())
+    for _ in range(3):
+        pytree_close(compiled(x), eager(x))
+    assert counter.frame_count == 1
+    state = compiled._orig_mod.state_dict()
+    pytree_close(state, eager.state_dict())
+    assert state["bn.num_batches_tracked"].item() == 3
+
+
+# --- torchao PT2E ------------------------------------------------------------------------------
+
+
+def _quantizers():
+    """(name, factory) for each PT2E quantizer installed: torchao's X86, ExecuTorch's XNNPACK."""
+    found = []
+    try:
+        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as x86
+    except ImportError:
+        pass
+    else:
+        found.append(("x86", lambda: x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())))
+    try:
+        import executorch.backends.xnnpack.quantizer.xnnpack_quantizer as xnn
+    except ImportError:
+        pass
+    else:
+        found.append(("xnnpack", lambda: xnn.XNNPACKQuantizer().set_global(xnn.get_symmetric_quantization_config())))
+    return found
+
+
+@pytest.mark.parametrize("case", ["mlp", "conv_bn_eval", "transformer_block"])
+@pytest.mark.parametrize("quantizer", [name for name, _ in _quantizers()] or ["none"])
+def test_pt2e_prepare_calibrate_convert_run(case, quantizer):
+    """prepare_pt2e takes ep.module() as it takes torch.export's: the quantized program runs close
+    to eager, and as torch.export's route quantizes the same model with the same calibration."""
+    if quantizer == "none":
+        pytest.skip("torchao is not installed (the consumers extra)")
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    torch.manual_seed(0)
+    make_module, make_args = CASES[case]
+    module, args = make_module().eval(), make_args()
+    calibration = [args, *(make_args() for _ in range(3))]
+    routes = {
+        "predispatch": predispatch.export(module, args).module(),
+        "torch.export": torch.export.export(copy.deepcopy(module), args).module(),
+    }
+    outputs = {}
+    for route, program in routes.items():
+        prepared = prepare_pt2e(program, dict(_quantizers())[quantizer]())
+        for batch in calibration:
+            prepared(*batch)
+        quantized = convert_pt2e(prepared)
+        assert any("quantize_per_tensor" in str(n.target) for n in quantized.graph.nodes), route
+        with torch.no_grad():
+            outputs[route] = quantized(*args)
+    with torch.no_grad():
+        want = module(*args)
+    assert (outputs["predispatch"] - want).abs().max() <= 0.05 * want.abs().max()
+    torch.testing.assert_close(outputs["predispatch"], outputs["torch.export"])
