@@ -242,32 +242,27 @@ def test_compiled_batch_norm_updates_running_stats_like_eager():
 # --- torchao PT2E ------------------------------------------------------------------------------
 
 
-def _quantizers():
-    """(name, factory) for each PT2E quantizer installed: torchao's X86, ExecuTorch's XNNPACK."""
-    found = []
-    try:
-        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as x86
-    except ImportError:
-        pass
-    else:
-        found.append(("x86", lambda: x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())))
-    try:
-        import executorch.backends.xnnpack.quantizer.xnnpack_quantizer as xnn
-    except ImportError:
-        pass
-    else:
-        found.append(("xnnpack", lambda: xnn.XNNPACKQuantizer().set_global(xnn.get_symmetric_quantization_config())))
-    return found
+def _x86_quantizer():
+    x86 = pytest.importorskip("torchao.quantization.pt2e.quantizer.x86_inductor_quantizer", reason="needs torchao (the consumers extra)")
+    return x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
+
+
+def _xnnpack_quantizer():
+    xnn = pytest.importorskip("executorch.backends.xnnpack.quantizer.xnnpack_quantizer", reason="needs executorch (the consumers extra)")
+    return xnn.XNNPACKQuantizer().set_global(xnn.get_symmetric_quantization_config())
+
+
+#: The PT2E quantizers tried: torchao's X86 one, and ExecuTorch's XNNPACK one.
+QUANTIZERS = {"x86": _x86_quantizer, "xnnpack": _xnnpack_quantizer}
 
 
 @pytest.mark.parametrize("case", ["mlp", "conv_bn_eval", "transformer_block"])
-@pytest.mark.parametrize("quantizer", [name for name, _ in _quantizers()] or ["none"])
+@pytest.mark.parametrize("quantizer", sorted(QUANTIZERS))
 def test_pt2e_prepare_calibrate_convert_run(case, quantizer):
     """prepare_pt2e takes ep.module() as it takes torch.export's: the quantized program runs close
     to eager, and as torch.export's route quantizes the same model with the same calibration."""
-    if quantizer == "none":
-        pytest.skip("torchao is not installed (the consumers extra)")
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    make_quantizer = QUANTIZERS[quantizer]
+    pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e", reason="needs torchao (the consumers extra)")
 
     torch.manual_seed(0)
     make_module, make_args = CASES[case]
@@ -279,10 +274,10 @@ def test_pt2e_prepare_calibrate_convert_run(case, quantizer):
     }
     outputs = {}
     for route, program in routes.items():
-        prepared = prepare_pt2e(program, dict(_quantizers())[quantizer]())
+        prepared = pt2e.prepare_pt2e(program, make_quantizer())
         for batch in calibration:
             prepared(*batch)
-        quantized = convert_pt2e(prepared)
+        quantized = pt2e.convert_pt2e(prepared)
         assert any("quantize_per_tensor" in str(n.target) for n in quantized.graph.nodes), route
         with torch.no_grad():
             outputs[route] = quantized(*args)
