@@ -256,8 +256,15 @@ def _xnnpack_quantizer():
 QUANTIZERS = {"x86": _x86_quantizer, "xnnpack": _xnnpack_quantizer}
 
 
-@pytest.mark.parametrize("case", ["mlp", "conv_bn_eval", "transformer_block"])
-@pytest.mark.parametrize("quantizer", sorted(QUANTIZERS))
+@pytest.mark.parametrize(
+    ("case", "quantizer"),
+    [
+        *((case, "x86") for case in ("mlp", "conv_bn_eval", "transformer_block")),
+        ("mlp", "xnnpack"),
+        # XNNPACK's annotators export their patterns at each prepare (~15 s a case)
+        *(pytest.param(case, "xnnpack", marks=pytest.mark.slow) for case in ("conv_bn_eval", "transformer_block")),
+    ],
+)
 def test_pt2e_prepare_calibrate_convert_run(case, quantizer):
     """prepare_pt2e takes ep.module() as it takes torch.export's: the quantized program runs close
     to eager, and as torch.export's route quantizes the same model with the same calibration."""
