@@ -301,6 +301,9 @@ def _write_back(target: torch.Tensor, value: torch.Tensor) -> None:
         target.copy_(value)
 
 
+#: Mutation kinds whose target is a user input (named by its placeholder), not state (by FQN).
+WRITES_TO_USER_INPUT = frozenset({OutputKind.USER_INPUT_MUTATION})
+
 #: How each kind of mutation output is written back (keys: `OutputKind` values).
 _WRITE_BACK = {
     OutputKind.BUFFER_MUTATION.value: _write_back,

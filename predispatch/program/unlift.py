@@ -36,7 +36,7 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch.program import interop, runner
 from predispatch.program.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
-from predispatch.program.signature import InputKind, OutputKind
+from predispatch.program.signature import InputKind
 
 if TYPE_CHECKING:
     from predispatch.program.exported_program import ExportedProgram
@@ -120,7 +120,7 @@ def _write_back_and_return(graph: fx.Graph, sig: Any, state: dict[str, fx.Node],
     by_name = {spec.name: node for spec, node in zip(sig.inputs_of(InputKind.USER_INPUT), tensor_inputs)}
     with graph.inserting_before(output):
         if mutations:
-            targets = tuple(by_name[s.target] if s.kind is OutputKind.USER_INPUT_MUTATION else state[s.target] for s in mutations)
+            targets = tuple(by_name[s.target] if s.kind in runner.WRITES_TO_USER_INPUT else state[s.target] for s in mutations)
             _read_written_targets_through_runner(graph, targets)
             kinds = tuple(s.kind.value for s in mutations)
             graph.call_function(runner.apply_mutations, (kinds, targets, tuple(values[: len(mutations)])))
@@ -276,7 +276,7 @@ def _contract(ep: ExportedProgram) -> CallContract:
     sig = ep.signature
     placeholders = ep.graph.find_nodes(op="placeholder")[len(sig.inputs_of(*_STATE_KINDS)) :]
     user_index = {spec.name: i for i, spec in enumerate(sig.inputs_of(InputKind.USER_INPUT))}
-    writes = tuple(user_index[s.target] if s.kind is OutputKind.USER_INPUT_MUTATION else s.target for s in sig.mutations)
+    writes = tuple(user_index[s.target] if s.kind in runner.WRITES_TO_USER_INPUT else s.target for s in sig.mutations)
     return CallContract(
         in_spec=sig.in_spec,
         input_leaves=sig.input_leaves,
