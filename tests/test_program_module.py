@@ -19,7 +19,7 @@ from helpers import assert_same_tree
 from torch import fx, nn
 
 import predispatch
-from predispatch.errors import InputMismatchError
+from predispatch.errors import DynamicShapeError, InputMismatchError
 
 
 class StraightThrough(torch.autograd.Function):
@@ -123,8 +123,9 @@ def _run(module, args):
     inputs = [a.clone().requires_grad_() for a in args]
     out = module(*inputs)
     out.sum().backward()
-    grads = [p.grad for p in module.parameters()]
-    return out, [x.grad for x in inputs], grads, getattr(module, "_orig_mod", module).state_dict()
+    grads = [p.grad for p in module.parameters()] if isinstance(module, nn.Module) else []
+    state = getattr(module, "_orig_mod", module).state_dict() if isinstance(module, nn.Module) else {}
+    return out, [x.grad for x in inputs], grads, state
 
 
 class ModuleIsAGraphModule(TestCase):
@@ -237,6 +238,48 @@ def test_compiled_batch_norm_updates_running_stats_like_eager():
     state = compiled._orig_mod.state_dict()
     pytree_close(state, eager.state_dict())
     assert state["bn.num_batches_tracked"].item() == 3
+
+
+def test_function_export_compiles_reading_the_live_modules():
+    """A function export's module reads the function's own modules; compiled, it still does."""
+    encoder = nn.Linear(4, 4)
+
+    def fn(x, scale=2.0):
+        return StraightThrough.apply(encoder(x) * scale)
+
+    x = torch.randn(3, 4)
+    compiled, counter = _compiled(predispatch.export(fn, (x,)).module())
+    got = _run(compiled, (x,))[1][0]
+    encoder.weight.grad = None
+    want = _run(lambda t: fn(t), (x,))
+    torch.testing.assert_close(got, want[1][0])
+    assert counter.frame_count == 1
+    with torch.no_grad():
+        encoder.weight.zero_()  # read at each call, as the function reads it
+    torch.testing.assert_close(compiled(x), fn(x))
+
+
+def test_dynamic_program_compiles_once_for_every_size():
+    module, x = Mlp(), torch.randn(3, 8)
+    program = predispatch.export(module, (x,), dynamic_shapes={"x": {0: torch.export.Dim("batch", min=2, max=16)}}).module()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(program, backend=counter, fullgraph=True, dynamic=True)
+    for n in (3, 5, 9):
+        batch = torch.randn(n, 8)
+        torch.testing.assert_close(compiled(batch), module(batch))
+    assert counter.frame_count == 1  # one symbolic compilation serves every size
+    with pytest.raises(DynamicShapeError):
+        program(torch.randn(17, 8))  # eagerly, the exported range is still enforced
+
+
+@pytest.mark.slow  # inductor compiles C++ (~15 s)
+def test_inductor_training_step_keeps_the_custom_backward():
+    torch.manual_seed(0)
+    module, x = Quantized(), torch.randn(3, 4)
+    eager = copy.deepcopy(module)
+    compiled = torch.compile(predispatch.export(module, (x,)).module(), fullgraph=True)
+    for g, w in zip(_run(compiled, (x,)), _run(eager, (x,))):
+        pytree_close(g, w)
 
 
 # --- torchao PT2E ------------------------------------------------------------------------------
