@@ -10,12 +10,18 @@ graph, in hooks, because they inspect Python values rather than compute:
 - `_after_call` (forward hook, always called): closes the snapshot.
 
 Under Dynamo both hooks step aside (see Note [Checks under torch.compile]).
+
+Where later steps plug in: a check of the call goes in `_before_call` after `check_inputs`; a
+check of every write target before any write goes at the top of `apply_mutations`; a new kind
+of mutation output gets a writer in `_WRITE_BACK` (and, if it writes a user input, a place in
+`WRITES_TO_USER_INPUT`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +69,7 @@ class ProgramModule(fx.GraphModule):
     State sits under the original fully qualified names (plain container modules mirror the
     hierarchy), so `state_dict()` keys, tied names included, equal the original module's; for
     a function export the reached modules are the user's own, read at each call.  Tensors the
-    graph itself creates live in `_graph_constants`, which is neither state nor a submodule.
+    graph itself creates are held by `GraphConstant`s, which are neither state nor submodules.
     """
 
     def __deepcopy__(self, memo: dict) -> ProgramModule:
@@ -74,7 +80,7 @@ class ProgramModule(fx.GraphModule):
             memo[id(shared)] = shared  # the exported module (for its hooks); plain immutable data
         copied = ProgramModule(nn.Module(), fx.Graph())
         memo[id(self)] = copied
-        skip = ("_graph", "_code", "_in_spec", "_out_spec", "_open_snapshots")
+        skip = ("_graph", "_code", "_in_spec", "_out_spec")
         copied.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in skip}, memo))
         graph = fx.Graph()
         output, old_output = graph.graph_copy(self.graph, {}, return_output_node=True)
@@ -160,15 +166,26 @@ def _before_call(module: ProgramModule, args: tuple, kwargs: dict) -> None:
     targets = [tensors[w] if isinstance(w, int) else getattr(*owner_of(root, w)) for w in contract.writes]
     snapshot = _snapshot_saved(targets)
     snapshot.__enter__()
-    module.__dict__.setdefault("_open_snapshots", []).append(snapshot)
+    _open_snapshots().append((module, snapshot))
 
 
 def _after_call(module: ProgramModule, args: tuple, output: Any) -> None:
+    """Close this call's snapshot (also when forward raised: the hook is always called)."""
     if torch.compiler.is_dynamo_compiling():  # Note [Checks under torch.compile]
         return
-    snapshots = module.__dict__.get("_open_snapshots")
-    if snapshots:
-        snapshots.pop().__exit__(None, None, None)
+    snapshots = _open_snapshots()
+    if snapshots and snapshots[-1][0] is module:  # none if the pre-hook refused the call
+        snapshots.pop()[1].__exit__(None, None, None)
+
+
+_THREAD = threading.local()
+
+
+def _open_snapshots() -> list[tuple[ProgramModule, Any]]:
+    """This thread's open snapshots, innermost last (calls nest; threads do not share them)."""
+    if not hasattr(_THREAD, "snapshots"):
+        _THREAD.snapshots = []
+    return _THREAD.snapshots
 
 
 def owner_of(root: nn.Module, fqn: str) -> tuple[Any, str]:
