@@ -208,10 +208,11 @@ def test_torch_compile_fullgraph_one_frame_no_breaks(case):
     got, want = _run(compiled, args), _run(eager, args)
     assert counter.frame_count == 1
     for g, w in zip(got, want):
-        pytree_close(g, w)
+        _close(g, w)
 
 
-def pytree_close(got, want):
+def _close(got, want):
+    """Same structure; tensors equal up to compiled kernels' rounding."""
     assert_same_tree(got, want, exact=False)
 
 
@@ -233,10 +234,10 @@ def test_compiled_batch_norm_updates_running_stats_like_eager():
     eager = copy.deepcopy(module)
     compiled, counter = _compiled(predispatch.export(module, (x,)).module())
     for _ in range(3):
-        pytree_close(compiled(x), eager(x))
+        _close(compiled(x), eager(x))
     assert counter.frame_count == 1
     state = compiled._orig_mod.state_dict()
-    pytree_close(state, eager.state_dict())
+    _close(state, eager.state_dict())
     assert state["bn.num_batches_tracked"].item() == 3
 
 
@@ -279,7 +280,7 @@ def test_inductor_training_step_keeps_the_custom_backward():
     eager = copy.deepcopy(module)
     compiled = torch.compile(predispatch.export(module, (x,)).module(), fullgraph=True)
     for g, w in zip(_run(compiled, (x,)), _run(eager, (x,))):
-        pytree_close(g, w)
+        _close(g, w)
 
 
 # --- torchao PT2E ------------------------------------------------------------------------------
