@@ -524,3 +524,18 @@ def fake_of_meta(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.devic
     fakes are made on the device the real weights will live on (the inputs' device) instead.
     """
     return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, t, device)
+
+
+# --- the joint forward-backward program (program/joint.py) ------------------------------------
+
+from torch._functorch.aot_autograd import _aot_export_function  # noqa: E402
+
+
+def aot_joint(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> Callable[[tuple], tuple[list, list]]:
+    """AOTAutograd's joint of `fn` (whose first output needing grad is a scalar loss), as a
+    function `inputs -> (outputs, grads)` to trace with make_fx, grads None where an input
+    gets none: `aot_export_module(trace_joint=True)`'s tracer, without its requirement that
+    every parameter reach the loss (an unused parameter has no gradient, as in eager)."""
+    joint, meta, _, _ = _aot_export_function(fn, args, no_tangents=True, trace_joint=True)
+    tangents = [None] * (meta.num_outputs + meta.num_mutated_inp_runtime_indices)
+    return lambda inputs: joint(inputs, tangents)
