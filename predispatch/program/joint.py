@@ -42,7 +42,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from predispatch import _torch_internals as ti
-from predispatch.errors import JointError
+from predispatch.errors import JointError, user_frame
 from predispatch.passes import check_functional, name_placeholders
 from predispatch.program.signature import ExportSignature, InputKind, Leaf, OutputKind, OutputSpec
 
@@ -67,7 +67,7 @@ def joint_program(ep: ExportedProgram, loss: str | None = None) -> ExportedProgr
     _check_not_joint(ep)
     loss_position = _loss_position(ep, loss)
     wants_grad = [_differentiable(ep, spec) for spec in ep.signature.inputs]
-    gm, has_grad = _trace_joint(ep, loss_position, wants_grad)
+    gm, has_grad = _trace_joint(ep, loss_position, wants_grad, user_frame())
     name_placeholders(gm, [spec.name for spec in ep.signature.inputs])
     _tidy(gm)
     check_functional(gm)
@@ -81,6 +81,7 @@ def _check_not_joint(ep: ExportedProgram) -> None:
     if ep.signature.outputs_of(*GRADIENT_KIND.values()):
         raise JointError(
             "this program is already a joint forward-backward program.",
+            where=user_frame(),
             fix="call joint() on the exported forward program.",
         )
 
@@ -95,6 +96,7 @@ def _loss_position(ep: ExportedProgram, loss: str | None) -> int:
             raise JointError(
                 f"joint() needs to know which output is the loss; forward returns {len(sig.output_leaves)} "
                 f"leaves ({', '.join(leaf.path for leaf in sig.output_leaves)}).",
+                where=user_frame(),
                 fix="name it: ep.joint(loss='<path>') with one of the paths above.",
             )
         position = user[0][0]
@@ -103,6 +105,7 @@ def _loss_position(ep: ExportedProgram, loss: str | None) -> int:
         if len(matches) != 1:
             raise JointError(
                 f"no tensor output is at path {loss!r}; the tensor outputs are {', '.join(paths) or 'none'}.",
+                where=user_frame(),
                 fix="pass one of those paths as loss=.",
             )
         position = matches[0]
@@ -125,6 +128,7 @@ def _check_scalar(ep: ExportedProgram, position: int, path: str) -> None:
         what = "not a tensor" if not isinstance(example, torch.Tensor) else f"{example.dtype} {tuple(example.shape)}"
         raise JointError(
             f"the loss {path!r} must be a floating tensor with one element; it is {what}.",
+            where=user_frame(),
             fix="return a scalar loss (for example out.sum() or a criterion's output), or name it with loss=.",
         )
 
@@ -143,11 +147,14 @@ def spec_example(ep: ExportedProgram, spec: Any) -> torch.Tensor:
     return ep.graph.find_nodes(op="placeholder")[ep.signature.inputs.index(spec)].meta["val"]
 
 
-def _trace_joint(ep: ExportedProgram, loss_position: int, wants_grad: list[bool]) -> tuple[fx.GraphModule, list[bool]]:
+def _trace_joint(
+    ep: ExportedProgram, loss_position: int, wants_grad: list[bool], where: str | None
+) -> tuple[fx.GraphModule, list[bool]]:
     """Trace forward + `autograd.grad` of the program below autograd, functionalized.
 
     Returns the graph `(*inputs) -> (*forward outputs, *gradients)` and, per input, whether
-    it got a gradient output.  Outputs other than the loss are detached before the backward:
+    it got a gradient output (`where`: the user's `joint()` call, for errors raised while
+    tracing, whose stack holds the program's generated code).  Outputs other than the loss are detached before the backward:
     the joint differentiates the loss only (AOTAutograd's rule for a joint export).
     """
     placeholders = ep.graph.find_nodes(op="placeholder")
@@ -158,6 +165,8 @@ def _trace_joint(ep: ExportedProgram, loss_position: int, wants_grad: list[bool]
 
     def forward(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outputs = program(*inputs)
+        if not outputs[loss_position].requires_grad:
+            _no_gradient(ep.signature.outputs[loss_position].target, where)
         return tuple(o if i == loss_position or not isinstance(o, torch.Tensor) else o.detach() for i, o in enumerate(outputs))
 
     got_grad: list[bool] = []
@@ -173,6 +182,15 @@ def _trace_joint(ep: ExportedProgram, loss_position: int, wants_grad: list[bool]
             gm = ti.make_fx(flat_joint)(*args)
     gm.meta["forward_outputs"] = len(ep.signature.outputs)
     return gm, got_grad
+
+
+def _no_gradient(path: str, where: str | None) -> None:
+    raise JointError(
+        f"the loss {path!r} has no gradient: it depends on no parameter that requires grad and no floating "
+        "input, or it is computed with grad mode off (eager's loss.backward() would fail too).",
+        where=where,
+        fix="compute the loss with grad mode on, from the parameters you train.",
+    )
 
 
 def _fresh(example: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -200,8 +218,9 @@ def _tidy(gm: fx.GraphModule) -> None:
 
 def forward_nodes(graph: fx.Graph, forward_outputs: int) -> set[fx.Node]:
     """The forward part: the nodes the forward outputs (the first `forward_outputs` outputs)
-    depend on, and the other results of the multi-result ops among them (a batch norm's
-    saved statistics, a dropout's mask), which the forward computes for the backward."""
+    depend on, the other results of the multi-result ops among them (a batch norm's saved
+    statistics, a dropout's mask), which the forward computes for the backward, and the
+    checks on forward values (`_assert_tensor_metadata`, kept for their side effect)."""
     seen: set[fx.Node] = set()
     stack = [n for n in graph.output_node().args[0][:forward_outputs] if isinstance(n, fx.Node)]
     while stack:
@@ -210,7 +229,8 @@ def forward_nodes(graph: fx.Graph, forward_outputs: int) -> set[fx.Node]:
             seen.add(node)
             stack.extend(node.all_input_nodes)
             stack.extend(user for user in node.users if user.target is operator.getitem)
-    return seen
+    checks = [n for n in graph.nodes if n.op == "call_function" and not n.users and n.all_input_nodes]
+    return seen | {n for n in checks if all(i in seen for i in n.all_input_nodes)}
 
 
 def _joint_signature(ep: ExportedProgram, gm: fx.GraphModule, has_grad: list[bool]) -> ExportSignature:
