@@ -56,7 +56,12 @@ def eager_gradients(module: nn.Module, args: tuple, kwargs: dict, loss: str | No
 
 def _leaf(out: Any, path: str) -> torch.Tensor:
     leaves, _ = pytree.tree_flatten_with_path(out)
-    return next(leaf for p, leaf in leaves if pytree.keystr(p) == path)
+    return next(leaf for p, leaf in leaves if _bare(pytree.keystr(p)) == _bare(path))
+
+
+def _bare(path: str) -> str:
+    """`['loss']`, `.loss` and `loss` name the same leaf."""
+    return path.strip("[]'\".")
 
 
 def check_joint(module: nn.Module, args: tuple, kwargs: dict | None = None, *, loss: str | None = None):
