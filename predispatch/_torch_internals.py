@@ -528,14 +528,22 @@ def fake_of_meta(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.devic
 
 # --- the joint forward-backward program (program/joint.py) ------------------------------------
 
-from torch._functorch.aot_autograd import _aot_export_function  # noqa: E402
 
+def trace_differentiated(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], fake_mode: FakeTensorMode) -> torch.fx.GraphModule:
+    """Trace `fn(*args)`, which calls `torch.autograd.grad`, below autograd and functionalized.
 
-def aot_joint(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> Callable[[tuple], tuple[list, list]]:
-    """AOTAutograd's joint of `fn` (whose first output needing grad is a scalar loss), as a
-    function `inputs -> (outputs, grads)` to trace with make_fx, grads None where an input
-    gets none: `aot_export_module(trace_joint=True)`'s tracer, without its requirement that
-    every parameter reach the loss (an unused parameter has no gradient, as in eager)."""
-    joint, meta, _, _ = _aot_export_function(fn, args, no_tangents=True, trace_joint=True)
-    tangents = [None] * (meta.num_outputs + meta.num_mutated_inp_runtime_indices)
-    return lambda inputs: joint(inputs, tangents)
+    make_fx under FunctionalTensorMode (at the level below autograd, as AOTAutograd traces its
+    joint), the inputs wrapped with their `requires_grad`.  Not `aot_export_module(trace_joint=True)`:
+    AOTAutograd runs the backward with grad mode on, so formulas take their double-differentiable
+    form (`silu_backward` becomes `sigmoid` arithmetic) and the gradients differ from eager's
+    in the last bits; the autograd engine called here runs them as eager does.
+    """
+
+    def functional(*inputs: torch.Tensor) -> Any:
+        with FunctionalTensorMode(), torch.enable_grad():
+            wrapped = [FunctionalTensor.to_functional(t).requires_grad_(t.requires_grad) for t in inputs]
+            out = fn(*wrapped)
+            return pytree.tree_map_only(FunctionalTensor, functional_value, out)
+
+    with fake_mode, enable_python_dispatcher(), torch.autograd.set_multithreading_enabled(False):
+        return make_fx(functional)(*args)

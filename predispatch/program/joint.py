@@ -150,7 +150,8 @@ def spec_example(ep: ExportedProgram, spec: Any) -> torch.Tensor:
 def _trace_joint(
     ep: ExportedProgram, loss_position: int, wants_grad: list[bool], where: str | None
 ) -> tuple[fx.GraphModule, list[bool]]:
-    """Trace forward + `autograd.grad` of the program below autograd, functionalized.
+    """Trace forward + `autograd.grad` of the program below autograd, functionalized
+    (`ti.trace_differentiated`).
 
     Returns the graph `(*inputs) -> (*forward outputs, *gradients)` and, per input, whether
     it got a gradient output (`where`: the user's `joint()` call, for errors raised while
@@ -167,19 +168,22 @@ def _trace_joint(
         outputs = program(*inputs)
         if not outputs[loss_position].requires_grad:
             _no_gradient(ep.signature.outputs[loss_position].target, where)
-        return tuple(o if i == loss_position or not isinstance(o, torch.Tensor) else o.detach() for i, o in enumerate(outputs))
+        return outputs
 
     got_grad: list[bool] = []
+
+    def joint(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = forward(*inputs)
+        differentiable = [t for t, wants in zip(inputs, wants_grad) if wants]
+        grads = torch.autograd.grad(outputs[loss_position], differentiable, allow_unused=True)
+        got_grad[:] = [False] * len(inputs)
+        positions = [i for i, wants in enumerate(wants_grad) if wants]
+        for i, grad in zip(positions, grads):
+            got_grad[i] = grad is not None
+        return (*(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs), *(g for g in grads if g is not None))
+
     with ti.outside_trace():
-        joint = ti.aot_joint(forward, args)
-
-        def flat_joint(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            outputs, grads = joint(inputs)
-            got_grad[:] = [g is not None for g in grads]
-            return (*outputs, *(g for g in grads if g is not None))
-
-        with fake_mode:
-            gm = ti.make_fx(flat_joint)(*args)
+        gm = ti.trace_differentiated(joint, args, fake_mode)
     gm.meta["forward_outputs"] = len(ep.signature.outputs)
     return gm, got_grad
 
