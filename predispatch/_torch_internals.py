@@ -90,6 +90,7 @@ __all__ = [
     "outside_trace",
     "trace_functional",
     "trace_program",
+    "trace_differentiated",
     "forward_frames_only",
     "ProgramTrace",
     "track_tensor_tree",
@@ -533,10 +534,11 @@ def trace_differentiated(fn: Callable[..., Any], args: tuple[torch.Tensor, ...],
     """Trace `fn(*args)`, which calls `torch.autograd.grad`, below autograd and functionalized.
 
     make_fx under FunctionalTensorMode (at the level below autograd, as AOTAutograd traces its
-    joint), the inputs wrapped with their `requires_grad`.  Not `aot_export_module(trace_joint=True)`:
-    AOTAutograd runs the backward with grad mode on, so formulas take their double-differentiable
-    form (`silu_backward` becomes `sigmoid` arithmetic) and the gradients differ from eager's
-    in the last bits; the autograd engine called here runs them as eager does.
+    joint), the inputs wrapped with their `requires_grad`.  Not `aot_export_module(trace_joint=True)`
+    (`_aot_export_function`): its joint trace records backward formulas in their
+    double-differentiable form (`silu_backward` becomes `sigmoid` arithmetic, as autograd does
+    with grad mode on), so its gradients differ from eager's in the last bits (Llama, Mistral,
+    Qwen2 in tests/test_joint_models.py); `torch.autograd.grad` called here runs them as eager does.
     """
 
     def functional(*inputs: torch.Tensor) -> Any:
