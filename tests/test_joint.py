@@ -6,6 +6,7 @@ backward ops in its graph, not from autograd at run time.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -383,6 +384,50 @@ def test_three_sgd_steps_equal_eagers():
                 if name in params:
                     params[name] -= 0.1 * g
     assert_same_tree(program.state_dict(), eager.state_dict())
+
+
+# --- isolation, dynamic shapes, a call with grad mode on -----------------------------------------
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["success", "failure"])
+def test_joint_leaves_module_and_globals_as_found(fail):
+    """joint(), succeeding or refused, changes neither the module nor torch's global state."""
+    from test_isolation import _assert_unchanged, _snapshot
+
+    model = Loss(test_regions.LeftOpen()) if fail else Loss(test_export.ConvBN().train())
+    x = torch.randn(2, 3) if fail else torch.randn(2, 3, 6, 6)
+    ep = predispatch.export(model, (x,))
+    before = _snapshot(model)
+    with pytest.raises(JointError) if fail else contextlib.nullcontext():
+        ep.joint()
+    _assert_unchanged(before, model)
+
+
+def test_dynamic_batch():
+    """A program exported with a dynamic batch joins with symbolic shapes; another batch size matches eager."""
+    torch.manual_seed(0)
+    module = Frozen()
+    batch = torch.export.Dim("batch", min=2, max=64)
+    jp = predispatch.export(module, (torch.randn(5, 3),), dynamic_shapes={"x": {0: batch}}).joint()
+    x = torch.randn(9, 3)
+    _, e_grads, (e_args, _) = eager_gradients(copy.deepcopy(module), (x,), {}, None)
+    with torch.no_grad():
+        _, grads = jp.module()(x)
+    for name, grad in e_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0)
+    torch.testing.assert_close(grads["x"], e_args[0].grad, rtol=0, atol=0)
+    assert grads["x"].shape == (9, 3) and "[2, 64]" in str(jp.signature.shapes)
+
+
+def test_called_with_grad_mode_on_gives_the_same_gradients():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    jp = predispatch.export(Loss(test_export.MLP()), (x,)).joint()
+    program = jp.module()
+    with torch.no_grad():
+        _, expected = program(x)
+    _, actual = program(x)
+    assert_same_tree({k: v.detach() for k, v in actual.items()}, expected)
 
 
 # --- refusals -------------------------------------------------------------------------------------
