@@ -483,3 +483,40 @@ the loss 'output' has no gradient: it depends on no parameter that requires grad
   at test_joint.py:N (jp.joint())
   fix: compute the loss with grad mode on, from the parameters you train.
   see docs/errors.md#jointerror""")
+
+
+# --- torch's module_db (slow): every module with parameters, train mode, its first input ---------
+
+
+def _module_db_keys() -> list[str]:
+    from test_module_db import MODULE_INFOS
+
+    return sorted(name for name, info in MODULE_INFOS.items() if torch.float32 in info.supported_dtypes("cpu"))
+
+
+#: module_db cases whose joint is known not to match eager, with the reason.
+MODULE_DB_JOINT_XFAILS: dict[str, str] = {}
+
+
+def _module_db_params() -> list[Any]:
+    return [
+        pytest.param(key, marks=[pytest.mark.xfail(reason=MODULE_DB_JOINT_XFAILS[key], strict=True)])
+        if key in MODULE_DB_JOINT_XFAILS
+        else key
+        for key in _module_db_keys()
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _module_db_params())
+def test_module_db_joint_matches_eager(name):
+    from test_module_db import MODULE_INFOS, build_module, module_inputs
+    from sweep_support import clone_tree
+
+    info = MODULE_INFOS[name]
+    module_input = module_inputs(info, True)[0]
+    module = build_module(info, module_input, True)
+    if not any(p.requires_grad for p in module.parameters()):
+        pytest.skip("no parameter to train")
+    fwd = module_input.forward_input
+    check_joint(Loss(module), clone_tree(fwd.args), clone_tree(fwd.kwargs))
