@@ -495,7 +495,10 @@ def _module_db_keys() -> list[str]:
 
 
 #: module_db cases whose joint is known not to match eager, with the reason.
-MODULE_DB_JOINT_XFAILS: dict[str, str] = {}
+MODULE_DB_JOINT_XFAILS: dict[str, str] = {
+    "nn.LSTM": "the joint traces aten.lstm below autograd into its cell ops (mm, sigmoid, tanh); eager on CPU "
+    "takes another kernel path, and the loss differs by 1 ulp (1.2e-7); not investigated further",
+}
 
 
 def _module_db_params() -> list[Any]:
