@@ -11,14 +11,16 @@ backward written out as ops, in the same graph as the forward:
         -> (*buffer_mutations, *user_outputs, *gradients)
 
 It is made by differentiating the program, not the user's code, with torch's own machinery:
-AOTAutograd traces `torch.autograd.grad(loss, differentiable inputs)` of a function that
-runs `ep.graph_module`, below autograd and under functionalization (`_aot_export_function`,
-the tracer behind `aot_export_module(trace_joint=True)`).  So the backward is exactly the
-one eager builds for the program: captured Function backwards and backward hooks appear as
-their traced bodies, regions stop gradients where eager does, autocast casts are ops whose
-backward casts back.  Random ops run once, in the forward, and the backward reads their
-saved masks (`native_dropout` -> `native_dropout_backward(grad, mask)`): with the same RNG
-state, a joint run draws what eager draws.
+make_fx traces, below autograd and under functionalization (as AOTAutograd traces its joint),
+a function that runs `ep.graph_module` on inputs that require grad and calls
+`torch.autograd.grad(loss, differentiable inputs)` (`ti.trace_differentiated`).  So the backward
+is exactly the one eager builds for the program, with eager's formulas: captured Function
+backwards and backward hooks appear as their traced bodies, regions stop gradients where eager
+does, autocast casts are ops whose backward casts back.  Random ops run once, in the
+forward, and the backward reads their saved masks (`native_dropout` ->
+`native_dropout_backward(grad, mask)`): with the same RNG state, a joint run draws what eager
+draws.  (AOTAutograd's own joint export records formulas in their double-differentiable form,
+`silu_backward` as `sigmoid` arithmetic, whose last bits differ from eager's.)
 
 The graph is at the level below autograd, where composites have been taken apart
 (`linear` -> `t` + `addmm`): that is the level at which backward formulas exist.
@@ -56,7 +58,8 @@ GRADIENT_KIND = {
 }
 
 #: Ops that only matter to autograd: in a graph that computes its own gradients they are
-#: the identity (AOTAutograd leaves `detach` where the traced code detached a value).
+#: the identity (`detach` appears where autograd saved a value for the backward, and where
+#: the joint detaches the forward outputs it returns).
 _AUTOGRAD_ONLY = (torch.ops.aten.detach.default,)
 
 
@@ -138,11 +141,11 @@ def _differentiable(ep: ExportedProgram, spec: Any) -> bool:
     if spec.kind is InputKind.PARAMETER:
         return ep.state_dict[spec.target].requires_grad
     if spec.kind is InputKind.USER_INPUT:
-        return spec_example(ep, spec).is_floating_point()
+        return _example(ep, spec).is_floating_point()
     return False
 
 
-def spec_example(ep: ExportedProgram, spec: Any) -> torch.Tensor:
+def _example(ep: ExportedProgram, spec: Any) -> torch.Tensor:
     """The fake value of the placeholder `spec` describes."""
     return ep.graph.find_nodes(op="placeholder")[ep.signature.inputs.index(spec)].meta["val"]
 
@@ -155,8 +158,8 @@ def _trace_joint(
 
     Returns the graph `(*inputs) -> (*forward outputs, *gradients)` and, per input, whether
     it got a gradient output (`where`: the user's `joint()` call, for errors raised while
-    tracing, whose stack holds the program's generated code).  Outputs other than the loss are detached before the backward:
-    the joint differentiates the loss only (AOTAutograd's rule for a joint export).
+    tracing, whose stack holds the program's generated code).  The forward outputs are
+    returned detached: they are values, and only the loss is differentiated.
     """
     placeholders = ep.graph.find_nodes(op="placeholder")
     fake_mode = ti.detect_fake_mode([n.meta["val"] for n in placeholders])
