@@ -419,6 +419,29 @@ def test_dynamic_batch():
     assert grads["x"].shape == (9, 3) and "[2, 64]" in str(jp.signature.shapes)
 
 
+SHARED = nn.Linear(3, 2)
+
+
+def _regression_step(x, y):
+    return (SHARED(x) - y).square().mean()
+
+
+def test_function_export_names_gradients_by_the_modules_paths():
+    """A plain function calling a module: gradients by the module's path, and by argument name."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    jp = predispatch.export(_regression_step, (x, y)).joint()
+    with torch.no_grad():
+        _, grads = jp.module()(x, y)
+    e_x, e_y = x.clone().requires_grad_(), y.clone().requires_grad_()
+    SHARED.zero_grad()
+    _regression_step(e_x, e_y).backward()
+    expected = {"SHARED.weight": SHARED.weight.grad, "SHARED.bias": SHARED.bias.grad, "x": e_x.grad, "y": e_y.grad}
+    assert grads.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0)
+
+
 def test_called_with_grad_mode_on_gives_the_same_gradients():
     torch.manual_seed(0)
     x = torch.randn(3, 4)
