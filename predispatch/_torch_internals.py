@@ -90,6 +90,7 @@ __all__ = [
     "outside_trace",
     "trace_functional",
     "trace_program",
+    "trace_differentiated",
     "forward_frames_only",
     "ProgramTrace",
     "track_tensor_tree",
@@ -531,3 +532,25 @@ from torch.fx.graph import _PyTreeCodeGen as PyTreeCodeGen, _PyTreeInfo as PyTre
 from torch.fx.graph_module import _USER_PRESERVED_ATTRIBUTES_KEY as USER_PRESERVED_ATTRIBUTES  # noqa: E402
 
 __all__ += ["PyTreeCodeGen", "PyTreeInfo", "USER_PRESERVED_ATTRIBUTES"]
+# --- the joint forward-backward program (program/joint.py) ------------------------------------
+
+
+def trace_differentiated(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], fake_mode: FakeTensorMode) -> torch.fx.GraphModule:
+    """Trace `fn(*args)`, which calls `torch.autograd.grad`, below autograd and functionalized.
+
+    make_fx under FunctionalTensorMode (at the level below autograd, as AOTAutograd traces its
+    joint), the inputs wrapped with their `requires_grad`.  Not `aot_export_module(trace_joint=True)`
+    (`_aot_export_function`): its joint trace records backward formulas in their
+    double-differentiable form (`silu_backward` becomes `sigmoid` arithmetic, as autograd does
+    with grad mode on), so its gradients differ from eager's in the last bits (Llama, Mistral,
+    Qwen2 in tests/test_joint_models.py); `torch.autograd.grad` called here runs them as eager does.
+    """
+
+    def functional(*inputs: torch.Tensor) -> Any:
+        with FunctionalTensorMode(), torch.enable_grad():
+            wrapped = [FunctionalTensor.to_functional(t).requires_grad_(t.requires_grad) for t in inputs]
+            out = fn(*wrapped)
+            return pytree.tree_map_only(FunctionalTensor, functional_value, out)
+
+    with fake_mode, enable_python_dispatcher(), torch.autograd.set_multithreading_enabled(False):
+        return make_fx(functional)(*args)

@@ -230,3 +230,17 @@ class DecompositionError(PredispatchError):
     """
 
     anchor = "decompositionerror"
+
+
+class JointError(PredispatchError):
+    """`ep.joint()` cannot build the joint forward-backward program.
+
+    Cause: the loss is not known (forward returns several leaves and `loss=` was not given, or
+    names no tensor output), the loss is not a floating tensor of one element, or the program
+    is already a joint program.
+    Example: `ep.joint()` on a model returning `(logits, loss)`.
+    Fix: name the loss leaf, `ep.joint(loss="[1]")` (the paths print(ep) shows as USER_OUTPUT
+    targets), and make it a scalar such as `out.sum()`.
+    """
+
+    anchor = "jointerror"

@@ -90,6 +90,17 @@ class ExportedProgram:
                 fix="export again to trace the current hooks, or restore the old ones.",
             )
 
+    def joint(self, loss: str | None = None) -> ExportedProgram:
+        """The functional joint forward-backward program: `(*state, *user inputs) ->
+        (*mutations, *outputs, *gradients)`; its `module()` returns `(outputs, grads)`.
+
+        `loss`: the path of the loss among the outputs (`"[0]"`, `"loss"`) when forward
+        returns more than one leaf.  See Note [The joint program] in program/joint.py.
+        """
+        from predispatch.program.joint import joint_program
+
+        return joint_program(self, loss)
+
     def to_torch(self) -> torch.export.ExportedProgram:
         """This program as a `torch.export.ExportedProgram`; see predispatch/program/interop.py."""
         from predispatch.program.interop import to_torch

@@ -34,7 +34,7 @@ from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 from predispatch import _torch_internals as ti
 from predispatch.errors import NotRepresentableError
 from predispatch.frontend.inputs import unique_identifier
-from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, OutputKind
+from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, OutputKind, OutputSpec
 
 if TYPE_CHECKING:
     from predispatch.program.exported_program import ExportedProgram
@@ -235,14 +235,17 @@ class _TorchGraph:
             arg = tsig.TensorArgument(outputs[-1].name)
             self.output_specs.append(tsig.OutputSpec(_OUTPUT_KIND[spec.kind], arg, target))
         results = iter(values[len(sig.mutations) :])
+        specs = iter(sig.outputs[len(sig.mutations) :])
         for leaf in sig.output_leaves:
+            kind, target = tsig.OutputKind.USER_OUTPUT, None
             if leaf.is_tensor:
                 outputs.append(self._env[next(results)])
                 arg = tsig.TensorArgument(outputs[-1].name)
+                kind, target = _output_kind(next(specs), sig, placeholders)
             else:
                 outputs.append(leaf.value)
                 arg = tsig.ConstantArgument("", leaf.value)
-            self.output_specs.append(tsig.OutputSpec(tsig.OutputKind.USER_OUTPUT, arg, None))
+            self.output_specs.append(tsig.OutputSpec(kind, arg, target))
         self.graph.output(tuple(outputs))
 
     def _placeholder(self, name: str, meta: dict) -> fx.Node:
@@ -251,6 +254,17 @@ class _TorchGraph:
         self._taken.add(node.name)
         node.meta = dict(meta)
         return node
+
+
+def _output_kind(spec: OutputSpec, sig: Any, placeholders: dict[str, fx.Node]) -> tuple[tsig.OutputKind, str | None]:
+    """torch's kind and target of a user output or a joint program's gradient output (torch
+    names a user input's gradient by the input's placeholder)."""
+    if spec.kind is OutputKind.GRADIENT_TO_PARAMETER:
+        return tsig.OutputKind.GRADIENT_TO_PARAMETER, spec.target
+    if spec.kind is OutputKind.GRADIENT_TO_USER_INPUT:
+        name = next(s.name for s in sig.inputs_of(InputKind.USER_INPUT) if s.target == spec.target)
+        return tsig.OutputKind.GRADIENT_TO_USER_INPUT, placeholders[name].name
+    return tsig.OutputKind.USER_OUTPUT, None
 
 
 def _attribute(module: torch.nn.Module, target: str) -> Any:

@@ -36,10 +36,12 @@ def format_graph(gm: fx.GraphModule) -> str:
 
 
 def format_program(ep: ExportedProgram) -> str:
+    from predispatch.program.joint import mark_backward
+
     return "\n".join(
         [
             "ExportedProgram:",
-            textwrap.indent(format_graph(ep.graph_module), "    "),
+            textwrap.indent(mark_backward(format_graph(ep.graph_module), ep), "    "),
             "",
             "Graph signature:",
             textwrap.indent(str(ep.signature), "    "),

@@ -322,6 +322,10 @@ def _decode_signature(data: Any) -> ExportSignature:
     )
 
 
+#: The outputs that are leaves of the program's result (a joint program's gradients too).
+_LEAF_KINDS = (OutputKind.USER_OUTPUT, OutputKind.GRADIENT_TO_PARAMETER, OutputKind.GRADIENT_TO_USER_INPUT)
+
+
 def _enum(kind: type, value: Any, where: str) -> Any:
     try:
         return kind(value)
@@ -418,7 +422,7 @@ def _check_consistent(ep: ExportedProgram) -> None:
     tensor_leaves = sum(leaf.is_tensor for leaf in sig.input_leaves)
     if sig.in_spec.num_leaves != len(sig.input_leaves) or tensor_leaves != len(sig.inputs_of(InputKind.USER_INPUT)):
         problems.append("the input spec, input leaves and user inputs disagree")
-    if sig.out_spec.num_leaves != len(sig.output_leaves) or sum(leaf.is_tensor for leaf in sig.output_leaves) != len(sig.outputs_of(OutputKind.USER_OUTPUT)):
+    if sig.out_spec.num_leaves != len(sig.output_leaves) or sum(leaf.is_tensor for leaf in sig.output_leaves) != len(sig.outputs_of(*_LEAF_KINDS)):
         problems.append("the output spec, output leaves and user outputs disagree")
     if problems:
         raise SerializationError(f"program.json is inconsistent: {'; '.join(problems)}.")

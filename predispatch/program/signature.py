@@ -30,7 +30,12 @@ class OutputKind(enum.Enum):
     BUFFER_MUTATION = "buffer_mutation"
     USER_INPUT_MUTATION = "user_input_mutation"
     PARAMETER_MUTATION = "parameter_mutation"
+    GRADIENT_TO_PARAMETER = "gradient_to_parameter"
+    GRADIENT_TO_USER_INPUT = "gradient_to_user_input"
 
+
+#: The outputs that carry a new value of an input (`ProgramModule` writes them back).
+MUTATION_KINDS = frozenset({OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION, OutputKind.PARAMETER_MUTATION})
 
 #: Prefix of a placeholder's name, by kind (`p_lin_weight`, `b_bn_running_mean`, `c_scale`).
 PLACEHOLDER_PREFIX = {InputKind.PARAMETER: "p_", InputKind.BUFFER: "b_", InputKind.CONSTANT_TENSOR: "c_"}
@@ -124,7 +129,9 @@ class ExportSignature:
     """How the graph's flat inputs and outputs map to the user's program.
 
     inputs: one spec per graph placeholder, in order.
-    outputs: one spec per graph output, in order (mutations first, then user outputs).
+    outputs: one spec per graph output, in order (mutations first, then user outputs; in a
+        joint program (program/joint.py) then gradients, GRADIENT_TO_PARAMETER target
+        the parameter's fully qualified name, GRADIENT_TO_USER_INPUT the input's path).
     in_spec: pytree spec of `(args, kwargs)`.
     out_spec: pytree spec of the return value.
     input_leaves: every leaf of `(args, kwargs)`, tensors and constants, in `in_spec` order.
@@ -155,7 +162,7 @@ class ExportSignature:
 
     @property
     def mutations(self) -> tuple[OutputSpec, ...]:
-        return tuple(s for s in self.outputs if s.kind is not OutputKind.USER_OUTPUT)
+        return tuple(s for s in self.outputs if s.kind in MUTATION_KINDS)
 
     def __str__(self) -> str:
         lines = ["Inputs:"]
