@@ -112,6 +112,8 @@ __all__ = [
     "mode_stack_depths",
     "new_fake_mode",
     "pop_modes_to",
+    "pre_dispatch_modes",
+    "SingleLevelFunction",
     "reparametrize",
 ]
 
@@ -524,3 +526,22 @@ def fake_of_meta(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.devic
     fakes are made on the device the real weights will live on (the inputs' device) instead.
     """
     return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, t, device)
+
+
+def pre_dispatch_modes() -> tuple[Any, Any]:
+    """The modes in the PreDispatch key's two slots now: (proxy tracer, functional mode).
+
+    While an op (or a HOP) is handled at PreDispatch, torch pops its slot's mode for the time of
+    the handler and what it dispatches below (`torch._ops._temporarily_pop_modes_from_pre_dispatch`):
+    code running with the trace's modes all in place is the traced program's own Python, code
+    running with one popped runs inside an op's kernel (an autograd kernel, a HOP's impl).
+    """
+    from torch._ops import mode_stack_state_for_pre_dispatch
+
+    state = mode_stack_state_for_pre_dispatch()
+    return state.get(0), state.get(1)
+
+
+#: The class `Function.apply`'s Python hands every call to (`super().apply(...)`, the C++ apply
+#: below it), also for a `Function.apply` bound before export started (`op = MyFn.apply`).
+from torch.autograd.function import _SingleLevelFunction as SingleLevelFunction  # noqa: E402

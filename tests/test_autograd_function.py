@@ -760,9 +760,9 @@ class Refusals(TestCase):
 
     def test_backward_not_traceable(self):
         self.assertExpectedInline(refused(Apply(NumpyBackward)), """\
-autograd.Function NumpyBackward (backward): backward cannot be traced: RuntimeError: .numpy() is not supported for tensor subclasses.
-  at test_autograd_function.py:N (return torch.from_numpy(grad.numpy() * 2))
-  fix: write the Function's forward and backward with torch operations on their arguments only (see docs/autograd_function.md); an opaque kernel can be wrapped in torch.library.custom_op with a fake implementation.
+autograd.Function NumpyBackward (backward): backward leaves torch: it calls `.numpy()` on a tensor (at test_autograd_function.py:N (return torch.from_numpy(grad.numpy() * 2))); export traces it on fake tensors, which hold no data, so what numpy computes cannot be captured.
+  at test_autograd_function.py:N (def backward(ctx, grad):)
+  fix: move the part that leaves torch into a torch.library.custom_op (@torch.library.custom_op("mylib::name", mutates_args=())) with a fake kernel (@name.register_fake, computing only the output's shape and dtype) and its gradient (name.register_autograd); call it from the Function, or write the Function with torch operations only.
   see docs/errors.md#autogradfunctionerror""")
 
     def test_data_dependent_backward(self):
