@@ -114,6 +114,7 @@ __all__ = [
     "pop_modes_to",
     "pre_dispatch_modes",
     "SingleLevelFunction",
+    "inside_op_call",
     "reparametrize",
 ]
 
@@ -545,3 +546,25 @@ def pre_dispatch_modes() -> tuple[Any, Any]:
 #: The class `Function.apply`'s Python hands every call to (`super().apply(...)`, the C++ apply
 #: below it), also for a `Function.apply` bound before export started (`op = MyFn.apply`).
 from torch.autograd.function import _SingleLevelFunction as SingleLevelFunction  # noqa: E402
+
+
+def _op_call_codes() -> frozenset[Any]:
+    from torch._ops import OpOverloadPacket, TorchBindOpOverload
+
+    calls = (OpOverload.__call__, TorchBindOpOverload.__call__, OpOverloadPacket.__call__, HigherOrderOperator.dispatch)
+    return frozenset(f.__code__ for f in calls)
+
+
+#: The Python frames every op or HOP call from Python passes through on its way to its kernels.
+_OP_CALL_CODES = _op_call_codes()
+
+
+def inside_op_call() -> bool:
+    """Whether the caller runs inside an op's or a HOP's call: a kernel's Python (an autograd
+    kernel, a HOP's impl), which the dispatcher reached from that call, not the traced program."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _OP_CALL_CODES:
+            return True
+        frame = frame.f_back
+    return False

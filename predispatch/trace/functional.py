@@ -27,6 +27,7 @@ from predispatch.trace.autograd_function import capture_autograd_functions
 from predispatch.trace.decompose import DecompositionLog, DecompositionPolicy
 from predispatch.trace.grad_history import GradHistoryKeeper
 from predispatch.trace.hooks import backward_hooks
+from predispatch.trace.rng import refusing_rng_changes
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class _Program:
         args, kwargs = prepared.call_args(user_tensors)
         keeper = GradHistoryKeeper(without_history, [*state, *user_tensors])
         with contextlib.ExitStack() as stack:
+            stack.enter_context(refusing_rng_changes(prepared.module))  # Note [RNG state in forward]
             stack.enter_context(ti.reparametrize(prepared.module, bound))
             stack.enter_context(keeper)  # Note [Mutations inside grad regions]
             stack.enter_context(keeper.observer())

@@ -120,7 +120,8 @@ def _left_to_torch(calls: _Calls, cls: type) -> bool:
     Note [Which Functions are captured].  torch's own `autograd_function_apply` met in the
     trace is captured by `_pair_function`.
     """
-    inside_kernel = any(now is not mode for now, mode in zip(ti.pre_dispatch_modes(), calls.program_modes))
+    modes_popped = any(now is not mode for now, mode in zip(ti.pre_dispatch_modes(), calls.program_modes))
+    inside_kernel = modes_popped or ti.inside_op_call()
     return calls.depth > 0 or inside_kernel or torch._C._are_functorch_transforms_active()
 
 
@@ -132,10 +133,12 @@ def _left_to_torch(calls: _Calls, cls: type) -> bool:
 # the program.  It is left to torch (its forward inlined, the enclosing op recorded) when
 # - it runs inside an op's kernel: the autograd kernel of a `torch.library.custom_op`
 #   (`predispatch::keep_history` too) or of a HOP (`cond`, `invoke_subgraph`, ...) calls
-#   `apply` from inside the dispatcher, and the op or HOP is what the graph records.  The
-#   dispatcher pops the PreDispatch mode it is handling for the time of the kernel, so the
-#   call sees the trace's PreDispatch modes (the proxy tracer, the functional mode) no longer
-#   all in place: that, not the class's module, is the signal (`ti.pre_dispatch_modes`);
+#   `apply` from inside the dispatcher, and the op or HOP is what the graph records.  Two
+#   signals, not the class's module, tell: the call runs below an op's or HOP's Python call
+#   frame (`OpOverload.__call__`, `HigherOrderOperator.dispatch`: `ti.inside_op_call`), or the
+#   trace's PreDispatch modes (the proxy tracer, the functional mode) are not all in place, as
+#   the dispatcher pops the one it is handling for the time of the kernel
+#   (`ti.pre_dispatch_modes`; this also covers kernels reached from C++, with no such frame);
 # - it is nested inside a captured Function's forward or backward (`_Calls.depth`): eager runs
 #   those under no_grad, so only the outer backward is ever used;
 # - a functorch transform (vmap, grad) is active: torch routes Functions through its own HOP.
