@@ -175,7 +175,7 @@ def _visible_generators(module: nn.Module) -> list[torch.Generator]:
             values.extend(cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ()) if _filled(cell))
         for value in values:
             for item in (value, *(_shallow_items(value))):
-                if isinstance(item, torch.Generator) and item.device.type == "cpu":
+                if isinstance(item, torch.Generator):
                     found.setdefault(id(item), item)
     return list(found.values())
 

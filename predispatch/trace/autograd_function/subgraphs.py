@@ -159,9 +159,7 @@ def _run_user_forward(function: type, ctx: ForwardCtx, args: tuple) -> Any:
 
 def has_setup_context(function: type) -> bool:
     """Whether `function` uses the `setup_context` style (forward takes no ctx), as torch decides it."""
-    from torch.autograd.function import _SingleLevelFunction
-
-    return function.setup_context is not _SingleLevelFunction.setup_context
+    return function.setup_context is not ti.SingleLevelFunction.setup_context
 
 
 def _describe_forward(site: CallSite, ctx: ForwardCtx, out: Any, inputs: tuple):
