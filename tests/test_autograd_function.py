@@ -629,8 +629,10 @@ def test_module_forward_runs_once_per_export():
     assert mutable_ops(ep.graph_module) == []
 
 
-def test_reentrant_checkpoint_runs_plainly():
-    """torch.utils.checkpoint's Function is not captured: its gradient is the forward's own."""
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_reentrant_checkpoint_runs_plainly(use_reentrant):
+    """torch.utils.checkpoint's Function is not captured: its gradient is the forward's own
+    (eager's gradients either way; the non-reentrant variant applies no Function)."""
 
     class Checkpointed(nn.Module):
         def __init__(self):
@@ -638,7 +640,7 @@ def test_reentrant_checkpoint_runs_plainly():
             self.lin = nn.Linear(3, 3)
 
         def forward(self, x):
-            return torch.utils.checkpoint.checkpoint(lambda t: self.lin(t).relu(), x, use_reentrant=True)
+            return torch.utils.checkpoint.checkpoint(lambda t: self.lin(t).relu(), x, use_reentrant=use_reentrant)
 
     ep = check_gradients(Checkpointed(), (torch.randn(2, 3),))
     assert not ep.graph.find_nodes(op="call_function", target=torch.ops.higher_order.autograd_function_apply)

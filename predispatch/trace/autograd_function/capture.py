@@ -18,6 +18,7 @@ from predispatch.trace.autograd_function.hop import TracedCall, function_call
 from predispatch.trace.autograd_function.record import CapturedCall
 from predispatch.trace.autograd_function.subgraphs import CallSite, capture_call, has_setup_context
 
+
 def _torch_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     """torch's own apply for a call not captured: the C++ `apply` that `Function.apply` ends in."""
     return super(ti.SingleLevelFunction, cls).apply(*args, **kwargs)
@@ -128,9 +129,9 @@ def _left_to_torch(calls: _Calls, cls: type) -> bool:
 # Note [Which Functions are captured]
 # -----------------------------------
 # A `Function.apply` call is captured when the traced program's own Python makes it, whatever
-# module defines the class (torch.testing's Functions, `torch.distributions`' `_Dirichlet`,
-# `nn.CrossMapLRN2d`'s Function, a user's): eager differentiates it with its backward, so must
-# the program.  It is left to torch (its forward inlined, the enclosing op recorded) when
+# module defines the class (torch.testing's Functions, `torch.distributions`' `_Dirichlet`, a
+# user's), and however `apply` was reached (`cube = Cube.apply` bound before export): eager
+# differentiates it with its backward, so must the program.  It is left to torch (its forward inlined, the enclosing op recorded) when
 # - it runs inside an op's kernel: the autograd kernel of a `torch.library.custom_op`
 #   (`predispatch::keep_history` too) or of a HOP (`cond`, `invoke_subgraph`, ...) calls
 #   `apply` from inside the dispatcher, and the op or HOP is what the graph records.  Two
