@@ -115,6 +115,7 @@ __all__ = [
     "pre_dispatch_modes",
     "SingleLevelFunction",
     "inside_op_call",
+    "generator_identity",
     "reparametrize",
 ]
 
@@ -568,3 +569,9 @@ def inside_op_call() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def generator_identity(generator: torch.Generator) -> int:
+    """The C++ generator a `torch.Generator` stands for: Python wrappers of one generator differ
+    (the traced graph holds a new wrapper of the module's generator), this does not."""
+    return generator._cdata

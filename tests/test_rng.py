@@ -101,6 +101,12 @@ def _default_generator(m, x):
     return F.dropout(x, 0.5)
 
 
+def _generator_made_in_forward(m, x):
+    g = torch.Generator()
+    g.manual_seed(0)
+    return x + torch.rand(4, generator=g)
+
+
 #: variant -> (forward body, the start of the refusal's first line, the line it names).
 REFUSED = {
     "manual_seed": (_manual_seed, "forward calls torch.manual_seed(), which reseeds the default generator", "torch.manual_seed(0)"),
@@ -114,6 +120,7 @@ REFUSED = {
     "caught": (_caught, "forward calls torch.manual_seed(), which reseeds", "torch.manual_seed(0)"),
     "module_generator": (_module_generator, "forward changed the state of a torch.Generator the module reaches", "predispatch.export(module, (x,))"),
     "global_generator": (_global_generator_state, "forward changed the state of a torch.Generator the module reaches", "predispatch.export(module, (x,))"),
+    "generator_made_in_forward": (_generator_made_in_forward, "forward draws from a torch.Generator that export could not see before forward ran", "return self.body(self, x) * self.scale"),
     "default_generator": (_default_generator, "forward changed the state of torch's default CPU generator", "predispatch.export(module, (x,))"),
 }
 
@@ -162,7 +169,7 @@ def test_refused_and_nothing_changed(variant):
     text = message(info.value)
     assert text.startswith(first_line), text
     assert f"  at test_rng.py:N ({line})" in text, text
-    assert "fix: seed outside forward" in text
+    assert "fix: seed outside forward" in text or "fix: make the generator outside forward" in text
     _assert_unchanged(before, _snapshot(module))
 
 

@@ -12,6 +12,10 @@ export refuses, by two mechanisms:
 
 - the functions that change a generator (`_CHANGERS`) raise `RngStateError` while the user's
   forward is traced, naming the user's line, before they change anything;
+- a graph drawing from a generator made inside forward (`g = torch.Generator()`) would hold
+  the one object made at export and continue its stream across calls, where eager starts a new
+  one at each call: `refuse_generators_made_in_forward` refuses generators in the graph that
+  were not visible before forward ran;
 - a `torch.Generator` method called directly (`g.manual_seed(0)`, `g.set_state(s)`) cannot be
   intercepted (a C type), so the states of the generators export can see (torch's default CPU
   generator, generators kept on the module tree or in the globals and closures of its forwards)
@@ -27,12 +31,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import RngStateError, user_frame
@@ -78,14 +83,18 @@ _FIX = (
 
 
 @contextlib.contextmanager
-def refusing_rng_changes(module: nn.Module) -> Iterator[None]:
-    """While active, forward's changes of a generator are refused; see Note [RNG state in forward]."""
+def refusing_rng_changes(module: nn.Module) -> Iterator[frozenset[int]]:
+    """While active, forward's changes of a generator are refused; see Note [RNG state in forward].
+
+    Yields the identities (`ti.generator_identity`) of the generators export could see before
+    forward ran, for `refuse_generators_made_in_forward`.
+    """
     generators = _visible_generators(module)
     before = [(g, g.get_state()) for g in generators]
     refusals: list[RngStateError] = []
     patched = _patch_changers(refusals)
     try:
-        yield
+        yield frozenset(ti.generator_identity(g) for g in generators)
         if refusals:  # forward caught the refusal and went on: the export still fails
             raise refusals[0]
         with ti.outside_trace():  # real tensors: compared with the trace's modes set aside
@@ -102,6 +111,40 @@ def refusing_rng_changes(module: nn.Module) -> Iterator[None]:
         _unpatch(patched)
         for g, state in before:
             g.set_state(state)
+
+
+def refuse_generators_made_in_forward(gm: fx.GraphModule, visible: frozenset[int]) -> None:
+    """Refuse a graph drawing from a generator export could not see before forward ran.
+
+    The graph holds the generator object itself (a `get_attr` constant): one made inside forward
+    (`g = torch.Generator(); g.manual_seed(0)`) is made once, at export, so the program continues
+    its stream from call to call where eager starts a fresh one at every call.
+    """
+    for graph_module in gm.modules():
+        if not isinstance(graph_module, fx.GraphModule):
+            continue
+        for node in graph_module.graph.find_nodes(op="get_attr"):
+            value = getattr(graph_module, node.target, None)
+            if isinstance(value, torch.Generator) and ti.generator_identity(value) not in visible:
+                raise RngStateError(
+                    "forward draws from a torch.Generator that export could not see before forward "
+                    "ran (made inside forward, or kept where export does not look): the program would "
+                    "hold the one generator made at export and continue its stream from call to call, "
+                    "while eager makes and seeds a new one at every call.",
+                    where=_stack_line(node) or f"{user_frame()} (the export call)",
+                    fix="make the generator outside forward and keep it on the module "
+                    "(self.generator = torch.Generator().manual_seed(0) in __init__), or draw from "
+                    "torch's default generator seeded outside forward.",
+                )
+
+
+def _stack_line(node: fx.Node) -> str | None:
+    """`file:line (code)` of the innermost frame in a node's recorded stack trace."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', node.meta.get("stack_trace") or "")
+    if not frames:
+        return None
+    path, line, code = frames[-1]
+    return f"{path}:{line} ({code.strip()})"
 
 
 def _patch_changers(refusals: list[RngStateError]) -> list[tuple[Any, str, Any]]:
@@ -162,7 +205,7 @@ def _visible_generators(module: nn.Module) -> list[torch.Generator]:
     Those kept on the module tree (`self.generator`, also in a list or dict attribute) and in
     the globals and closures of each module's forward (a module-level `g = torch.Generator()`).
     """
-    found: dict[int, torch.Generator] = {id(torch.default_generator): torch.default_generator}
+    found = {ti.generator_identity(torch.default_generator): torch.default_generator}
     seen_globals: set[int] = set()
     for submodule in module.modules():
         values = list(vars(submodule).values())
@@ -176,7 +219,7 @@ def _visible_generators(module: nn.Module) -> list[torch.Generator]:
         for value in values:
             for item in (value, *(_shallow_items(value))):
                 if isinstance(item, torch.Generator):
-                    found.setdefault(id(item), item)
+                    found.setdefault(ti.generator_identity(item), item)
     return list(found.values())
 
 
