@@ -8,7 +8,7 @@ inside forward would run once, at export (and export puts the generator back aft
 program, called later, draws from whatever state the caller's generator is in, so its outputs
 and the generator's state after the call differ from eager's, which reseeds at every call (or,
 under `fork_rng`, restores the state its block started from).  There is no faithful capture, so
-export refuses, by two mechanisms:
+export refuses, by three mechanisms:
 
 - the functions that change a generator (`_CHANGERS`) raise `RngStateError` while the user's
   forward is traced, naming the user's line, before they change anything;
