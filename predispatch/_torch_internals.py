@@ -47,6 +47,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 # custom autograd.Function capture (trace/autograd_function.py)
 from torch._functorch.autograd_function import autograd_function_apply
+# The class `Function.apply`'s Python hands every call to (`super().apply(...)`, the C++ apply
+# below it), also for a `Function.apply` bound before export started (`op = MyFn.apply`).
+from torch.autograd.function import _SingleLevelFunction as SingleLevelFunction
 from torch._guards import detect_fake_mode
 from torch._ops import HigherOrderOperator
 from torch.fx.experimental.proxy_tensor import (
@@ -542,11 +545,6 @@ def pre_dispatch_modes() -> tuple[Any, Any]:
 
     state = mode_stack_state_for_pre_dispatch()
     return state.get(0), state.get(1)
-
-
-#: The class `Function.apply`'s Python hands every call to (`super().apply(...)`, the C++ apply
-#: below it), also for a `Function.apply` bound before export started (`op = MyFn.apply`).
-from torch.autograd.function import _SingleLevelFunction as SingleLevelFunction  # noqa: E402
 
 
 def _op_call_codes() -> frozenset[Any]:

@@ -27,6 +27,7 @@ from predispatch.trace.hooks.capture import Capture, first_line
 from predispatch.trace.hooks.layout import Layout, is_floating
 from predispatch.trace.hooks.state import module_tensors
 
+
 def probe_outputs(module: nn.Module, args: tuple, kwargs: dict, capture: Capture) -> Layout:
     """The layout of the module's output after its forward hooks, from running it once more.
 
