@@ -47,6 +47,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 # custom autograd.Function capture (trace/autograd_function.py)
 from torch._functorch.autograd_function import autograd_function_apply
+# The class `Function.apply`'s Python hands every call to (`super().apply(...)`, the C++ apply
+# below it), also for a `Function.apply` bound before export started (`op = MyFn.apply`).
+from torch.autograd.function import _SingleLevelFunction as SingleLevelFunction
 from torch._guards import detect_fake_mode
 from torch._ops import HigherOrderOperator
 from torch.fx.experimental.proxy_tensor import (
@@ -113,6 +116,10 @@ __all__ = [
     "mode_stack_depths",
     "new_fake_mode",
     "pop_modes_to",
+    "pre_dispatch_modes",
+    "SingleLevelFunction",
+    "inside_op_call",
+    "generator_identity",
     "reparametrize",
 ]
 
@@ -554,3 +561,43 @@ def trace_differentiated(fn: Callable[..., Any], args: tuple[torch.Tensor, ...],
 
     with fake_mode, enable_python_dispatcher(), torch.autograd.set_multithreading_enabled(False):
         return make_fx(functional)(*args)
+def pre_dispatch_modes() -> tuple[Any, Any]:
+    """The modes in the PreDispatch key's two slots now: (proxy tracer, functional mode).
+
+    While an op (or a HOP) is handled at PreDispatch, torch pops its slot's mode for the time of
+    the handler and what it dispatches below (`torch._ops._temporarily_pop_modes_from_pre_dispatch`):
+    code running with the trace's modes all in place is the traced program's own Python, code
+    running with one popped runs inside an op's kernel (an autograd kernel, a HOP's impl).
+    """
+    from torch._ops import mode_stack_state_for_pre_dispatch
+
+    state = mode_stack_state_for_pre_dispatch()
+    return state.get(0), state.get(1)
+
+
+def _op_call_codes() -> frozenset[Any]:
+    from torch._ops import OpOverloadPacket, TorchBindOpOverload
+
+    calls = (OpOverload.__call__, TorchBindOpOverload.__call__, OpOverloadPacket.__call__, HigherOrderOperator.dispatch)
+    return frozenset(f.__code__ for f in calls)
+
+
+#: The Python frames every op or HOP call from Python passes through on its way to its kernels.
+_OP_CALL_CODES = _op_call_codes()
+
+
+def inside_op_call() -> bool:
+    """Whether the caller runs inside an op's or a HOP's call: a kernel's Python (an autograd
+    kernel, a HOP's impl), which the dispatcher reached from that call, not the traced program."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _OP_CALL_CODES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def generator_identity(generator: torch.Generator) -> int:
+    """The C++ generator a `torch.Generator` stands for: Python wrappers of one generator differ
+    (the traced graph holds a new wrapper of the module's generator), this does not."""
+    return generator._cdata

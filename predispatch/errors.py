@@ -244,3 +244,17 @@ class JointError(PredispatchError):
     """
 
     anchor = "jointerror"
+class RngStateError(PredispatchError):
+    """Forward reseeds, restores or forks a random number generator, which a graph cannot record.
+
+    Cause: a graph records random ops (`dropout`, `torch.rand`), which draw from the generator
+    when the program runs; `torch.manual_seed`, `torch.seed`, `torch.set_rng_state`,
+    `torch.random.fork_rng`, `torch.cuda.manual_seed*` or `Generator.manual_seed` / `set_state`
+    inside forward would run once, at export, so the program's outputs and the generator's
+    state after a call would differ from eager's.  The message names the call's line.
+    Example: `def forward(self, x): torch.manual_seed(0); return F.dropout(x, 0.5)`.
+    Fix: seed outside forward (before calling the model and its program), or create and seed a
+    `torch.Generator` outside forward and pass it to the random ops (`generator=g`).
+    """
+
+    anchor = "rngstateerror"

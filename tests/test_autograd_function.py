@@ -640,8 +640,10 @@ def test_module_forward_runs_once_per_export():
     assert mutable_ops(ep.graph_module) == []
 
 
-def test_reentrant_checkpoint_runs_plainly():
-    """torch.utils.checkpoint's Function is not captured: its gradient is the forward's own."""
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_reentrant_checkpoint_runs_plainly(use_reentrant):
+    """torch.utils.checkpoint's Function is not captured: its gradient is the forward's own
+    (eager's gradients either way; the non-reentrant variant applies no Function)."""
 
     class Checkpointed(nn.Module):
         def __init__(self):
@@ -649,7 +651,7 @@ def test_reentrant_checkpoint_runs_plainly():
             self.lin = nn.Linear(3, 3)
 
         def forward(self, x):
-            return torch.utils.checkpoint.checkpoint(lambda t: self.lin(t).relu(), x, use_reentrant=True)
+            return torch.utils.checkpoint.checkpoint(lambda t: self.lin(t).relu(), x, use_reentrant=use_reentrant)
 
     ep = check_gradients(Checkpointed(), (torch.randn(2, 3),))
     assert not ep.graph.find_nodes(op="call_function", target=torch.ops.higher_order.autograd_function_apply)
@@ -657,10 +659,111 @@ def test_reentrant_checkpoint_runs_plainly():
 
 def test_export_leaves_function_apply_as_found():
     apply = torch.autograd.Function.__dict__["apply"]
+    below = {k: v for k, v in vars(torch.autograd.function._SingleLevelFunction).items()}
+    numpy = torch.Tensor.numpy
     predispatch.export(Ste(), (torch.randn(3),))
     with pytest.raises(AutogradFunctionError):
         predispatch.export(Apply(NumpyBackward), (torch.randn(3),))
     assert torch.autograd.Function.__dict__["apply"] is apply
+    assert dict(vars(torch.autograd.function._SingleLevelFunction)) == below
+    assert torch.Tensor.numpy is numpy
+
+
+# --- captured by where the call runs, not by where the class is defined -----------------------
+
+
+#: `apply` bound before any export, as libraries write it (`round_ste = RoundSte.apply`).
+straight_through = StraightThrough.apply
+
+
+class BoundApply(nn.Module):
+    def forward(self, x):
+        return straight_through(x * 2) + 1
+
+
+class TorchNamedStraightThrough(torch.autograd.Function):
+    """A user's Function whose class claims a `torch.*` module (vendored code, a torch extension)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (x.abs() <= 1)
+
+
+TorchNamedStraightThrough.__module__ = "torch.nn.vendored_ops"
+
+
+class TorchNamed(nn.Module):
+    def forward(self, x):
+        return TorchNamedStraightThrough.apply(x * 2) + 1
+
+
+def _function_applies(ep):
+    return ep.graph.find_nodes(op="call_function", target=torch.ops.higher_order.autograd_function_apply)
+
+
+@pytest.mark.parametrize("module_cls", [BoundApply, TorchNamed], ids=["apply_bound_before_export", "class_under_torch"])
+def test_captured_wherever_defined(module_cls):
+    """Before: both were inlined (graph `round`, gradient zero); now the backward is kept."""
+    x = torch.tensor([0.3, 0.6, -0.2, 1.4])
+    ep = check_gradients(module_cls(), (x,))
+    assert len(_function_applies(ep)) == 1
+    torch.testing.assert_close(_input_grad(ep.module(), x), torch.tensor([2.0, 0.0, 2.0, 0.0]), rtol=0, atol=0)
+
+
+@torch.library.custom_op("predispatch_function_test::round_ste", mutates_args=())
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    return x.round()
+
+
+@round_ste.register_fake
+def _round_ste_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+round_ste.register_autograd(lambda ctx, grad: grad * 3)
+
+
+class CustomOpModule(nn.Module):
+    def forward(self, x):
+        return round_ste(x * 2) + 1
+
+
+def test_custom_op_autograd_kernel_is_left_to_torch():
+    """The op's autograd kernel applies a Function from inside the dispatcher: the op is the node."""
+    x = torch.tensor([0.3, 0.6, -0.2, 1.4])
+    ep = check_gradients(CustomOpModule(), (x,))
+    assert not _function_applies(ep)
+    assert [n.target for n in ep.graph.find_nodes(op="call_function", target=torch.ops.predispatch_function_test.round_ste.default)]
+    torch.testing.assert_close(_input_grad(ep.module(), x), torch.full((4,), 6.0), rtol=0, atol=0)
+
+
+class DirichletSample(nn.Module):
+    """torch.distributions' reparametrized Dirichlet sample applies a Function (`_Dirichlet`)."""
+
+    def forward(self, concentration):
+        return torch.distributions.Dirichlet(concentration.exp(), validate_args=False).rsample()
+
+
+def test_torch_library_function_keeps_its_backward():
+    """Before: inlined, the program's backward raised "derivative for aten::_sample_dirichlet is not implemented"."""
+    concentration = torch.randn(4)
+    ep = predispatch.export(DirichletSample(), (concentration,))
+    assert len(_function_applies(ep)) == 1
+
+    def run(module):
+        c = concentration.clone().requires_grad_()
+        torch.manual_seed(3)
+        out = module(c)
+        out.backward(torch.arange(4.0))
+        return out.detach(), c.grad
+
+    assert_same_tree(run(ep.module()), run(DirichletSample()))
 
 
 # --- refused, with the Function and the line named ------------------------------------------------
@@ -771,9 +874,9 @@ class Refusals(TestCase):
 
     def test_backward_not_traceable(self):
         self.assertExpectedInline(refused(Apply(NumpyBackward)), """\
-autograd.Function NumpyBackward (backward): backward cannot be traced: RuntimeError: .numpy() is not supported for tensor subclasses.
-  at test_autograd_function.py:N (return torch.from_numpy(grad.numpy() * 2))
-  fix: write the Function's forward and backward with torch operations on their arguments only (see docs/autograd_function.md); an opaque kernel can be wrapped in torch.library.custom_op with a fake implementation.
+autograd.Function NumpyBackward (backward): backward leaves torch: it calls `.numpy()` on a tensor (at test_autograd_function.py:N (return torch.from_numpy(grad.numpy() * 2))); export traces it on fake tensors, which hold no data, so what numpy computes cannot be captured.
+  at test_autograd_function.py:N (def backward(ctx, grad):)
+  fix: move the part that leaves torch into a torch.library.custom_op (@torch.library.custom_op("mylib::name", mutates_args=())) with a fake kernel (@name.register_fake, computing only the output's shape and dtype) and its gradient (name.register_autograd); call it from the Function, or write the Function with torch operations only.
   see docs/errors.md#autogradfunctionerror""")
 
     def test_data_dependent_backward(self):

@@ -27,6 +27,7 @@ from predispatch.trace.autograd_function import capture_autograd_functions
 from predispatch.trace.decompose import DecompositionLog, DecompositionPolicy
 from predispatch.trace.grad_history import GradHistoryKeeper
 from predispatch.trace.hooks import backward_hooks
+from predispatch.trace.rng import refuse_generators_made_in_forward, refusing_rng_changes
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class _Program:
         self.outputs: tuple[tuple[Leaf, ...], pytree.TreeSpec] | None = None
         self.grad_mode_on_exit: bool | None = None
         self.input_metadata_write: str | None = None
+        self.visible_generators: frozenset[int] = frozenset()
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         prepared = self._prepared
@@ -84,6 +86,8 @@ class _Program:
         args, kwargs = prepared.call_args(user_tensors)
         keeper = GradHistoryKeeper(without_history, [*state, *user_tensors])
         with contextlib.ExitStack() as stack:
+            # Note [RNG state in forward]
+            self.visible_generators = stack.enter_context(refusing_rng_changes(prepared.module))
             stack.enter_context(ti.reparametrize(prepared.module, bound))
             stack.enter_context(keeper)  # Note [Mutations inside grad regions]
             stack.enter_context(keeper.observer())
@@ -135,6 +139,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
             fix="write it out of place (x = x.t()) and return the new tensor.",
         )
     _check_repeated_inputs(prepared, captured.data_mutated)
+    refuse_generators_made_in_forward(captured.graph_module, program.visible_generators)
     gm = captured.graph_module
     _remove_effect_tokens(gm)
     gm.graph.eliminate_dead_code()  # what the trace computed and nothing used, as AOTAutograd drops it

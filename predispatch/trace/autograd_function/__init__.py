@@ -32,8 +32,9 @@ in a nested functional trace; what it left on ctx (saved tensors, attributes, ma
 data; the backward is traced from fakes of the output gradients and saved values, never running
 forward again.  The outer graph gets the pair through a HOP that runs no user code.  Functions
 called inside a captured forward or backward are inlined, as eager runs them under no_grad.
-torch's own Functions (the autograd kernels of custom ops and HOPs) are left to torch: the op is
-what the graph records.  torch's `autograd_function_apply`, met when the trace runs an exported
+Functions applied from inside the dispatcher (the autograd kernels of custom ops and HOPs) are
+left to torch: the op is what the graph records.  Where the call runs decides, not where its class
+is defined (Note [Which Functions are captured] in capture.py).  torch's `autograd_function_apply`, met when the trace runs an exported
 program (re-export, nested export) or a Dynamo-traced `torch.cond` branch, is captured again as
 a Function made from its two graphs, so re-exporting a program prints the same program.
 

@@ -18,8 +18,10 @@ from predispatch.trace.autograd_function.hop import TracedCall, function_call
 from predispatch.trace.autograd_function.record import CapturedCall
 from predispatch.trace.autograd_function.subgraphs import CallSite, capture_call, has_setup_context
 
-#: torch's own `Function.apply`, what every call not captured runs (also under a nested export).
-_TORCH_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+
+def _torch_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """torch's own apply for a call not captured: the C++ `apply` that `Function.apply` ends in."""
+    return super(ti.SingleLevelFunction, cls).apply(*args, **kwargs)
 
 
 def _run_checkpointed(cls, function, preserve_rng_state, *args):
@@ -28,7 +30,7 @@ def _run_checkpointed(cls, function, preserve_rng_state, *args):
 
 #: Functions export runs another way instead of capturing, and why that is right for each.
 RUN_INSTEAD: dict[type, tuple[Callable[..., Any], str]] = {
-    TracedCall: (_TORCH_APPLY, "predispatch's own trace-time Function; it is never differentiated."),
+    TracedCall: (_torch_apply, "predispatch's own trace-time Function; it is never differentiated."),
     CheckpointFunction: (
         _run_checkpointed,
         "reentrant activation checkpointing: its backward recomputes the forward and differentiates "
@@ -43,11 +45,14 @@ RUN_INSTEAD: dict[type, tuple[Callable[..., Any], str]] = {
 class _Calls:
     """What the interception keeps during one export.
 
+    program_modes: the PreDispatch modes (proxy tracer, functional mode) while the traced
+        program's own Python runs; see Note [Which Functions are captured].
     depth: > 0 while a Function's own forward or backward is being traced: Functions they call
         are inlined (eager runs them under no_grad, so their backward is never used).
     pairs: `autograd_function_apply` graph pairs met in the trace, as Functions (`_pair_function`).
     """
 
+    program_modes: tuple[Any, Any]
     depth: int = 0
     pairs: dict[tuple[int, int], tuple[type, Any, Any]] = field(default_factory=dict)
 
@@ -59,8 +64,7 @@ def capture_autograd_functions() -> Iterator[None]:
     Each call is traced as it is met, its forward once and its backward from fakes; see
     Note [Capturing autograd.Function].
     """
-    calls = _Calls()
-    original = torch.autograd.Function.__dict__["apply"]
+    calls = _Calls(ti.pre_dispatch_modes())
     hop_type = type(ti.autograd_function_apply)
     original_hop_call = hop_type.__dict__["__call__"]
 
@@ -68,7 +72,7 @@ def capture_autograd_functions() -> Iterator[None]:
         if cls in RUN_INSTEAD:
             return RUN_INSTEAD[cls][0](cls, *args, **kwargs)
         if _left_to_torch(calls, cls):
-            return _TORCH_APPLY(cls, *args, **kwargs)
+            return _torch_apply(cls, *args, **kwargs)
         return _apply(calls, cls, _bind(cls, args, kwargs))
 
     def hop_call(hop, fwd, bwd, *args, **kwargs):
@@ -76,29 +80,70 @@ def capture_autograd_functions() -> Iterator[None]:
             return original_hop_call(hop, fwd, bwd, *args, **kwargs)
         return _apply(calls, _pair_function(calls, fwd, bwd, kwargs), args)
 
-    torch.autograd.Function.apply = classmethod(apply)
+    # `Function.apply` binds defaults, then calls `super().apply`: found here, below it, every
+    # call is seen, also through an `apply` bound before export (`cube = Cube.apply`).
+    previous = ti.SingleLevelFunction.__dict__.get("apply")
+    ti.SingleLevelFunction.apply = classmethod(apply)
     hop_type.__call__ = hop_call
     try:
         yield
     finally:
-        torch.autograd.Function.apply = original
+        _restore_apply(previous)
         hop_type.__call__ = original_hop_call
+
+
+@contextlib.contextmanager
+def torch_applies() -> Iterator[None]:
+    """Every `Function.apply` runs as torch's own for the time of the block, even under a capture.
+
+    For code that runs during the trace but is not traced (the hooks' shape probe).
+    """
+    hook = ti.SingleLevelFunction.__dict__.get("apply")
+    _restore_apply(None)
+    try:
+        yield
+    finally:
+        _restore_apply(hook)
+
+
+def _restore_apply(hook: Any) -> None:
+    """Put `hook` back as the interception (None: torch's own apply, no attribute of ours)."""
+    if hook is not None:
+        ti.SingleLevelFunction.apply = hook
+    elif "apply" in ti.SingleLevelFunction.__dict__:
+        del ti.SingleLevelFunction.apply
 
 
 def _left_to_torch(calls: _Calls, cls: type) -> bool:
     """Whether this call runs as torch runs it (forward inlined into the running trace).
 
-    - inside a Function being captured: eager runs nested Functions under no_grad, so only the
-      outer backward matters;
-    - torch's own Functions implement ops, not models: the autograd kernel of every
-      `torch.library.custom_op` (`predispatch::keep_history` too) and of HOPs runs one from
-      inside the dispatcher, and the op or HOP is what the graph records;
-    - under a functorch transform (vmap, grad), torch routes Functions through its own HOP.
-
-    torch's own `autograd_function_apply` met in the trace is captured by `_pair_function`.
+    Decided by where the call runs, never by where its class is defined; see
+    Note [Which Functions are captured].  torch's own `autograd_function_apply` met in the
+    trace is captured by `_pair_function`.
     """
-    torch_own = cls.__module__ == "torch" or cls.__module__.startswith("torch.")
-    return calls.depth > 0 or torch_own or torch._C._are_functorch_transforms_active()
+    modes_popped = any(now is not mode for now, mode in zip(ti.pre_dispatch_modes(), calls.program_modes))
+    inside_kernel = modes_popped or ti.inside_op_call()
+    return calls.depth > 0 or inside_kernel or torch._C._are_functorch_transforms_active()
+
+
+# Note [Which Functions are captured]
+# -----------------------------------
+# A `Function.apply` call is captured when the traced program's own Python makes it, whatever
+# module defines the class (torch.testing's Functions, `torch.distributions`' `_Dirichlet`, a
+# user's), and however `apply` was reached (`cube = Cube.apply` bound before export): eager
+# differentiates it with its backward, so must the program.  It is left to torch (its forward inlined, the enclosing op recorded) when
+# - it runs inside an op's kernel: the autograd kernel of a `torch.library.custom_op`
+#   (`predispatch::keep_history` too) or of a HOP (`cond`, `invoke_subgraph`, ...) calls
+#   `apply` from inside the dispatcher, and the op or HOP is what the graph records.  Two
+#   signals, not the class's module, tell: the call runs below an op's or HOP's Python call
+#   frame (`OpOverload.__call__`, `HigherOrderOperator.dispatch`: `ti.inside_op_call`), or the
+#   trace's PreDispatch modes (the proxy tracer, the functional mode) are not all in place, as
+#   the dispatcher pops the one it is handling for the time of the kernel
+#   (`ti.pre_dispatch_modes`; this also covers kernels reached from C++, with no such frame);
+# - it is nested inside a captured Function's forward or backward (`_Calls.depth`): eager runs
+#   those under no_grad, so only the outer backward is ever used;
+# - a functorch transform (vmap, grad) is active: torch routes Functions through its own HOP.
+# `RUN_INSTEAD` lists the Functions run another way, each with its reason.
 
 
 def _bind(cls: type, args: tuple, kwargs: dict) -> tuple:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import linecache
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -136,8 +138,8 @@ def _trace_forward(site: CallSite, operands, needs_input_grad, fake_mode) -> tup
         records.append(record)
         return outputs, saved
 
-    with _located(site.function, "forward"), torch.no_grad():  # eager runs forward with grad off
-        gm, mutated = ti.trace_functional(forward, operands, fake_mode)
+    with _located(site.function, "forward"), _torch_only(site.function, "forward"), torch.no_grad():
+        gm, mutated = ti.trace_functional(forward, operands, fake_mode)  # eager runs forward with grad off
     (record,) = records
     _check_forward_mutations(site, record, mutated)
     _check_reads_only_arguments(site, gm, "forward")
@@ -157,9 +159,7 @@ def _run_user_forward(function: type, ctx: ForwardCtx, args: tuple) -> Any:
 
 def has_setup_context(function: type) -> bool:
     """Whether `function` uses the `setup_context` style (forward takes no ctx), as torch decides it."""
-    from torch.autograd.function import _SingleLevelFunction
-
-    return function.setup_context is not _SingleLevelFunction.setup_context
+    return function.setup_context is not ti.SingleLevelFunction.setup_context
 
 
 def _describe_forward(site: CallSite, ctx: ForwardCtx, out: Any, inputs: tuple):
@@ -298,7 +298,7 @@ def _trace_backward(
         grads = [inputs[leaf.index] if leaf.index is not None else None for leaf in record.outputs]
         return _operand_grads(site, _run_user_backward(site.function, ctx, grads))
 
-    with _located(site.function, "backward"), torch.no_grad():
+    with _located(site.function, "backward"), _torch_only(site.function, "backward"), torch.no_grad():
         gm, mutated = ti.trace_functional(backward, fakes, fake_mode)
     if any(i >= n for i in mutated):
         raise _refusal(
@@ -455,6 +455,47 @@ def _defined_at(function: type, phase: str) -> str | None:
         return f"{inspect.getsourcefile(method)}:{first + offset} ({lines[offset].strip()})"
     except (OSError, TypeError, StopIteration):
         return None
+
+
+#: Fix for a Function whose forward or backward leaves torch: the opaque part as a custom op.
+_CUSTOM_OP_FIX = (
+    "move the part that leaves torch into a torch.library.custom_op (@torch.library.custom_op("
+    "\"mylib::name\", mutates_args=())) with a fake kernel (@name.register_fake, computing only the "
+    "output's shape and dtype) and its gradient (name.register_autograd); call it from the Function, "
+    "or write the Function with torch operations only."
+)
+
+
+@contextlib.contextmanager
+def _torch_only(function: type, phase: str) -> Iterator[None]:
+    """Refuse `Tensor.numpy()` (and `np.asarray(t)`, which calls it) while `phase` is traced.
+
+    The trace runs the user's code on fake tensors, which hold no data: what numpy would compute
+    from them cannot be seen, and torch's own error (".numpy() is not supported for tensor
+    subclasses") names neither the Function nor the way out.
+    """
+    original = torch.Tensor.__dict__.get("numpy")
+
+    def numpy(tensor, *args, **kwargs):
+        caller = sys._getframe(1)
+        line = (linecache.getline(caller.f_code.co_filename, caller.f_lineno) or "").strip()
+        raise AutogradFunctionError(
+            f"autograd.Function {function.__qualname__} ({phase}): {phase} leaves torch: it calls "
+            f"`.numpy()` on a tensor (at {caller.f_code.co_filename}:{caller.f_lineno} ({line})); "
+            "export traces it on fake tensors, which hold no data, so what numpy computes cannot be "
+            "captured.",
+            where=_defined_at(function, phase) or user_frame(),
+            fix=_CUSTOM_OP_FIX,
+        )
+
+    torch.Tensor.numpy = numpy
+    try:
+        yield
+    finally:
+        if original is None:
+            del torch.Tensor.numpy
+        else:
+            torch.Tensor.numpy = original
 
 
 @contextlib.contextmanager

@@ -22,12 +22,10 @@ from torch.nn.modules import module as module_globals
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import PredispatchError, UnsupportedHookError, user_frame
+from predispatch.trace.autograd_function.capture import torch_applies
 from predispatch.trace.hooks.capture import Capture, first_line
 from predispatch.trace.hooks.layout import Layout, is_floating
 from predispatch.trace.hooks.state import module_tensors
-
-#: torch's own `Function.apply`, which the trace replaces; a shape probe runs with it (`_plain_autograd`).
-_TORCH_APPLY = torch.autograd.Function.__dict__["apply"]
 
 
 def probe_outputs(module: nn.Module, args: tuple, kwargs: dict, capture: Capture) -> Layout:
@@ -100,12 +98,13 @@ def _plain_autograd() -> Iterator[None]:
     probe calls must not be captured (its subgraphs would be traced for a run nothing records),
     and a tensor hook changes no shape, while torch's would refuse a stand-in without grad.
     """
-    saved = torch.autograd.Function.__dict__["apply"], torch.Tensor.register_hook
-    torch.autograd.Function.apply, torch.Tensor.register_hook = _TORCH_APPLY, lambda tensor, hook: _ProbeHandle()
+    saved = torch.Tensor.register_hook
+    torch.Tensor.register_hook = lambda tensor, hook: _ProbeHandle()
     try:
-        yield
+        with torch_applies():
+            yield
     finally:
-        torch.autograd.Function.apply, torch.Tensor.register_hook = saved
+        torch.Tensor.register_hook = saved
 
 
 class _ProbeHandle:

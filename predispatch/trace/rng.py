@@ -1,0 +1,246 @@
+"""`refusing_rng_changes`: forward may draw random numbers, but not reseed or restore a generator.
+
+Note [RNG state in forward]
+---------------------------
+A graph records random ops (`aten.bernoulli`, `aten.rand`), which draw from the generator each
+time the program runs; it has no op that reseeds or restores a generator.  A `torch.manual_seed(0)`
+inside forward would run once, at export (and export puts the generator back afterwards): the
+program, called later, draws from whatever state the caller's generator is in, so its outputs
+and the generator's state after the call differ from eager's, which reseeds at every call (or,
+under `fork_rng`, restores the state its block started from).  There is no faithful capture, so
+export refuses, by three mechanisms:
+
+- the functions that change a generator (`_CHANGERS`) raise `RngStateError` while the user's
+  forward is traced, naming the user's line, before they change anything;
+- a graph drawing from a generator made inside forward (`g = torch.Generator()`) would hold
+  the one object made at export and continue its stream across calls, where eager starts a new
+  one at each call: `refuse_generators_made_in_forward` refuses generators in the graph that
+  were not visible before forward ran;
+- a `torch.Generator` method called directly (`g.manual_seed(0)`, `g.set_state(s)`) cannot be
+  intercepted (a C type), so the states of the generators export can see (torch's default CPU
+  generator, generators kept on the module tree or in the globals and closures of its forwards)
+  are compared when forward returns; a change is refused, naming the export call.
+
+Either way every such generator is put back as it was before export.  torch's own tracing
+machinery (`_TRACERS`: Dynamo tracing a `torch.cond` branch saves and restores the RNG state
+around its work) calls the same functions and is let through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from predispatch import _torch_internals as ti
+from predispatch.errors import RngStateError, user_frame
+
+#: Functions that change a generator, by module, and what each does.
+_CHANGERS: dict[str, dict[str, str]] = {
+    "torch": {
+        "manual_seed": "reseeds the default generator",
+        "seed": "reseeds the default generator from a non-deterministic seed",
+        "set_rng_state": "restores the default generator's state",
+    },
+    "torch.random": {
+        "manual_seed": "reseeds the default generator",
+        "seed": "reseeds the default generator from a non-deterministic seed",
+        "set_rng_state": "restores the default generator's state",
+        "fork_rng": "restores the generators' states when its block ends",
+    },
+    **{
+        module: {
+            "manual_seed": "reseeds the current device's generator",
+            "manual_seed_all": "reseeds every device's generator",
+            "seed": "reseeds the current device's generator from a non-deterministic seed",
+            "seed_all": "reseeds every device's generator from a non-deterministic seed",
+            "set_rng_state": "restores a device generator's state",
+            "set_rng_state_all": "restores every device generator's state",
+        }
+        for module in ("torch.cuda", "torch.cuda.random", "torch.xpu", "torch.xpu.random", "torch.mps")
+    },
+}
+
+#: torch's tracing machinery, which saves and restores the RNG state around its own work (Dynamo
+#: compiling a `torch.cond` branch, AOTAutograd): a call made from these files is let through.
+_TRACERS = tuple(
+    os.path.join(os.path.dirname(torch.__file__), part)
+    for part in ("_dynamo", "_functorch", "_higher_order_ops", "fx", "_export", "export", "_guards.py")
+)
+
+_FIX = (
+    "seed outside forward (torch.manual_seed before calling the model, and before calling "
+    "ep.module()); for a stream of its own, create and seed a torch.Generator outside forward and "
+    "pass it to the random ops (torch.rand(..., generator=g))."
+)
+
+
+@contextlib.contextmanager
+def refusing_rng_changes(module: nn.Module) -> Iterator[frozenset[int]]:
+    """While active, forward's changes of a generator are refused; see Note [RNG state in forward].
+
+    Yields the identities (`ti.generator_identity`) of the generators export could see before
+    forward ran, for `refuse_generators_made_in_forward`.
+    """
+    generators = _visible_generators(module)
+    before = [(g, g.get_state()) for g in generators]
+    refusals: list[RngStateError] = []
+    patched = _patch_changers(refusals)
+    try:
+        yield frozenset(ti.generator_identity(g) for g in generators)
+        if refusals:  # forward caught the refusal and went on: the export still fails
+            raise refusals[0]
+        with ti.outside_trace():  # real tensors: compared with the trace's modes set aside
+            changed = [g for g, state in before if not torch.equal(g.get_state(), state)]
+        if changed:
+            raise RngStateError(
+                f"forward changed the state of {_describe(changed[0])} without a call export can "
+                "intercept (Generator.manual_seed, .set_state or .seed called on it directly); a graph "
+                "cannot record that, so the program's random numbers would differ from eager's.",
+                where=f"{user_frame()} (the export call)",
+                fix=_FIX,
+            )
+    finally:
+        _unpatch(patched)
+        for g, state in before:
+            g.set_state(state)
+
+
+def refuse_generators_made_in_forward(gm: fx.GraphModule, visible: frozenset[int]) -> None:
+    """Refuse a graph drawing from a generator export could not see before forward ran.
+
+    The graph holds the generator object itself (a `get_attr` constant): one made inside forward
+    (`g = torch.Generator(); g.manual_seed(0)`) is made once, at export, so the program continues
+    its stream from call to call where eager starts a fresh one at every call.
+    """
+    for graph_module in gm.modules():
+        if not isinstance(graph_module, fx.GraphModule):
+            continue
+        for node in graph_module.graph.find_nodes(op="get_attr"):
+            value = getattr(graph_module, node.target, None)
+            if isinstance(value, torch.Generator) and ti.generator_identity(value) not in visible:
+                raise RngStateError(
+                    "forward draws from a torch.Generator that export could not see before forward "
+                    "ran (made inside forward, or kept where export does not look): the program would "
+                    "hold the one generator made at export and continue its stream from call to call, "
+                    "while eager makes and seeds a new one at every call.",
+                    where=_stack_line(node) or f"{user_frame()} (the export call)",
+                    fix="make the generator outside forward and keep it on the module "
+                    "(self.generator = torch.Generator().manual_seed(0) in __init__), or draw from "
+                    "torch's default generator seeded outside forward.",
+                )
+
+
+def _stack_line(node: fx.Node) -> str | None:
+    """`file:line (code)` of the innermost frame in a node's recorded stack trace."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', node.meta.get("stack_trace") or "")
+    if not frames:
+        return None
+    path, line, code = frames[-1]
+    return f"{path}:{line} ({code.strip()})"
+
+
+def _patch_changers(refusals: list[RngStateError]) -> list[tuple[Any, str, Any]]:
+    """Replace each changer with one that refuses (into `refusals`); returns what to put back."""
+    patched = []
+    for module_name, functions in _CHANGERS.items():
+        module = sys.modules.get(module_name) or _import(module_name)
+        for name, effect in functions.items():
+            original = getattr(module, name, None) if module is not None else None
+            if callable(original):
+                setattr(module, name, _refusing(f"{module_name}.{name}", effect, original, refusals))
+                patched.append((module, name, original))
+    return patched
+
+
+def _import(module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ImportError:
+        return None
+
+
+def _unpatch(patched: list[tuple[Any, str, Any]]) -> None:
+    for module, name, original in reversed(patched):
+        setattr(module, name, original)
+
+
+def _refusing(qualified: str, effect: str, original: Callable[..., Any], refusals: list[RngStateError]) -> Callable[..., Any]:
+    """`original`, refusing when called from the user's code.
+
+    Let through: torch's tracing machinery (`_TRACERS`), and every call after the first refusal
+    (a `finally:` restoring the state as the refusal unwinds, as `freeze_rng_state` does, must
+    not replace the first error; the generators are put back when the trace ends anyway).
+    """
+
+    def changer(*args: Any, **kwargs: Any) -> Any:
+        caller = os.path.abspath(sys._getframe(1).f_code.co_filename)
+        if caller.startswith(_TRACERS) or refusals:
+            return original(*args, **kwargs)
+        refusals.append(
+            RngStateError(
+                f"forward calls {qualified}(), which {effect}; a graph records random ops but cannot "
+                "record a change of the generator, so the program's outputs and the generator's state "
+                "after a call would differ from eager's.",
+                where=user_frame(),
+                fix=_FIX,
+            )
+        )
+        raise refusals[0]
+
+    changer.__wrapped__ = original  # type: ignore[attr-defined]
+    return changer
+
+
+def _visible_generators(module: nn.Module) -> list[torch.Generator]:
+    """torch's default CPU generator, and the generators forward can reach by name.
+
+    Those kept on the module tree (`self.generator`, also in a list or dict attribute) and in
+    the globals and closures of each module's forward (a module-level `g = torch.Generator()`).
+    """
+    found = {ti.generator_identity(torch.default_generator): torch.default_generator}
+    seen_globals: set[int] = set()
+    for submodule in module.modules():
+        values = list(vars(submodule).values())
+        forward = getattr(type(submodule).forward, "__func__", type(submodule).forward)
+        for fn in (forward, *(v for v in values if callable(v) and hasattr(v, "__globals__"))):
+            namespace = getattr(fn, "__globals__", {})
+            if id(namespace) not in seen_globals:
+                seen_globals.add(id(namespace))
+                values.extend(namespace.values())
+            values.extend(cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ()) if _filled(cell))
+        for value in values:
+            for item in (value, *(_shallow_items(value))):
+                if isinstance(item, torch.Generator):
+                    found.setdefault(ti.generator_identity(item), item)
+    return list(found.values())
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _shallow_items(value: Any) -> tuple[Any, ...]:
+    """The items of a list, tuple or dict attribute (one level: where modules keep generators)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    if isinstance(value, dict):
+        return tuple(value.values())
+    return ()
+
+
+def _describe(generator: torch.Generator) -> str:
+    if generator is torch.default_generator:
+        return "torch's default CPU generator (torch.default_generator)"
+    return "a torch.Generator the module reaches"
