@@ -47,7 +47,7 @@ _RESERVED = frozenset({"self", "torch", "fx_pytree", "pytree", "inf", "nan", "No
 
 def module_of(ep: ExportedProgram) -> ProgramModule:
     """Build `ep.module()`; see the module docstring."""
-    source = copy.deepcopy(ep.graph_module)  # the module's graph is its own: tools rewrite it
+    source = copy.deepcopy(ep.graph_module, _shared_objects(ep.graph_module))  # tools rewrite it
     runner.keep_class_names(ep.graph_module, source)
     graph = source.graph
     sig = ep.signature
@@ -70,6 +70,13 @@ def module_of(ep: ExportedProgram) -> ProgramModule:
     module.graph = graph  # generates the code
     runner.attach_call_hooks(module)
     return module
+
+
+def _shared_objects(gm: fx.GraphModule) -> dict[int, Any]:
+    """A deepcopy memo that keeps the opaque objects the graph reads (a module's own
+    `torch.Generator`) shared: the program draws from the user's generator, as eager does."""
+    values = (getattr(gm, n.target) for n in gm.graph.find_nodes(op="get_attr") if "." not in n.target)
+    return {id(v): v for v in values if not isinstance(v, (torch.Tensor, nn.Module))}
 
 
 def _placeholders_per_leaf(graph: fx.Graph, sig: Any, tensor_placeholders: list[fx.Node]) -> list[fx.Node]:
@@ -231,6 +238,11 @@ def _install_subgraphs(module: ProgramModule, source: fx.GraphModule) -> None:
     for name, value in vars(source).items():
         if isinstance(value, GraphConstant):
             setattr(module, name, value)
+    for node in source.graph.find_nodes(op="get_attr"):  # opaque objects the graph reads
+        if "." not in node.target and _is_graph_attr(source, node.target):
+            value = getattr(source, node.target)
+            if not isinstance(value, (torch.Tensor, GraphConstant, nn.Module)):
+                module.__dict__[node.target] = value  # e.g. the module's own torch.Generator
 
 
 def _install_constants(gm: fx.GraphModule, *, top: bool) -> None:
