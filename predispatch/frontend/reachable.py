@@ -10,10 +10,13 @@ the variable's name, or the argument's name.
 from __future__ import annotations
 
 import inspect
+import re
 import types
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -53,3 +56,119 @@ def _global_names(code: types.CodeType) -> Iterator[str]:
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             yield from _global_names(const)
+
+
+# --- Beyond the registered tree ------------------------------------------------------------
+#
+# Note [Modules outside the registered tree]
+# A module kept in a plain list, dict or tuple attribute (`self.helpers = [nn.Linear(3, 3)]`),
+# or on a plain helper object (`self.ctx = Ctx(proj=nn.Linear(3, 3))`), is called by forward
+# but is not a submodule: `named_parameters()` does not see it.  Its state is lifted like a
+# submodule's, named by the path forward reaches it by (`helpers.0.weight`, `ctx.proj.weight`),
+# and `ep.module()` holds its copies at that path.  The same walk finds the plain containers
+# and helper objects forward may fill (`self.attention_bias_cache[key] = bias`), which
+# `_isolation` puts back as they were after export.
+
+#: Attributes every module has (its registries and hook tables): not plain attributes.
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+#: How deep the walk goes below a module's plain attribute, and how many objects it visits.
+_MAX_DEPTH, _MAX_VISITS = 4, 10_000
+_CONTAINERS = (list, tuple, dict, set)
+_PATH_PART = re.compile(r"^[A-Za-z_0-9]+$")
+
+
+@dataclass(frozen=True)
+class Beyond:
+    """What forward can reach from a module tree through plain attributes.
+
+    modules: modules outside the tree, by the path from the root (`helpers.0`), each with its
+        own submodules (those are named by `named_modules()` under the path).
+    containers: lists, dicts and sets reachable through plain attributes (tuples are immutable).
+    objects: plain helper objects (not modules) reachable through plain attributes.
+    """
+
+    modules: dict[str, nn.Module]
+    containers: tuple[Any, ...]
+    objects: tuple[Any, ...]
+
+
+def beyond_tree(root: nn.Module) -> Beyond:
+    """Walk every module's plain attributes (see Note [Modules outside the registered tree])."""
+    walk = _Walk()
+    walk.tree(root, "")
+    return Beyond(walk.modules, tuple(walk.containers), tuple(walk.objects))
+
+
+class _Walk:
+    """One walk: ids of everything seen, so shared objects and cycles are visited once."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.modules: dict[str, nn.Module] = {}
+        self.containers: list[Any] = []
+        self.objects: list[Any] = []
+
+    def tree(self, root: nn.Module, prefix: str) -> None:
+        named = list(root.named_modules(prefix=prefix, remove_duplicate=False))
+        self.seen.update(id(m) for _, m in named)
+        for path, module in named:
+            for attr, value in vars(module).items():
+                if attr not in _MODULE_INTERNALS:
+                    self.value(value, f"{path}.{attr}" if path else attr, 0)
+
+    def value(self, value: Any, path: str, depth: int) -> None:
+        if id(value) in self.seen or depth > _MAX_DEPTH or len(self.seen) > _MAX_VISITS or not _is_walked(value):
+            return
+        self.seen.add(id(value))
+        if isinstance(value, nn.Module):
+            self.modules[path] = value
+            self.tree(value, path)
+            return
+        if isinstance(value, (list, dict, set)):
+            self.containers.append(value)
+        elif not isinstance(value, tuple):
+            self.objects.append(value)
+        for key, child in _children(value):
+            self.value(child, f"{path}.{key}" if key is not None else path, depth + 1)
+
+
+def _is_walked(value: Any) -> bool:
+    """Modules, containers and plain helper objects of the user's own classes; not tensors,
+    classes, functions, Python modules, or library objects (configs, tokenizers)."""
+    if isinstance(value, (nn.Module, *_CONTAINERS)):
+        return True
+    if isinstance(value, (torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType)):
+        return False
+    module_name = getattr(type(value), "__module__", "") or ""
+    return hasattr(value, "__dict__") and not module_name.startswith(("torch", "builtins", "transformers", "numpy"))
+
+
+def _children(value: Any) -> Iterator[tuple[str | None, Any]]:
+    """(path part, child): list/tuple indices, dict keys that can be path parts, attributes.
+    A child without a usable name (a set member, a key with a dot) is walked unnamed (None):
+    its containers are still put back; a module there is not lifted (it has no path)."""
+    if isinstance(value, (list, tuple)):
+        yield from ((str(i), v) for i, v in enumerate(value))
+    elif isinstance(value, dict):
+        for key, child in list(value.items()):
+            part = str(key) if isinstance(key, (str, int)) and _PATH_PART.match(str(key)) else None
+            yield part, child
+    elif isinstance(value, set):
+        yield from ((None, v) for v in list(value))
+    else:
+        yield from vars(value).items()
+
+
+def resolve(root: Any, path: str) -> Any:
+    """The object at `path` from `root`: submodules, then list/tuple indices, dict keys, attributes."""
+    obj = root
+    for part in path.split(".") if path else ():
+        if isinstance(obj, nn.Module) and part in obj._modules:
+            obj = obj._modules[part]
+        elif isinstance(obj, (list, tuple)) and part.isdigit():
+            obj = obj[int(part)]
+        elif isinstance(obj, dict) and (part in obj or (part.isdigit() and int(part) in obj)):
+            obj = obj[part] if part in obj else obj[int(part)]
+        else:
+            obj = getattr(obj, part)
+    return obj

@@ -22,6 +22,7 @@ from predispatch.errors import (
 from predispatch.frontend import PreparedInputs
 from predispatch.frontend.dynamic import check_constraints
 from predispatch.frontend.inputs import CONSTANT_TYPES
+from predispatch.frontend.reachable import resolve
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
 from predispatch.trace.decompose import DecompositionLog, DecompositionPolicy
@@ -89,11 +90,71 @@ class _Program:
             stack.enter_context(keeper.observer())
             stack.enter_context(backward_hooks(prepared.module, keeper))
             stack.enter_context(capture_autograd_functions())
+            assigned = stack.enter_context(_buffer_assignments())
             out = prepared.module(*args, **kwargs)
+            _record_reassigned_buffers(prepared, state, assigned)
         self.grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
         self.input_metadata_write = keeper.input_metadata_write
         self.outputs = _output_leaves(out)
         return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, _GRAPH_OUTPUT_TYPES) and not _is_static(x))
+
+
+@contextlib.contextmanager
+def _buffer_assignments():
+    """Where forward assigns a registered buffer (`self.rel_indices = t` goes through
+    `register_buffer`, so torch's global buffer registration hook sees it): `{(id(module),
+    name): (module, name, the user's line)}`, the last assignment of each."""
+    assigned: dict[tuple[int, str], tuple[torch.nn.Module, str, str | None]] = {}
+
+    def hook(module: torch.nn.Module, name: str, buffer: Any) -> None:
+        assigned[(id(module), name)] = (module, name, user_frame())
+
+    handle = torch.nn.modules.module.register_module_buffer_registration_hook(hook)
+    try:
+        yield assigned
+    finally:
+        handle.remove()
+
+
+def _record_reassigned_buffers(prepared: PreparedInputs, state: tuple[torch.Tensor, ...], assigned: dict) -> None:
+    """A buffer forward replaced by another tensor (`self.rel_indices = new`) is a mutation of
+    that buffer, as in eager (where the module keeps the new tensor): write the new value into
+    the buffer's graph input, so the program records it as a buffer mutation.  A replacement of
+    another shape, dtype or device, or by None, cannot be written into the buffer: refused.
+    """
+    if not assigned:
+        return
+    places = _buffer_places(prepared)
+    for module, name, where in assigned.values():
+        index = places.get((id(module), name))
+        if index is None:  # a buffer forward registered itself: put back by `_isolation`
+            continue
+        bound, new = state[index], module._buffers.get(name)
+        if new is bound:
+            continue
+        old = prepared.fake_state[index]
+        if not isinstance(new, torch.Tensor) or (new.shape, new.dtype, new.device) != (bound.shape, bound.dtype, bound.device):
+            now = "None" if new is None else f"{new.dtype} {tuple(new.shape)}"
+            raise TraceError(
+                f"forward replaces buffer {prepared.state[index].spec.target!r} ({old.dtype} {tuple(old.shape)}) "
+                f"by a tensor of another shape, dtype or device ({now}); the program's buffer keeps its "
+                "exported shape, so it cannot take the new value.",
+                where=where or f"{user_frame()} (the export call)",
+                fix="register the buffer with the shape forward gives it (compute it in __init__), or keep "
+                "the new tensor in a local variable (or a plain attribute) instead of the buffer.",
+            )
+        bound.copy_(new.detach() if new.requires_grad else new)
+
+
+def _buffer_places(prepared: PreparedInputs) -> dict[tuple[int, str], int]:
+    """`{(id(owner module), attribute): state index}` of every lifted buffer name (aliases too)."""
+    places = {}
+    for index, lifted in enumerate(prepared.state):
+        if lifted.spec.kind is InputKind.BUFFER:
+            for fqn in (lifted.spec.target, *lifted.spec.aliases):
+                owner, _, attr = fqn.rpartition(".")
+                places[(id(resolve(prepared.module, owner)), attr)] = index
+    return places
 
 
 _active_traces = 0
