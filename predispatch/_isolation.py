@@ -60,7 +60,7 @@ class GlobalState:
         # switches first: the default device's mode sits at the bottom of the function mode
         # stack, and putting it back rebuilds that stack (see `ti._set_default_device_context`)
         for switch, value in zip(ti.GLOBAL_SWITCHES, self.switches):
-            if not _same(switch.get(), value):
+            if value is not ti.UNREADABLE and not _same(switch.get(), value):
                 switch.set(value)
         ti.pop_modes_to(self.mode_depths)
         torch.set_grad_enabled(self.grad_enabled)

@@ -61,6 +61,7 @@ __all__ = [
     "fake_of_meta",
     "GLOBAL_SWITCHES",
     "GlobalSwitch",
+    "UNREADABLE",
     "global_module_hook_tables",
     "torch_keeps_whole_in_export",
     "TrainingIRVerifier",
@@ -532,6 +533,11 @@ def fake_of_meta(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.devic
 # --- torch's process-wide switches (predispatch/_isolation.py restores them after export) ------
 
 
+#: What a switch's getter answers when torch cannot say (a setting this build does not have, or
+#: the legacy matmul precision after the new fp32_precision API was used): never written back.
+UNREADABLE = "<unreadable>"
+
+
 @dataclasses.dataclass(frozen=True)
 class GlobalSwitch:
     """One process-wide torch setting a forward can change: how it is read and written back.
@@ -612,13 +618,27 @@ def _setting_of(obj: Any, attr: str) -> GlobalSwitch:
 def _c_switch(name: str, getter: str, setter: str) -> GlobalSwitch:
     """A `torch._C` getter/setter pair; a getter returning a tuple is set with it spread
     (`_get_cublas_allow_fp16_reduced_precision_reduction` gives `(allow, allow_splitk)`)."""
-    write = getattr(torch._C, setter)
-    return GlobalSwitch(name, getattr(torch._C, getter), lambda v: write(*v) if isinstance(v, tuple) else write(v))
+    read, write = getattr(torch._C, getter), getattr(torch._C, setter)
+    return GlobalSwitch(name, lambda: _readable(read), lambda v: write(*v) if isinstance(v, tuple) else write(v))
+
+
+def _readable(read: Callable[[], Any]) -> Any:
+    """torch's legacy TF32 getters refuse to answer once the new fp32_precision API was used."""
+    try:
+        value = read()
+    except RuntimeError:
+        return UNREADABLE
+    return UNREADABLE if value is None else value
+
+
+def _float32_matmul_precision() -> str:
+    """torch refuses to answer once the legacy and the new fp32_precision APIs were mixed."""
+    return _readable(torch.get_float32_matmul_precision)
 
 
 #: Every process-wide switch a forward can flip, enumerated from torch 2.13's `torch/__init__.py`,
 #: `torch/backends/*/__init__.py`, `torch/autograd` and the `torch._C._set_*`/`_get_*` pairs.
-#: In restore order: `float32_matmul_precision` before the fp32_precision entries it also sets.
+#: In restore order: the fp32_precision entries last (the legacy switches write them too).
 #: Not here, and why: `set_num_interop_threads` (can be called once, before any parallel work;
 #: eager raises on a second call, so there is nothing to restore), grad mode, default dtype,
 #: autocast and the RNG (`_isolation.GlobalState` has them), `torch.backends.xnnpack.enabled`,
@@ -637,12 +657,7 @@ GLOBAL_SWITCHES: tuple[GlobalSwitch, ...] = (
         "_set_deterministic_fill_uninitialized_memory",
     ),
     GlobalSwitch("torch.set_num_threads", torch.get_num_threads, torch.set_num_threads),
-    GlobalSwitch("torch.set_float32_matmul_precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
-    *(
-        _fp32_precision(backend, op)
-        for backend, ops in (("generic", ("all",)), ("cuda", ("all", "matmul", "conv", "rnn")), ("mkldnn", ("all", "matmul", "conv", "rnn")))
-        for op in ops
-    ),
+    GlobalSwitch("torch.set_float32_matmul_precision", _float32_matmul_precision, torch.set_float32_matmul_precision),
     GlobalSwitch("torch.set_flush_denormal", _flush_denormal, torch.set_flush_denormal),
     GlobalSwitch("torch.set_warn_always", torch.is_warn_always_enabled, torch.set_warn_always),
     GlobalSwitch("torch.set_default_device", _default_device_context, _set_default_device_context),
@@ -713,6 +728,12 @@ GLOBAL_SWITCHES: tuple[GlobalSwitch, ...] = (
         "_set_math_sdp_allow_fp16_bf16_reduction",
     ),
     _c_switch("torch.nn.attention (sdpa priority order)", "_get_sdp_priority_order", "_set_sdp_priority_order"),
+    # last: the legacy switches above (matmul precision, allow_tf32) also write these
+    *(
+        _fp32_precision(backend, op)
+        for backend, ops in (("generic", ("all",)), ("cuda", ("all", "matmul", "conv", "rnn")), ("mkldnn", ("all", "matmul", "conv", "rnn")))
+        for op in ops
+    ),
 )
 
 

@@ -124,3 +124,105 @@ def test_no_garbage_collection_during_the_trace():
         gc.set_threshold(*threshold)
     assert during and not any(during), "a collection ran while tracing"
     assert gc.isenabled()
+
+
+# --- torch's global switches (issue 12, item 6) -----------------------------------------------
+
+
+def _flip_switch(switch: ti.GlobalSwitch):
+    """Another value for `switch`, set the way users set it where torch has a public call."""
+    value = switch.get()
+    if value is ti.UNREADABLE:  # not readable here (mkldnn.allow_tf32 without oneDNN's TF32)
+        return None
+    public = {
+        "torch.use_deterministic_algorithms": lambda: torch.use_deterministic_algorithms(not value[0], warn_only=True),
+        "torch.set_num_threads": lambda: torch.set_num_threads(value + 1),
+        "torch.set_float32_matmul_precision": lambda: torch.set_float32_matmul_precision(
+            "medium" if value != "medium" else "highest"
+        ),
+        "torch.set_flush_denormal": lambda: torch.set_flush_denormal(not value),
+        "torch.set_warn_always": lambda: torch.set_warn_always(not value),
+        "torch.set_default_device": lambda: torch.set_default_device("meta" if value is None else None),
+        "torch.set_printoptions": lambda: torch.set_printoptions(precision=value["precision"] + 3),
+        "torch.autograd.set_detect_anomaly": lambda: torch.autograd.set_detect_anomaly(not value[0], check_nan=False),
+        "torch.backends.opt_einsum.enabled/strategy": lambda: switch.set((not value[0], None)),
+        "torch.backends.mha.set_fastpath_enabled": lambda: torch.backends.mha.set_fastpath_enabled(not value),
+        "torch.backends.quantized.engine": lambda: setattr(
+            torch.backends.quantized, "engine", next(e for e in torch.backends.quantized.supported_engines if e != torch.backends.quantized.engine)
+        ),
+        "torch.nn.attention (sdpa priority order)": lambda: switch.set(list(reversed(value))),
+    }
+    if switch.name in public:
+        return public[switch.name]()
+    if isinstance(value, bool):
+        return switch.set(not value)
+    if isinstance(value, tuple):
+        return switch.set((not value[0], *value[1:]))
+    if isinstance(value, str) and "fp32_precision" in switch.name:
+        return switch.set("tf32" if value != "tf32" else "ieee")
+    if isinstance(value, str):  # autograd fallback mode, cudnn depthwise kernel
+        return switch.set({"warn": "nothing", "auto": "native"}.get(value, value))
+    return switch.set(type(value)(list(type(value).__members__.values())[-1]) if hasattr(type(value), "__members__") else value)
+
+
+class FlipsEverything(nn.Module):
+    """Changes every switch in `ti.GLOBAL_SWITCHES` from inside forward, then maybe fails."""
+
+    def __init__(self, fail: bool, changed: list[str], refused: list[str]):
+        super().__init__()
+        self.fail = fail
+        self.lin = nn.Linear(3, 3)
+        # bound methods, not the lists: export puts back the module's lists as it found them
+        self.changed, self.refused = changed.append, refused.append  # refused: this machine cannot flip it
+
+    def forward(self, x):
+        y = self.lin(x)
+        for switch in ti.GLOBAL_SWITCHES:
+            before = switch.get()
+            try:
+                _flip_switch(switch)
+            except RuntimeError:  # "Float16 arithmetic is not supported by the CPU!"
+                self.refused(switch.name)
+            if switch.get() != before:
+                self.changed(switch.name)
+        if self.fail:
+            raise RuntimeError("boom")
+        return y
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["success", "failure"])
+def test_global_switches_restored(fail):
+    changed, refused = [], []
+    model, x = FlipsEverything(fail, changed, refused), torch.randn(2, 3)
+    before = [switch.get() for switch in ti.GLOBAL_SWITCHES]
+    with pytest.raises(predispatch.errors.TraceError) if fail else contextlib.nullcontext():
+        predispatch.export(model, (x,))
+    after = [switch.get() for switch in ti.GLOBAL_SWITCHES]
+    assert [s.name for s, a, b in zip(ti.GLOBAL_SWITCHES, after, before) if a != b] == []
+    # the test can fail: forward really changed (almost) every switch
+    unreadable = {s.name for s in ti.GLOBAL_SWITCHES if s.get() is ti.UNREADABLE}
+    cannot_flip = {"torch.set_flush_denormal"} if not torch.set_flush_denormal(False) else set()
+    assert {s.name for s in ti.GLOBAL_SWITCHES} - unreadable - cannot_flip - set(changed) <= set(refused)
+    assert len(refused) <= 2, refused  # only hardware-dependent ones (fp16 reduction on a CPU without fp16)
+    assert torch.get_default_device() == torch.device("cpu")
+    assert torch.empty(1).device.type == "cpu"
+
+
+def test_switch_table_names_the_public_ones():
+    """The table holds the settings users set most (a guard against an entry going missing)."""
+    names = {s.name for s in ti.GLOBAL_SWITCHES}
+    for name in (
+        "torch.use_deterministic_algorithms",
+        "torch.set_num_threads",
+        "torch.set_float32_matmul_precision",
+        "torch.set_flush_denormal",
+        "torch.autograd.set_detect_anomaly",
+        "torch.backends.cudnn.benchmark",
+        "torch.backends.mkldnn.enabled",
+        "torch.backends.opt_einsum.enabled/strategy",
+        "torch.backends.cuda.matmul.allow_tf32",
+        "torch.backends.cuda.enable_flash_sdp",
+        "torch.set_default_device",
+        "torch.set_warn_always",
+    ):
+        assert name in names, name
