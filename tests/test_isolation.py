@@ -7,7 +7,7 @@ import gc
 
 import pytest
 import torch
-from helpers import state_bits
+from helpers import export_and_check, state_bits
 from torch import nn
 
 import predispatch
@@ -226,3 +226,104 @@ def test_switch_table_names_the_public_ones():
         "torch.set_warn_always",
     ):
         assert name in names, name
+
+
+# --- what forward writes on the user's objects (issue 12, item 5) ------------------------------
+
+
+class WritesEverywhere(nn.Module):
+    """A forward that writes on everything it can reach, then maybe fails."""
+
+    def __init__(self, fail: bool):
+        super().__init__()
+        self.fail = fail
+        self.lin = nn.Linear(3, 3)
+        self.old = nn.Linear(3, 3)
+        self.register_buffer("running", torch.zeros(3))
+        self.cache: dict[str, torch.Tensor] = {}
+        self.history: list[torch.Tensor] = []
+        self.nested = {"inner": {}}
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.cache_t = x * 2  # a new plain attribute
+        self.register_buffer("b", x.sum())  # a new buffer
+        self.register_parameter("p", nn.Parameter(torch.ones(3)))  # a new parameter
+        self.lin.register_forward_hook(lambda m, i, o: o * 2)  # a hook added inside forward
+        nn.modules.module.register_module_forward_hook(lambda m, i, o: o)  # a global one
+        self.cache["bias"] = y + 1  # a plain dict cache
+        self.history.append(y)
+        self.nested["inner"]["t"] = y
+        self.added = nn.Linear(3, 3)  # a submodule added
+        del self.old  # and one removed
+        self.running = y.sum(0)  # a buffer replaced (same shape: a buffer mutation)
+        self.lin.training = not self.lin.training
+        if self.fail:
+            raise RuntimeError("boom")
+        return y + self.running
+
+
+def _traced_tensors_reachable(model: nn.Module) -> list[str]:
+    """Paths of tracer tensors reachable from the model's attributes and plain containers."""
+    found = []
+
+    def visit(value, path, depth):
+        if ti.is_traced_tensor(value):
+            found.append(path)
+        elif depth < 6 and isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                visit(v, f"{path}[{i}]", depth + 1)
+        elif depth < 6 and isinstance(value, dict):
+            for k, v in value.items():
+                visit(v, f"{path}[{k!r}]", depth + 1)
+
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            visit(value, f"{name}.{attr}", 0)
+    return found
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["success", "failure"])
+def test_forward_writes_are_put_back(fail):
+    model, x = WritesEverywhere(fail), torch.randn(2, 3)
+    namespaces = [(m, dict(vars(m))) for m in model.modules()]
+    registries = [
+        (m, {k: dict(v) for k, v in vars(m).items() if isinstance(v, dict)}) for m in model.modules()
+    ]
+    global_hooks = [dict(t) for t in ti.global_module_hook_tables()]
+    before = _snapshot(model)
+    with pytest.raises(predispatch.errors.TraceError) if fail else contextlib.nullcontext():
+        predispatch.export(model, (x,))
+    _assert_unchanged(before, model)
+    for module, saved in namespaces:
+        assert vars(module).keys() == saved.keys()
+        assert all(vars(module)[k] is v for k, v in saved.items())
+    for module, saved in registries:
+        assert {k: dict(v) for k, v in vars(module).items() if isinstance(v, dict)} == saved
+    assert model.cache == {} and model.history == [] and model.nested == {"inner": {}}
+    assert [dict(t) for t in ti.global_module_hook_tables()] == global_hooks
+    assert _traced_tensors_reachable(model) == []
+    # usable after export, and exportable again
+    model.fail = False
+    predispatch.export(model, (x,))
+    model(x)  # eager after export: no tracer tensor to trip on
+
+
+def test_replaced_buffer_is_a_buffer_mutation():
+    """`self.running = new` (same shape) changes the buffer in eager: the program records it."""
+
+    class Replaces(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("running", torch.zeros(3))
+
+        def forward(self, x):
+            self.running = x.sum(0) * 2
+            return x + self.running
+
+    x = torch.randn(2, 3)
+    ep = export_and_check(Replaces(), (x,))
+    assert [(s.kind.name, s.target) for s in ep.signature.mutations] == [("BUFFER_MUTATION", "running")]
+    eager, program = Replaces(), ep.module()
+    eager(x), program(x)
+    torch.testing.assert_close(program.running, eager.running, rtol=0, atol=0)
