@@ -16,7 +16,7 @@ from torch import nn
 from predispatch import _torch_internals as ti
 from predispatch.errors import UnsupportedInputError, user_frame
 from predispatch.frontend.dynamic import DynamicInputs, fake_dynamic_inputs
-from predispatch.frontend.reachable import modules_reached
+from predispatch.frontend.reachable import Beyond, beyond_tree, modules_reached, resolve
 from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, Leaf
 
 #: Leaf types that are baked into the program as constants instead of becoming graph inputs.
@@ -96,7 +96,7 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     register_dataclasses((args, kwargs))
     module, signature_of = as_module(module_or_fn, args, kwargs)
     leaves, in_spec = _named_leaves(signature_of, args, kwargs)
-    state = lift_state(module)
+    state = lift_state(module, beyond_tree(module))
     dynamic = fake_dynamic_inputs(module, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
     fake_mode = dynamic.fake_mode if dynamic else ti.new_fake_mode()
     flat = pytree.tree_leaves((args, kwargs))
@@ -296,20 +296,24 @@ def unique_identifier(label: str, taken: set[str]) -> str:
     return name
 
 
-def lift_state(module: nn.Module) -> tuple[LiftedTensor, ...]:
+def lift_state(module: nn.Module, beyond: Beyond | None = None) -> tuple[LiftedTensor, ...]:
     """Parameters, buffers and tensor attributes of `module`, deduplicated, by fully qualified name.
 
     Order: parameters, then buffers, then constant tensors, each in module registration order
     (AOTAutograd places parameters before buffers; we keep that order in the graph).
     A tensor reachable under several names (tied weights) is lifted once, under its first name,
-    with the other names recorded as aliases.
+    with the other names recorded as aliases.  With `beyond`, the state of modules outside the
+    registered tree and tensors in plain containers come after the tree's, named by their
+    paths (see Note [Modules outside the registered tree]).
     """
     taken: set[str] = set()
     lifted = []
+    outside = beyond.modules if beyond is not None else {}
     groups = (
-        (InputKind.PARAMETER, module.named_parameters(remove_duplicate=False)),
-        (InputKind.BUFFER, module.named_buffers(remove_duplicate=False)),
-        (InputKind.CONSTANT_TENSOR, _tensor_attributes(module)),
+        (InputKind.PARAMETER, _named_beyond(module, outside, lambda m: m.named_parameters(remove_duplicate=False))),
+        (InputKind.BUFFER, _named_beyond(module, outside, lambda m: m.named_buffers(remove_duplicate=False))),
+        (InputKind.CONSTANT_TENSOR, _named_beyond(module, outside, _tensor_attributes)),
+        (InputKind.CONSTANT_TENSOR, (beyond.tensors.items() if beyond is not None else ())),
     )
     seen: dict[int, int] = {}
     aliases: dict[int, list[str]] = {}
@@ -328,6 +332,14 @@ def lift_state(module: nn.Module) -> tuple[LiftedTensor, ...]:
     return tuple(lifted)
 
 
+def _named_beyond(module: nn.Module, outside: dict[str, nn.Module], named: Callable[[nn.Module], Any]):
+    """`named(module)`, then `named(m)` of each module outside the tree, prefixed by its path."""
+    yield from named(module)
+    for path, other in outside.items():
+        for fqn, tensor in named(other):
+            yield f"{path}.{fqn}", tensor
+
+
 def _tensor_attributes(module: nn.Module):
     """Plain tensor attributes (not parameters or buffers) of every submodule, as (fqn, tensor)."""
     for prefix, sub in module.named_modules(remove_duplicate=False):
@@ -338,7 +350,7 @@ def _tensor_attributes(module: nn.Module):
 
 def _is_persistent(module: nn.Module, fqn: str) -> bool:
     owner, _, attr = fqn.rpartition(".")
-    return attr not in module.get_submodule(owner)._non_persistent_buffers_set
+    return attr not in resolve(module, owner)._non_persistent_buffers_set
 
 
 def _inputs_device(leaves: list[Any]) -> torch.device:

@@ -75,6 +75,8 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 _MAX_DEPTH, _MAX_VISITS = 4, 10_000
 _CONTAINERS = (list, tuple, dict, set)
 _PATH_PART = re.compile(r"^[A-Za-z_0-9]+$")
+#: Objects of these packages are not the user's helpers (a program, a config, a tokenizer).
+_LIBRARIES = ("torch", "builtins", "predispatch", "transformers", "numpy")
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,16 @@ class Beyond:
 
     modules: modules outside the tree, by the path from the root (`helpers.0`), each with its
         own submodules (those are named by `named_modules()` under the path).
+    tensors: tensors kept in plain containers or helper objects (`attention_bias_cache.cpu`),
+        by path; forward reads them as constants.
     containers: lists, dicts and sets reachable through plain attributes (tuples are immutable).
     objects: plain helper objects (not modules) reachable through plain attributes.
+    A module or tensor without a path (a set member, under a dict key with a dot) is in none of
+    `modules`/`tensors`, but the containers and objects around it are still listed.
     """
 
     modules: dict[str, nn.Module]
+    tensors: dict[str, torch.Tensor]
     containers: tuple[Any, ...]
     objects: tuple[Any, ...]
 
@@ -96,7 +103,7 @@ def beyond_tree(root: nn.Module) -> Beyond:
     """Walk every module's plain attributes (see Note [Modules outside the registered tree])."""
     walk = _Walk()
     walk.tree(root, "")
-    return Beyond(walk.modules, tuple(walk.containers), tuple(walk.objects))
+    return Beyond(walk.modules, walk.tensors, tuple(walk.containers), tuple(walk.objects))
 
 
 class _Walk:
@@ -105,23 +112,31 @@ class _Walk:
     def __init__(self) -> None:
         self.seen: set[int] = set()
         self.modules: dict[str, nn.Module] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
         self.containers: list[Any] = []
         self.objects: list[Any] = []
 
-    def tree(self, root: nn.Module, prefix: str) -> None:
-        named = list(root.named_modules(prefix=prefix, remove_duplicate=False))
+    def tree(self, root: nn.Module, prefix: str | None) -> None:
+        named = list(root.named_modules(prefix=prefix or "", remove_duplicate=False))
         self.seen.update(id(m) for _, m in named)
         for path, module in named:
+            base = path if prefix is not None else None  # an unnamed module's attributes have no path
             for attr, value in vars(module).items():
                 if attr not in _MODULE_INTERNALS:
-                    self.value(value, f"{path}.{attr}" if path else attr, 0)
+                    self.value(value, attr if base == "" else _join(base, attr), 0)
 
-    def value(self, value: Any, path: str, depth: int) -> None:
+    def value(self, value: Any, path: str | None, depth: int) -> None:
+        if depth > 0 and isinstance(value, torch.Tensor):  # depth 0: a plain tensor attribute, lifted already
+            if path is not None and id(value) not in self.seen:
+                self.seen.add(id(value))
+                self.tensors[path] = value
+            return
         if id(value) in self.seen or depth > _MAX_DEPTH or len(self.seen) > _MAX_VISITS or not _is_walked(value):
             return
         self.seen.add(id(value))
         if isinstance(value, nn.Module):
-            self.modules[path] = value
+            if path is not None:
+                self.modules[path] = value
             self.tree(value, path)
             return
         if isinstance(value, (list, dict, set)):
@@ -129,7 +144,11 @@ class _Walk:
         elif not isinstance(value, tuple):
             self.objects.append(value)
         for key, child in _children(value):
-            self.value(child, f"{path}.{key}" if key is not None else path, depth + 1)
+            self.value(child, _join(path, key), depth + 1)
+
+
+def _join(path: str | None, part: str | None) -> str | None:
+    return None if path is None or part is None else f"{path}.{part}"
 
 
 def _is_walked(value: Any) -> bool:
@@ -140,7 +159,7 @@ def _is_walked(value: Any) -> bool:
     if isinstance(value, (torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType)):
         return False
     module_name = getattr(type(value), "__module__", "") or ""
-    return hasattr(value, "__dict__") and not module_name.startswith(("torch", "builtins", "transformers", "numpy"))
+    return hasattr(value, "__dict__") and not module_name.startswith(_LIBRARIES)
 
 
 def _children(value: Any) -> Iterator[tuple[str | None, Any]]:

@@ -85,7 +85,9 @@ class _Program:
         args, kwargs = prepared.call_args(user_tensors)
         keeper = GradHistoryKeeper(without_history, [*state, *user_tensors])
         with contextlib.ExitStack() as stack:
-            stack.enter_context(ti.reparametrize(prepared.module, bound))
+            in_tree, beyond = _split_by_reach(prepared.module, bound)
+            stack.enter_context(ti.reparametrize(prepared.module, in_tree))
+            stack.enter_context(_bound_beyond(prepared.module, beyond))
             stack.enter_context(keeper)  # Note [Mutations inside grad regions]
             stack.enter_context(keeper.observer())
             stack.enter_context(backward_hooks(prepared.module, keeper))
@@ -97,6 +99,70 @@ class _Program:
         self.input_metadata_write = keeper.input_metadata_write
         self.outputs = _output_leaves(out)
         return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, _GRAPH_OUTPUT_TYPES) and not _is_static(x))
+
+
+def _split_by_reach(root: torch.nn.Module, bound: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Names whose path runs through submodules only (torch's reparametrize binds them), and
+    the others: state of modules outside the tree, tensors in plain containers."""
+    in_tree, beyond = {}, {}
+    for fqn, tensor in bound.items():
+        (in_tree if _is_submodule_path(root, fqn.rpartition(".")[0]) else beyond)[fqn] = tensor
+    return in_tree, beyond
+
+
+def _is_submodule_path(root: torch.nn.Module, path: str) -> bool:
+    module = root
+    for part in path.split(".") if path else ():
+        module = module._modules.get(part)
+        if module is None:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def _bound_beyond(root: torch.nn.Module, bound: dict[str, torch.Tensor]):
+    """Bind state reached outside the registered tree (Note [Modules outside the registered
+    tree]): a module's tensors through torch's reparametrize, a container's entry by assignment;
+    everything is put back on exit."""
+    per_module: dict[int, tuple[torch.nn.Module, dict[str, torch.Tensor]]] = {}
+    entries = []
+    for fqn, tensor in bound.items():
+        owner_path, _, attr = fqn.rpartition(".")
+        owner = resolve(root, owner_path)
+        if isinstance(owner, torch.nn.Module):
+            per_module.setdefault(id(owner), (owner, {}))[1][attr] = tensor
+        else:
+            entries.append((owner, attr, tensor))
+    with contextlib.ExitStack() as stack:
+        for module, tensors in per_module.values():
+            stack.enter_context(ti.reparametrize(module, tensors))
+        for owner, attr, tensor in entries:
+            stack.enter_context(_entry_bound(owner, attr, tensor))
+        yield
+
+
+@contextlib.contextmanager
+def _entry_bound(owner: Any, attr: str, tensor: torch.Tensor):
+    """`owner[attr]` (a list index, a dict key) or `owner.attr` bound to `tensor` for a while."""
+    if isinstance(owner, list):
+        key: Any = int(attr)
+    elif isinstance(owner, dict):
+        key = attr if attr in owner else int(attr)
+    else:
+        key = None
+    old = getattr(owner, attr) if key is None else owner[key]
+    _put(owner, attr if key is None else key, tensor, key is None)
+    try:
+        yield
+    finally:
+        _put(owner, attr if key is None else key, old, key is None)
+
+
+def _put(owner: Any, key: Any, value: Any, attribute: bool) -> None:
+    if attribute:
+        object.__setattr__(owner, key, value)
+    else:
+        owner[key] = value
 
 
 @contextlib.contextmanager
