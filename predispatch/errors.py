@@ -230,3 +230,16 @@ class DecompositionError(PredispatchError):
     """
 
     anchor = "decompositionerror"
+
+
+def from_torch(error: PredispatchError, exc: BaseException) -> PredispatchError:
+    """`error`, keeping the torch exception it was raised from without printing it.
+
+    Raise it as `raise from_torch(OurError(...), exc) from None` inside the `except` block:
+    Python then prints our message alone (torch's chained traceback of internals, ~90 lines for
+    a data-dependent branch, is what users saw first before), while torch's exception stays
+    reachable as `error.torch_error` (and as `error.__context__`, which `from None` hides).
+    Not as `__cause__`: Python prints a `__cause__` whatever `__suppress_context__` says.
+    """
+    error.torch_error = exc
+    return error

@@ -65,7 +65,7 @@ input 'input' has type object, which is neither a tensor nor a constant.
             predispatch.export(ReturnsModule(), (torch.randn(2),))
         self.assertExpectedInline(message(info.value), """\
 output[1] has type ReturnsModule, which is neither a tensor nor a constant.
-  at test_errors.py:N (predispatch.export(ReturnsModule(), (torch.randn(2),)))
+  at test_errors.py:N (return x, self)
   fix: return tensors (or tuples/lists/dicts/dataclasses of tensors); register custom containers with torch.utils._pytree.register_pytree_node.
   see docs/errors.md#unsupportedoutputerror""")
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import gc
+import inspect
+import linecache
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +21,12 @@ from predispatch.errors import (
     PredispatchError,
     TraceError,
     UnsupportedOutputError,
+    from_torch,
     user_frame,
 )
 from predispatch.frontend import PreparedInputs
 from predispatch.frontend.dynamic import check_constraints
-from predispatch.frontend.inputs import CONSTANT_TYPES
+from predispatch.frontend.inputs import CONSTANT_TYPES, register_dataclasses
 from predispatch.frontend.reachable import resolve
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
@@ -97,7 +102,7 @@ class _Program:
             _record_reassigned_buffers(prepared, state, assigned)
         self.grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
         self.input_metadata_write = keeper.input_metadata_write
-        self.outputs = _output_leaves(out)
+        self.outputs = _output_leaves(out, prepared.module)
         return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, _GRAPH_OUTPUT_TYPES) and not _is_static(x))
 
 
@@ -347,8 +352,21 @@ def _is_static(value: Any) -> bool:
     return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and value.node.expr.is_number
 
 
-def _output_leaves(out: Any) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:
-    """Check and describe the user's return value: graph outputs (tensors, symbolic scalars) and constants."""
+def _output_leaves(out: Any, module: torch.nn.Module) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:
+    """Check and describe the user's return value: graph outputs (tensors, symbolic scalars) and constants.
+
+    Outputs take what inputs take: dataclasses are registered as pytree nodes here as they are
+    for inputs (`register_dataclasses`), so `ep.module()` returns eager's types.
+    """
+    try:
+        register_dataclasses(out)
+    except Exception as exc:  # noqa: BLE001 - a dataclass pytree cannot describe (init=False fields)
+        raise UnsupportedOutputError(
+            f"the output is a {type(out).__name__} that cannot be flattened: {exc}",
+            where=_return_lines(module),
+            fix="return tensors (or tuples/lists/dicts/dataclasses of tensors); register custom "
+            "containers with torch.utils._pytree.register_pytree_node.",
+        ) from None
     with_path, spec = pytree.tree_flatten_with_path(out)
     leaves = []
     for path, value in with_path:
@@ -362,16 +380,45 @@ def _output_leaves(out: Any) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:
         else:
             raise UnsupportedOutputError(
                 f"{label} has type {type(value).__name__}, which is neither a tensor nor a constant.",
-                where=user_frame(),
+                where=_return_lines(module),
                 fix="return tensors (or tuples/lists/dicts/dataclasses of tensors); register custom "
                 "containers with torch.utils._pytree.register_pytree_node.",
             )
     return tuple(leaves), spec
 
 
+def _return_lines(module: torch.nn.Module) -> str | None:
+    """`file:line (return ...)` of forward's return statement (all of them, joined by "or", when
+    forward has several: which one ran is gone with its frame); the export call if no source."""
+    fn = inspect.unwrap(getattr(module, "forward"))
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    try:
+        lines, first = inspect.getsourcelines(fn)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return f"{user_frame()} (the export call)"
+    body = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else tree
+    returns = [n.lineno + first - 1 for n in _own_nodes(body) if isinstance(n, ast.Return)]
+    if not returns or code is None:
+        return f"{user_frame()} (the export call)"
+    return " or ".join(f"{code.co_filename}:{line} ({linecache.getline(code.co_filename, line).strip()})" for line in returns)
+
+
+def _own_nodes(node: ast.AST):
+    """The nodes of a function body, not of functions, lambdas or classes defined inside it."""
+    for child in ast.iter_child_nodes(node):
+        yield child
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            yield from _own_nodes(child)
+
+
 @contextlib.contextmanager
 def _user_errors():
-    """Turn torch's tracing failures into predispatch errors that name the user's line."""
+    """Turn torch's tracing failures into predispatch errors that name the user's line.
+
+    Our message is printed alone; torch's exception stays reachable as `err.torch_error`
+    (see `errors.from_torch`)."""
     try:
         yield
     except PredispatchError:
@@ -379,19 +426,25 @@ def _user_errors():
     except Exception as exc:  # noqa: BLE001 - every torch failure is re-raised with context
         where = user_frame(exc.__traceback__) or f"{user_frame()} (the export call; torch found this after tracing)"
         if _is_data_dependent(exc):
-            raise DataDependentError(
-                "Python code branches on, or converts, a value inside a tensor, which export "
-                "cannot know (it traces shapes, not values).",
-                where=where,
-                fix="make the branch static, use torch.where to compute both sides, or torch.cond.",
-            ) from exc
+            raise from_torch(
+                DataDependentError(
+                    "Python code branches on, or converts, a value inside a tensor, which export "
+                    "cannot know (it traces shapes, not values).",
+                    where=where,
+                    fix="make the branch static, use torch.where to compute both sides, or torch.cond.",
+                ),
+                exc,
+            ) from None
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TraceError(
-            f"tracing failed: {type(exc).__name__}: {first_line}",
-            where=where,
-            fix="the torch error chained below says what failed at the named line; if it is an "
-            "in-place metadata change of an input (x.t_(), x.resize_()), write it out of place.",
-        ) from exc
+        raise from_torch(
+            TraceError(
+                f"tracing failed: {type(exc).__name__}: {first_line}",
+                where=where,
+                fix="torch's full error is kept as err.torch_error; if it is an in-place metadata change "
+                "of an input (x.t_(), x.resize_()), write it out of place.",
+            ),
+            exc,
+        ) from None
 
 
 def _is_data_dependent(exc: Exception) -> bool:
