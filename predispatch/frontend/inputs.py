@@ -97,6 +97,7 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     module, signature_of = as_module(module_or_fn, args, kwargs)
     leaves, in_spec = _named_leaves(signature_of, args, kwargs)
     state = lift_state(module, beyond_tree(module))
+    _check_state(state)
     dynamic = fake_dynamic_inputs(module, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
     fake_mode = dynamic.fake_mode if dynamic else ti.new_fake_mode()
     flat = pytree.tree_leaves((args, kwargs))
@@ -202,6 +203,13 @@ def _check_args(args: Any, kwargs: Any) -> tuple[tuple, dict]:
             where=user_frame(),
             fix="pass kwargs={'name': value}.",
         )
+    for key in kwargs or {}:
+        if not isinstance(key, str):
+            raise UnsupportedInputError(
+                f"export() takes keyword arguments by name, got the key {key!r} ({type(key).__name__}).",
+                where=user_frame(),
+                fix="use parameter names as the keys: kwargs={'mask': mask}; pass other values positionally.",
+            )
     return args, dict(kwargs or {})
 
 
@@ -242,6 +250,7 @@ def _named_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tu
     for path, value in with_path:
         label = _label(names, path)
         if isinstance(value, torch.Tensor):
+            _check_tensor_input(label, value)
             leaves.append(Leaf(label, True))
         elif isinstance(value, (*CONSTANT_TYPES, nn.Module)):  # modules: lifted by FunctionRoot
             leaves.append(Leaf(label, False, value))
@@ -253,6 +262,34 @@ def _named_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tu
                 "register other containers with torch.utils._pytree.register_pytree_node.",
             )
     return tuple(leaves), in_spec
+
+
+def _check_tensor_input(label: str, tensor: torch.Tensor) -> None:
+    """Refuse tensors the fake-tensor trace has no kernels for (quantized tensors)."""
+    if tensor.is_quantized:
+        raise UnsupportedInputError(
+            f"input {label!r} is a quantized tensor ({tensor.dtype}); export traces on fake tensors, "
+            "which have no quantized kernels.",
+            where=user_frame(),
+            fix="pass the float tensor (x.dequantize()) and quantize inside forward, or export the float "
+            "model and quantize the program (torchao's PT2E flow).",
+        )
+
+
+def _check_state(state: tuple[LiftedTensor, ...]) -> None:
+    """Refuse inference tensors as parameters or buffers: a module built or loaded under
+    `torch.inference_mode()` has them, and they cannot take part in autograd outside it."""
+    for lifted in state:
+        if lifted.tensor.is_inference():
+            raise UnsupportedInputError(
+                f"{lifted.spec.kind.name.lower().replace('_', ' ')} {lifted.spec.target!r} is an inference tensor: "
+                "the module was built or loaded under torch.inference_mode(), and such tensors cannot be "
+                "traced for training.",
+                where=user_frame(),
+                fix="build or load the module outside inference_mode, or replace its state by normal "
+                "tensors first: model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, "
+                "assign=True) outside inference_mode.",
+            )
 
 
 def _parameter_names(fn: Callable[..., Any], args: tuple) -> list[str]:

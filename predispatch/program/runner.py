@@ -137,6 +137,7 @@ def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
 def _user_tensors(ep: ExportedProgram, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor leaves of the call, after checking it matches the exported call."""
     sig = ep.signature
+    args, kwargs = _as_exported_call(sig, args, kwargs)
     flat, spec = pytree.tree_flatten((args, kwargs))
     if spec != sig.in_spec:
         raise InputMismatchError(
@@ -162,6 +163,29 @@ def _user_tensors(ep: ExportedProgram, args: tuple, kwargs: dict) -> list[torch.
         paths = [leaf.path for leaf in sig.input_leaves if leaf.is_tensor]
         _check_symbols(sig.shapes, paths, tensors)
     return tensors
+
+
+def _as_exported_call(sig: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Arrange a call as the exported one was, where eager would accept it just the same.
+
+    Keyword arguments in another order are put in the exported order; an argument exported
+    positionally and passed by its name goes back to its position; an argument exported by
+    name and passed positionally gets its name when that is unambiguous (one such argument).
+    Anything else is left as it is, and the structure check that follows refuses it.
+    """
+    exported_args, exported_kwargs = sig.in_spec.children()
+    n_args, names = exported_args.num_children, list(exported_kwargs.context or ())
+    args, kwargs = tuple(args), dict(kwargs)
+    positional = list(sig.arg_names)
+    while len(args) < n_args and len(args) < len(positional) and positional[len(args)] in kwargs:
+        args = (*args, kwargs.pop(positional[len(args)]))
+    missing = [name for name in names if name not in kwargs]
+    if len(args) == n_args + 1 and len(missing) == 1:
+        kwargs[missing[0]] = args[-1]
+        args = args[:-1]
+    if set(kwargs) == set(names):
+        kwargs = {name: kwargs[name] for name in names}
+    return args, kwargs
 
 
 def _check_symbols(shapes: ShapeRecord, paths: list[str], tensors: list[torch.Tensor]) -> None:
@@ -200,6 +224,13 @@ def _check_tensor(path: str, value: Any, example: Any) -> None:
         )
     if example is None:
         return
+    if value.device != example.device and not ti.is_traced_tensor(value):
+        raise InputMismatchError(
+            f"input {path!r} was on {example.device} at export and is on {value.device} now; the "
+            "program's state and the devices in its graph are those of the export.",
+            where=user_frame(),
+            fix=f"move the input: x.to({str(example.device)!r}), or export again with inputs on {value.device}.",
+        )
     wrong_rank = value.dim() != len(example.shape)
     static_dims = [(a, e) for a, e in zip(value.shape, example.shape) if isinstance(e, int)]
     if value.dtype != example.dtype or wrong_rank or any(a != e for a, e in static_dims):
