@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -125,9 +126,10 @@ class _Walk:
                 if attr not in _MODULE_INTERNALS:
                     self.value(value, attr if base == "" else _join(base, attr), 0)
 
-    def value(self, value: Any, path: str | None, depth: int) -> None:
+    def value(self, value: Any, path: str | None, depth: int, in_tuple: bool = False) -> None:
         if depth > 0 and isinstance(value, torch.Tensor):  # depth 0: a plain tensor attribute, lifted already
-            if path is not None and id(value) not in self.seen:
+            # a tensor in a tuple cannot be swapped for its fake during the trace: not lifted
+            if path is not None and not in_tuple and id(value) not in self.seen:
                 self.seen.add(id(value))
                 self.tensors[path] = value
             return
@@ -144,7 +146,7 @@ class _Walk:
         elif not isinstance(value, tuple):
             self.objects.append(value)
         for key, child in _children(value):
-            self.value(child, _join(path, key), depth + 1)
+            self.value(child, _join(path, key), depth + 1, isinstance(value, tuple))
 
 
 def _join(path: str | None, part: str | None) -> str | None:
@@ -159,6 +161,8 @@ def _is_walked(value: Any) -> bool:
     if isinstance(value, (torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType)):
         return False
     module_name = getattr(type(value), "__module__", "") or ""
+    if module_name.split(".")[0] in sys.stdlib_module_names:  # loggers, locks, partials
+        return False
     return hasattr(value, "__dict__") and not module_name.startswith(_LIBRARIES)
 
 
