@@ -282,3 +282,31 @@ class ModulesOutsideTheTree(TestCase):
         torch.testing.assert_close(ep.module()(x), model(x), rtol=0, atol=0)
         self.assertEqual(list(model.cache), ["cpu"])
         self.assertFalse(ti.is_traced_tensor(model.cache["cpu"]))
+
+    def test_tensors_in_plain_containers_and_functions_reaching_them(self):
+        """Tensors in a tuple, a dict and on a helper object are lifted constants; a function
+        reaching such a model reads them live (its program shares the user's modules)."""
+
+        class Holder(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.helpers = [nn.Linear(3, 3)]
+                self.pair = (torch.full((3,), 2.0), torch.full((3,), 3.0))
+                self.table = {"shift": torch.ones(3)}
+                self.ctx = _Helpers()
+                self.ctx.scale = torch.full((3,), 0.5)
+
+            def forward(self, x):
+                return self.helpers[0](x) * self.pair[1] + self.pair[0] + self.table["shift"] * self.ctx.scale
+
+        model, x = Holder(), torch.randn(2, 3)
+        for exported in (model, lambda t: model(t)):
+            ep = predispatch.export(exported, (x,))
+            prefix = "" if exported is model else "model."
+            self.assertEqual(
+                [(s.kind.name, s.target) for s in ep.signature.inputs if s.kind.name == "CONSTANT_TENSOR"],
+                [("CONSTANT_TENSOR", prefix + p) for p in ("pair.0", "pair.1", "table.shift", "ctx.scale")],
+            )
+            torch.testing.assert_close(ep.module()(x), model(x), rtol=0, atol=0)
+            self.assertIsInstance(model.pair, tuple)
+            self.assertFalse(any(ti.is_traced_tensor(t) for t in (*model.pair, model.table["shift"], model.ctx.scale)))

@@ -126,10 +126,11 @@ class _Walk:
                 if attr not in _MODULE_INTERNALS:
                     self.value(value, attr if base == "" else _join(base, attr), 0)
 
-    def value(self, value: Any, path: str | None, depth: int, in_tuple: bool = False) -> None:
+    def value(self, value: Any, path: str | None, depth: int, tuples: int = 0) -> None:
         if depth > 0 and isinstance(value, torch.Tensor):  # depth 0: a plain tensor attribute, lifted already
-            # a tensor in a tuple cannot be swapped for its fake during the trace: not lifted
-            if path is not None and not in_tuple and id(value) not in self.seen:
+            # `tuples`: how many tuples directly enclose it; the trace swaps a tensor in a tuple by
+            # rebuilding the tuple on its (mutable) holder, so one level only
+            if path is not None and tuples <= 1 and id(value) not in self.seen:
                 self.seen.add(id(value))
                 self.tensors[path] = value
             return
@@ -146,7 +147,7 @@ class _Walk:
         elif not isinstance(value, tuple):
             self.objects.append(value)
         for key, child in _children(value):
-            self.value(child, _join(path, key), depth + 1, isinstance(value, tuple))
+            self.value(child, _join(path, key), depth + 1, tuples + 1 if isinstance(value, tuple) else 0)
 
 
 def _join(path: str | None, part: str | None) -> str | None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
+from predispatch.frontend.reachable import resolve
 from predispatch.program.signature import InputKind, OutputKind, ShapeRecord
 
 if TYPE_CHECKING:
@@ -129,9 +130,24 @@ def _install(root: nn.Module, fqn: str, tensor: torch.Tensor, kind: InputKind, p
         setattr(owner, attr, tensor)
 
 
-def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+def _owner(root: nn.Module, fqn: str) -> tuple[Any, str]:
+    """The object holding the state at `fqn` and its attribute name there.  The path may run
+    outside the registered tree (Note [Modules outside the registered tree]: `helpers.0.weight`,
+    `cache.bias`); a list or dict holding the tensor itself is read through `_Entries`."""
     owner, _, attr = fqn.rpartition(".")
-    return root.get_submodule(owner), attr
+    found = resolve(root, owner)
+    return (_Entries(found) if isinstance(found, (list, tuple, dict)) else found), attr
+
+
+class _Entries:
+    """A list's or dict's entries as attributes (`getattr(_Entries(cache), "bias")`), so state
+    kept in a plain container is read like state kept on a module."""
+
+    def __init__(self, container: list | tuple | dict):
+        self._container = container
+
+    def __getattr__(self, name: str) -> Any:
+        return resolve(self._container, name)
 
 
 def _user_tensors(ep: ExportedProgram, args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -131,13 +131,21 @@ def _bound_beyond(root: torch.nn.Module, bound: dict[str, torch.Tensor]):
     everything is put back on exit."""
     per_module: dict[int, tuple[torch.nn.Module, dict[str, torch.Tensor]]] = {}
     entries = []
+    in_tuples: dict[str, dict[int, torch.Tensor]] = {}
     for fqn, tensor in bound.items():
         owner_path, _, attr = fqn.rpartition(".")
         owner = resolve(root, owner_path)
         if isinstance(owner, torch.nn.Module):
             per_module.setdefault(id(owner), (owner, {}))[1][attr] = tensor
+        elif isinstance(owner, tuple):  # immutable: rebuilt with the tensors swapped, on its holder
+            in_tuples.setdefault(owner_path, {})[int(attr)] = tensor
         else:
             entries.append((owner, attr, tensor))
+    for path, swapped in in_tuples.items():
+        old = resolve(root, path)
+        items = [swapped.get(i, item) for i, item in enumerate(old)]
+        holder_path, _, key = path.rpartition(".")
+        entries.append((resolve(root, holder_path), key, type(old)(*items) if hasattr(old, "_fields") else type(old)(items)))
     with contextlib.ExitStack() as stack:
         for module, tensors in per_module.values():
             stack.enter_context(ti.reparametrize(module, tensors))
