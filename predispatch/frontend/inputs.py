@@ -33,6 +33,9 @@ class LiftedTensor:
 
     spec: InputSpec
     tensor: torch.Tensor
+    #: more names to bind it to during the trace, not program names: a plain container holding
+    #: the same tensor (RNNs' `_flat_weights` list, `self.refs = [self.lin.weight]`)
+    bind_also: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -354,10 +357,12 @@ def lift_state(module: nn.Module, beyond: Beyond | None = None) -> tuple[LiftedT
     )
     seen: dict[int, int] = {}
     aliases: dict[int, list[str]] = {}
+    bind_also: dict[int, list[str]] = {}
     for kind, named in groups:
         for fqn, tensor in named:
             if id(tensor) in seen:
-                aliases.setdefault(seen[id(tensor)], []).append(fqn)
+                in_container = beyond is not None and beyond.tensors.get(fqn) is tensor
+                (bind_also if in_container else aliases).setdefault(seen[id(tensor)], []).append(fqn)
                 continue
             seen[id(tensor)] = len(lifted)
             name = unique_identifier(PLACEHOLDER_PREFIX[kind] + fqn, taken)
@@ -366,6 +371,8 @@ def lift_state(module: nn.Module, beyond: Beyond | None = None) -> tuple[LiftedT
     for index, names in aliases.items():
         spec = lifted[index].spec
         lifted[index] = LiftedTensor(dataclasses.replace(spec, aliases=tuple(names)), lifted[index].tensor)
+    for index, names in bind_also.items():
+        lifted[index] = dataclasses.replace(lifted[index], bind_also=tuple(names))
     return tuple(lifted)
 
 

@@ -79,7 +79,7 @@ class _Program:
         bound = {
             fqn: tensor
             for lifted, tensor in zip(prepared.state, state)
-            for fqn in (lifted.spec.target, *lifted.spec.aliases)
+            for fqn in (lifted.spec.target, *lifted.spec.aliases, *lifted.bind_also)
         }
         # buffers and constants that do not require grad: their updates need no history kept
         without_history = [
