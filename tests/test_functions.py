@@ -310,3 +310,12 @@ class ModulesOutsideTheTree(TestCase):
             torch.testing.assert_close(ep.module()(x), model(x), rtol=0, atol=0)
             self.assertIsInstance(model.pair, tuple)
             self.assertFalse(any(ti.is_traced_tensor(t) for t in (*model.pair, model.table["shift"], model.ctx.scale)))
+
+    def test_state_dict_of_a_module_with_state_dict_hooks(self):
+        """With state_dict hooks, `ep.module().state_dict()` is the exported module's own, which
+        does not hold the state kept outside its tree; loading it back works."""
+        model = OutsideTheTree()
+        model._register_state_dict_hook(lambda module, state, prefix, local_metadata: state)
+        program = predispatch.export(model, (torch.randn(4, 3),)).module()
+        self.assertEqual(sorted(program.state_dict()), sorted(model.state_dict()))
+        program.load_state_dict(model.state_dict())

@@ -196,3 +196,15 @@ def resolve(root: Any, path: str) -> Any:
         else:
             obj = getattr(obj, part)
     return obj
+
+
+def in_tree(root: nn.Module, fqn: str) -> bool:
+    """Whether `fqn` names state of `root`'s registered tree (its owner path runs through
+    submodules only), as torch's own utilities (`reparametrize`, `state_dict`) need."""
+    module = root
+    owner = fqn.rpartition(".")[0]
+    for part in owner.split(".") if owner else ():
+        module = module._modules.get(part)
+        if module is None:
+            return False
+    return True

@@ -11,7 +11,7 @@ from torch import nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
-from predispatch.frontend.reachable import resolve
+from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.program.signature import InputKind, OutputKind, ShapeRecord
 
 if TYPE_CHECKING:
@@ -91,11 +91,15 @@ class ProgramModule(nn.Module):
             return owner.load_state_dict(state_dict, strict=strict)
 
     def _bindings(self) -> dict[str, torch.Tensor]:
-        """Every fully qualified name of the program's state, bound to this module's tensor."""
+        """Every fully qualified name of the program's state in the exported module's registered
+        tree, bound to this module's tensor (state kept outside the tree, `helpers.0.weight`, is
+        not in the exported module's state_dict either)."""
+        owner = self._program.state_dict_owner
         return {
             fqn: self._lookup(spec.target)
             for spec in self._program.signature.inputs_of(*_STATE_KINDS)
             for fqn in (spec.target, *spec.aliases)
+            if owner is None or in_tree(owner, fqn)
         }
 
     @property

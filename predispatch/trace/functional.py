@@ -27,7 +27,7 @@ from predispatch.errors import (
 from predispatch.frontend import PreparedInputs
 from predispatch.frontend.dynamic import check_constraints
 from predispatch.frontend.inputs import CONSTANT_TYPES, register_dataclasses
-from predispatch.frontend.reachable import resolve
+from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
 from predispatch.trace.decompose import DecompositionLog, DecompositionPolicy
@@ -90,8 +90,8 @@ class _Program:
         args, kwargs = prepared.call_args(user_tensors)
         keeper = GradHistoryKeeper(without_history, [*state, *user_tensors])
         with contextlib.ExitStack() as stack:
-            in_tree, beyond = _split_by_reach(prepared.module, bound)
-            stack.enter_context(ti.reparametrize(prepared.module, in_tree))
+            inside, beyond = _split_by_reach(prepared.module, bound)
+            stack.enter_context(ti.reparametrize(prepared.module, inside))
             stack.enter_context(_bound_beyond(prepared.module, beyond))
             stack.enter_context(keeper)  # Note [Mutations inside grad regions]
             stack.enter_context(keeper.observer())
@@ -109,19 +109,10 @@ class _Program:
 def _split_by_reach(root: torch.nn.Module, bound: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     """Names whose path runs through submodules only (torch's reparametrize binds them), and
     the others: state of modules outside the tree, tensors in plain containers."""
-    in_tree, beyond = {}, {}
+    inside, beyond = {}, {}
     for fqn, tensor in bound.items():
-        (in_tree if _is_submodule_path(root, fqn.rpartition(".")[0]) else beyond)[fqn] = tensor
-    return in_tree, beyond
-
-
-def _is_submodule_path(root: torch.nn.Module, path: str) -> bool:
-    module = root
-    for part in path.split(".") if path else ():
-        module = module._modules.get(part)
-        if module is None:
-            return False
-    return True
+        (inside if in_tree(root, fqn) else beyond)[fqn] = tensor
+    return inside, beyond
 
 
 @contextlib.contextmanager
