@@ -38,8 +38,10 @@ class PredispatchError(Exception):
 class UnsupportedInputError(PredispatchError):
     """What was passed to `export` is not something it can trace.
 
-    Cause: `module_or_fn` is not an `nn.Module` or a callable, `args` is not a tuple, or an input
-    leaf is of a type that is neither a tensor nor a constant (None, bool, int, float, str).
+    Cause: `module_or_fn` is not an `nn.Module` or a callable, `args` is not a tuple, an input
+    leaf is of a type that is neither a tensor nor a constant (None, bool, int, float, str), a
+    kwargs key is not a string, an input is quantized, or the module's state holds inference
+    tensors (built under `torch.inference_mode()`).
     Example: `export(model, x)` instead of `export(model, (x,))`.
     Fix: pass positional arguments as a tuple and keyword arguments as a dict.
     """
@@ -74,11 +76,11 @@ class DataDependentError(PredispatchError):
 
 
 class TraceError(PredispatchError):
-    """torch could not trace the user's code; the original torch error is chained.
+    """torch could not trace the user's code; torch's error is kept as `err.torch_error`.
 
     Cause: an operation that functional pre-dispatch tracing does not support (for example a
-    metadata mutation such as `x.t_()` of an input, or a mutation of an input that aliases
-    another input).
+    metadata mutation such as `x.t_()` of an input, a mutation of an input that aliases
+    another input, or a buffer replaced in forward by a tensor of another shape).
     Fix: the message names the line; rewrite it functionally (`y = x.t()` instead of `x.t_()`).
     """
 
@@ -89,7 +91,7 @@ class InputMismatchError(PredispatchError):
     """A program was called with inputs that differ from the ones it was exported for.
 
     Cause: a different pytree structure, a constant (int, bool, None, ...) of another value, or
-    a tensor of another shape or dtype than at export.
+    a tensor of another shape, dtype or device than at export.
     Fix: call with inputs of the exported structure, or export again with the new ones.
     """
 
@@ -258,3 +260,14 @@ class RngStateError(PredispatchError):
     """
 
     anchor = "rngstateerror"
+def from_torch(error: PredispatchError, exc: BaseException) -> PredispatchError:
+    """`error`, keeping the torch exception it was raised from without printing it.
+
+    Raise it as `raise from_torch(OurError(...), exc) from None` inside the `except` block:
+    Python then prints our message alone (torch's chained traceback of internals, ~90 lines for
+    a data-dependent branch, is what users saw first before), while torch's exception stays
+    reachable as `error.torch_error` (and as `error.__context__`, which `from None` hides).
+    Not as `__cause__`: Python prints a `__cause__` whatever `__suppress_context__` says.
+    """
+    error.torch_error = exc
+    return error

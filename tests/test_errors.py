@@ -65,7 +65,7 @@ input 'input' has type object, which is neither a tensor nor a constant.
             predispatch.export(ReturnsModule(), (torch.randn(2),))
         self.assertExpectedInline(message(info.value), """\
 output[1] has type ReturnsModule, which is neither a tensor nor a constant.
-  at test_errors.py:N (predispatch.export(ReturnsModule(), (torch.randn(2),)))
+  at test_errors.py:N (return x, self)
   fix: return tensors (or tuples/lists/dicts/dataclasses of tensors); register custom containers with torch.utils._pytree.register_pytree_node.
   see docs/errors.md#unsupportedoutputerror""")
 
@@ -110,3 +110,142 @@ input 'input' was exported as torch.float32 (4, 3) and is torch.float32 (5, 3) n
   at test_errors.py:N (program(torch.randn(5, 3)))
   fix: call with the exported shape and dtype, export again, or mark the dimension dynamic.
   see docs/errors.md#inputmismatcherror""")
+
+
+# --- issue 12, item 8: our errors where torch's or Python's escaped ---------------------------
+
+
+class TakesKeywords(nn.Module):
+    def forward(self, x, y, scale=1.0, *, mask=None):
+        return x + y * scale if mask is None else x
+
+
+class ReturnsPlainObject(nn.Module):
+    class Box:  # not a dataclass, not a registered pytree node
+        def __init__(self, t):
+            self.t = t
+
+    def forward(self, x):
+        y = x + 1
+        return self.Box(y)
+
+
+class ReplacesBufferShape(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("rel", torch.zeros(1, 3))
+
+    def forward(self, x):
+        self.rel = x.sum(0, keepdim=True).repeat(2, 1)
+        return x + self.rel.sum()
+
+
+class MoreErrors(TestCase):
+    def test_kwargs_key_not_a_string(self):
+        with pytest.raises(errors.UnsupportedInputError) as info:
+            predispatch.export(TakesKeywords(), (torch.randn(2),), {1: torch.randn(2)})
+        self.assertExpectedInline(message(info.value), """\
+export() takes keyword arguments by name, got the key 1 (int).
+  at test_errors.py:N (predispatch.export(TakesKeywords(), (torch.randn(2),), {1: torch.randn(2)}))
+  fix: use parameter names as the keys: kwargs={'mask': mask}; pass other values positionally.
+  see docs/errors.md#unsupportedinputerror""")
+
+    def test_model_built_under_inference_mode(self):
+        with torch.inference_mode():
+            model = nn.Linear(3, 3)
+        with pytest.raises(errors.UnsupportedInputError) as info:
+            predispatch.export(model, (torch.randn(2, 3),))
+        self.assertExpectedInline(message(info.value), """\
+parameter 'weight' is an inference tensor: the module was built or loaded under torch.inference_mode(), and such tensors cannot be traced for training.
+  at test_errors.py:N (predispatch.export(model, (torch.randn(2, 3),)))
+  fix: build or load the module outside inference_mode, or replace its state by normal tensors first: model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True) outside inference_mode.
+  see docs/errors.md#unsupportedinputerror""")
+        # the fix works
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        x = torch.randn(2, 3)
+        torch.testing.assert_close(predispatch.export(model, (x,)).module()(x), model(x), rtol=0, atol=0)
+
+    @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+    def test_quantized_input(self):
+        q = torch.quantize_per_tensor(torch.randn(2, 3), 0.1, 0, torch.quint8)
+        with pytest.raises(errors.UnsupportedInputError) as info:
+            predispatch.export(nn.Identity(), (q,))
+        self.assertExpectedInline(message(info.value), """\
+input 'input' is a quantized tensor (torch.quint8); export traces on fake tensors, which have no quantized kernels.
+  at test_errors.py:N (predispatch.export(nn.Identity(), (q,)))
+  fix: pass the float tensor (x.dequantize()) and quantize inside forward, or export the float model and quantize the program (torchao's PT2E flow).
+  see docs/errors.md#unsupportedinputerror""")
+
+    def test_call_on_another_device(self):
+        model = nn.Linear(3, 3)
+        program = predispatch.export(model, (torch.randn(2, 3),)).module()
+        before = program.state_dict()
+        with pytest.raises(errors.InputMismatchError) as info:
+            program(torch.randn(2, 3, device="meta"))
+        self.assertExpectedInline(message(info.value), """\
+input 'input' was on cpu at export and is on meta now; the program's state and the devices in its graph are those of the export.
+  at test_errors.py:N (program(torch.randn(2, 3, device="meta")))
+  fix: move the input: x.to('cpu'), or export again with inputs on meta.
+  see docs/errors.md#inputmismatcherror""")
+        assert all(torch.equal(v, program.state_dict()[k]) for k, v in before.items())
+
+    def test_kwargs_bound_as_eager_binds_them(self):
+        """Eager accepts an argument by position or by name, and keywords in any order: so does
+        the program (the call is arranged as the exported one was)."""
+        model, x, y = TakesKeywords(), torch.randn(2), torch.randn(2)
+        by_name = predispatch.export(model, (x,), {"y": y, "mask": None}).module()
+        by_position = predispatch.export(model, (x, y)).module()
+        expected = model(x, y)
+        for actual in (
+            by_name(x, y=y, mask=None),
+            by_name(x, mask=None, y=y),  # reordered
+            by_name(x, y, mask=None),  # exported by name, passed by position
+            by_name(x=x, y=y, mask=None),  # exported by position, passed by name
+            by_position(x, y=y),
+            by_position(y=y, x=x),
+        ):
+            torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+    def test_call_of_another_structure(self):
+        program = predispatch.export(TakesKeywords(), (torch.randn(2), torch.randn(2))).module()
+        with pytest.raises(errors.InputMismatchError) as info:
+            program(torch.randn(2), z=torch.randn(2))
+        self.assertExpectedInline(message(info.value).splitlines()[0], """the program was exported for inputs structured as""")
+
+    def test_torch_error_kept_but_not_printed(self):
+        """A data-dependent branch prints our message, not ~90 lines of chained torch internals;
+        torch's exception stays reachable."""
+        import traceback
+
+        with pytest.raises(errors.DataDependentError) as info:
+            predispatch.export(Branchy(), (torch.randn(2),))
+        err = info.value
+        printed = "".join(traceback.format_exception(err))
+        assert "The above exception was the direct cause" not in printed
+        assert "During handling of the above exception" not in printed
+        assert "GuardOnDataDependentSymNode" not in printed
+        assert printed.rstrip().endswith("see docs/errors.md#datadependenterror")
+        from predispatch import _torch_internals as ti
+
+        assert isinstance(err.torch_error, ti.DATA_DEPENDENT_ERRORS)
+        assert err.__context__ is err.torch_error and err.__suppress_context__
+
+    def test_unsupported_output_names_the_return_line(self):
+        with pytest.raises(errors.UnsupportedOutputError) as info:
+            predispatch.export(ReturnsPlainObject(), (torch.randn(2),))
+        self.assertExpectedInline(message(info.value), """\
+output has type Box, which is neither a tensor nor a constant.
+  at test_errors.py:N (return self.Box(y))
+  fix: return tensors (or tuples/lists/dicts/dataclasses of tensors); register custom containers with torch.utils._pytree.register_pytree_node.
+  see docs/errors.md#unsupportedoutputerror""")
+
+    def test_buffer_replaced_by_another_shape(self):
+        model = ReplacesBufferShape()
+        with pytest.raises(errors.TraceError) as info:
+            predispatch.export(model, (torch.randn(2, 3),))
+        self.assertExpectedInline(message(info.value), """\
+forward replaces buffer 'rel' (torch.float32 (1, 3)) by a tensor of another shape, dtype or device (torch.float32 (2, 3)); the program's buffer keeps its exported shape, so it cannot take the new value.
+  at test_errors.py:N (self.rel = x.sum(0, keepdim=True).repeat(2, 1))
+  fix: register the buffer with the shape forward gives it (compute it in __init__), or keep the new tensor in a local variable (or a plain attribute) instead of the buffer.
+  see docs/errors.md#traceerror""")
+        assert model.rel.shape == (1, 3) and not predispatch._torch_internals.is_traced_tensor(model.rel)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
+import pytest
 import torch
 import torch.nn.functional as F
 from expecttest import TestCase
@@ -484,3 +486,51 @@ def test_nn_module_stack_names_the_users_modules():
     paths = [(path, cls) for path, cls in stacks[first_linear].values()]
     assert paths[0] == ("", f"{MLP.__module__}.MLP")
     assert paths[-1] == ("fc1", "torch.nn.modules.linear.Linear")
+
+
+# --- any pytree output (issue 12, item 4) ------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Prediction:  # never registered by the user: export registers it, as for inputs
+    logits: torch.Tensor
+    extras: dict
+    step: int = 0
+
+
+class _Pair(NamedTuple):
+    first: torch.Tensor
+    rest: list
+
+
+class StructuredOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return _Prediction(y, {"pair": _Pair(y + 1, [y * 2, ("k", None)])}, step=3)
+
+
+def test_dataclass_namedtuple_and_nested_outputs_keep_eager_types():
+    model, x = StructuredOutputs(), torch.randn(2, 3)
+    ep = export_and_check(model, (x,))
+    out = ep.module()(x)
+    assert type(out) is _Prediction and type(out.extras["pair"]) is _Pair
+    assert out.step == 3 and out.extras["pair"].rest[1] == ("k", None)
+    torch.testing.assert_close(out.extras["pair"].rest[0], model(x).extras["pair"].rest[0], rtol=0, atol=0)
+
+
+def test_model_output_of_transformers_keeps_its_type():
+    modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
+
+    class Encoder(nn.Module):
+        def forward(self, x):
+            return modeling_outputs.BaseModelOutput(last_hidden_state=x * 2, hidden_states=(x, x + 1))
+
+    x = torch.randn(2, 3)
+    out = predispatch.export(Encoder(), (x,)).module()(x)
+    assert type(out) is modeling_outputs.BaseModelOutput
+    torch.testing.assert_close(out.last_hidden_state, x * 2, rtol=0, atol=0)
+    torch.testing.assert_close(out.hidden_states[1], x + 1, rtol=0, atol=0)

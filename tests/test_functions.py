@@ -14,6 +14,7 @@ from torch import nn
 
 import predispatch
 from predispatch import InputKind
+from predispatch import _torch_internals as ti
 
 torch.manual_seed(0)
 encoder = nn.Linear(4, 4)  # a module held in a global
@@ -182,3 +183,139 @@ class ReExport(TestCase):
                 self.assertEqual(str(third), str(first))
                 program = copy.deepcopy(first.module())
                 assert_same_tree(second.module()(*clone_tree(args), **kwargs), program(*clone_tree(args), **kwargs))
+
+
+# --- modules outside the registered tree (issue 12, item 3) -----------------------------------
+
+
+class _Helpers:
+    """A plain object holding a module: not a submodule of the model."""
+
+    def __init__(self):
+        self.proj = nn.Linear(3, 3)
+
+
+class OutsideTheTree(nn.Module):
+    """Modules forward calls that `named_parameters()` does not list."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.helpers = [nn.Linear(3, 3), nn.BatchNorm1d(3)]  # a plain list
+        self.table = {"gate": nn.Linear(3, 3)}  # a plain dict
+        self.pair = (nn.Linear(3, 3),)  # a tuple
+        self.ctx = _Helpers()  # a helper object
+
+    def forward(self, x):
+        x = self.helpers[1](self.helpers[0](self.lin(x)))
+        return self.ctx.proj(self.pair[0](x)) * torch.sigmoid(self.table["gate"](x))
+
+
+def _parameters_by_path(root) -> dict[str, torch.Tensor]:
+    from predispatch.frontend.reachable import resolve
+
+    paths = [
+        "lin.weight", "lin.bias", "helpers.0.weight", "helpers.0.bias", "helpers.1.weight", "helpers.1.bias",
+        "table.gate.weight", "table.gate.bias", "pair.0.weight", "pair.0.bias", "ctx.proj.weight", "ctx.proj.bias",
+    ]  # fmt: skip
+    return {p: resolve(root, p) for p in paths}
+
+
+class ModulesOutsideTheTree(TestCase):
+    maxDiff = None
+
+    def test_state_is_lifted_by_path(self):
+        model, x = OutsideTheTree().train(), torch.randn(4, 3)
+        ep = predispatch.export(model, (x,))
+        inputs = [(s.kind.name, s.target) for s in ep.signature.inputs]
+        self.assertEqual(
+            [t for k, t in inputs if k == "PARAMETER"],
+            ["lin.weight", "lin.bias", "helpers.0.weight", "helpers.0.bias", "helpers.1.weight", "helpers.1.bias",
+             "table.gate.weight", "table.gate.bias", "pair.0.weight", "pair.0.bias", "ctx.proj.weight", "ctx.proj.bias"],
+        )  # fmt: skip
+        self.assertEqual(
+            [(s.kind.name, s.target) for s in ep.signature.mutations],
+            [("BUFFER_MUTATION", "helpers.1.running_mean"), ("BUFFER_MUTATION", "helpers.1.running_var"),
+             ("BUFFER_MUTATION", "helpers.1.num_batches_tracked")],
+        )  # fmt: skip
+        self.assertEqual(ep.graph.find_nodes(op="get_attr"), [])  # nothing baked in as a constant
+
+    def test_outputs_gradients_and_buffer_updates_match_eager(self):
+        model, x = OutsideTheTree().train(), torch.randn(4, 3)
+        eager = copy.deepcopy(model)
+        ep = predispatch.export(model, (x,))
+        program = ep.module()
+        expected, actual = eager(x), program(x)
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+        expected.sum().backward()
+        actual.sum().backward()
+        want, got = _parameters_by_path(eager), _parameters_by_path(program)
+        for path in want:
+            assert got[path].grad is not None, path
+            torch.testing.assert_close(got[path].grad, want[path].grad, rtol=0, atol=0, msg=path)
+        # the batch norm in the plain list updated its running stats in the program, as in eager
+        torch.testing.assert_close(program.helpers.get_submodule("1").running_mean, eager.helpers[1].running_mean)
+        self.assertEqual(int(program.helpers.get_submodule("1").num_batches_tracked), 1)
+        # and export left the user's outside modules as they were
+        torch.testing.assert_close(model.helpers[1].running_mean, torch.zeros(3), rtol=0, atol=0)
+
+    def test_tensor_cached_in_a_plain_dict_is_a_constant(self):
+        """A real tensor an earlier eager call cached in a dict (timm's attention_bias_cache) is
+        read as a lifted constant, not mixed with the trace's fake tensors."""
+
+        class Cached(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.bias = nn.Parameter(torch.randn(3))
+                self.cache = {}
+
+            def forward(self, x):
+                if "cpu" not in self.cache:
+                    self.cache["cpu"] = self.bias * 2
+                return x + self.cache["cpu"]
+
+        model, x = Cached(), torch.randn(2, 3)
+        with torch.no_grad():
+            model(x)  # fills the cache with a real tensor
+        ep = predispatch.export(model, (x,))
+        self.assertIn(("CONSTANT_TENSOR", "cache.cpu"), [(s.kind.name, s.target) for s in ep.signature.inputs])
+        torch.testing.assert_close(ep.module()(x), model(x), rtol=0, atol=0)
+        self.assertEqual(list(model.cache), ["cpu"])
+        self.assertFalse(ti.is_traced_tensor(model.cache["cpu"]))
+
+    def test_tensors_in_plain_containers_and_functions_reaching_them(self):
+        """Tensors in a tuple, a dict and on a helper object are lifted constants; a function
+        reaching such a model reads them live (its program shares the user's modules)."""
+
+        class Holder(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.helpers = [nn.Linear(3, 3)]
+                self.pair = (torch.full((3,), 2.0), torch.full((3,), 3.0))
+                self.table = {"shift": torch.ones(3)}
+                self.ctx = _Helpers()
+                self.ctx.scale = torch.full((3,), 0.5)
+
+            def forward(self, x):
+                return self.helpers[0](x) * self.pair[1] + self.pair[0] + self.table["shift"] * self.ctx.scale
+
+        model, x = Holder(), torch.randn(2, 3)
+        for exported in (model, lambda t: model(t)):
+            ep = predispatch.export(exported, (x,))
+            prefix = "" if exported is model else "model."
+            self.assertEqual(
+                [(s.kind.name, s.target) for s in ep.signature.inputs if s.kind.name == "CONSTANT_TENSOR"],
+                [("CONSTANT_TENSOR", prefix + p) for p in ("pair.0", "pair.1", "table.shift", "ctx.scale")],
+            )
+            torch.testing.assert_close(ep.module()(x), model(x), rtol=0, atol=0)
+            self.assertIsInstance(model.pair, tuple)
+            self.assertFalse(any(ti.is_traced_tensor(t) for t in (*model.pair, model.table["shift"], model.ctx.scale)))
+
+    def test_state_dict_of_a_module_with_state_dict_hooks(self):
+        """With state_dict hooks, `ep.module().state_dict()` is the exported module's own, which
+        does not hold the state kept outside its tree; loading it back works."""
+        model = OutsideTheTree()
+        model._register_state_dict_hook(lambda module, state, prefix, local_metadata: state)
+        program = predispatch.export(model, (torch.randn(4, 3),)).module()
+        self.assertEqual(sorted(program.state_dict()), sorted(model.state_dict()))
+        program.load_state_dict(model.state_dict())

@@ -7,7 +7,7 @@ import gc
 
 import pytest
 import torch
-from helpers import state_bits
+from helpers import export_and_check, state_bits
 from torch import nn
 
 import predispatch
@@ -124,3 +124,211 @@ def test_no_garbage_collection_during_the_trace():
         gc.set_threshold(*threshold)
     assert during and not any(during), "a collection ran while tracing"
     assert gc.isenabled()
+
+
+# --- torch's global switches (issue 12, item 6) -----------------------------------------------
+
+
+def _flip_switch(switch: ti.GlobalSwitch):
+    """Another value for `switch`, set the way users set it where torch has a public call."""
+    value = switch.get()
+    if value is ti.UNREADABLE:  # not readable here (mkldnn.allow_tf32 without oneDNN's TF32)
+        return None
+    public = {
+        "torch.use_deterministic_algorithms": lambda: torch.use_deterministic_algorithms(not value[0], warn_only=True),
+        "torch.set_num_threads": lambda: torch.set_num_threads(value + 1),
+        "torch.set_float32_matmul_precision": lambda: torch.set_float32_matmul_precision(
+            "medium" if value != "medium" else "highest"
+        ),
+        "torch.set_flush_denormal": lambda: torch.set_flush_denormal(not value),
+        "torch.set_warn_always": lambda: torch.set_warn_always(not value),
+        "torch.set_default_device": lambda: torch.set_default_device("meta" if value is None else None),
+        "torch.set_printoptions": lambda: torch.set_printoptions(precision=value["precision"] + 3),
+        "torch.autograd.set_detect_anomaly": lambda: torch.autograd.set_detect_anomaly(not value[0], check_nan=False),
+        "torch.backends.opt_einsum.enabled/strategy": lambda: switch.set((not value[0], None)),
+        "torch.backends.mha.set_fastpath_enabled": lambda: torch.backends.mha.set_fastpath_enabled(not value),
+        "torch.backends.quantized.engine": lambda: setattr(
+            torch.backends.quantized, "engine", next(e for e in torch.backends.quantized.supported_engines if e != torch.backends.quantized.engine)
+        ),
+        "torch.nn.attention (sdpa priority order)": lambda: switch.set(list(reversed(value))),
+    }
+    if switch.name in public:
+        return public[switch.name]()
+    if isinstance(value, bool):
+        return switch.set(not value)
+    if isinstance(value, tuple):
+        return switch.set((not value[0], *value[1:]))
+    if isinstance(value, str) and "fp32_precision" in switch.name:
+        return switch.set("tf32" if value != "tf32" else "ieee")
+    if isinstance(value, str):  # autograd fallback mode, cudnn depthwise kernel
+        return switch.set({"warn": "nothing", "auto": "native"}.get(value, value))
+    return switch.set(type(value)(list(type(value).__members__.values())[-1]) if hasattr(type(value), "__members__") else value)
+
+
+class FlipsEverything(nn.Module):
+    """Changes every switch in `ti.GLOBAL_SWITCHES` from inside forward, then maybe fails."""
+
+    def __init__(self, fail: bool, changed: list[str], refused: list[str]):
+        super().__init__()
+        self.fail = fail
+        self.lin = nn.Linear(3, 3)
+        # bound methods, not the lists: export puts back the module's lists as it found them
+        self.changed, self.refused = changed.append, refused.append  # refused: this machine cannot flip it
+
+    def forward(self, x):
+        y = self.lin(x)
+        for switch in ti.GLOBAL_SWITCHES:
+            before = switch.get()
+            try:
+                _flip_switch(switch)
+            except RuntimeError:  # "Float16 arithmetic is not supported by the CPU!"
+                self.refused(switch.name)
+            if switch.get() != before:
+                self.changed(switch.name)
+        if self.fail:
+            raise RuntimeError("boom")
+        return y
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["success", "failure"])
+def test_global_switches_restored(fail):
+    changed, refused = [], []
+    model, x = FlipsEverything(fail, changed, refused), torch.randn(2, 3)
+    before = [switch.get() for switch in ti.GLOBAL_SWITCHES]
+    with pytest.raises(predispatch.errors.TraceError) if fail else contextlib.nullcontext():
+        predispatch.export(model, (x,))
+    after = [switch.get() for switch in ti.GLOBAL_SWITCHES]
+    assert [s.name for s, a, b in zip(ti.GLOBAL_SWITCHES, after, before) if a != b] == []
+    # the test can fail: forward really changed (almost) every switch
+    unreadable = {s.name for s in ti.GLOBAL_SWITCHES if s.get() is ti.UNREADABLE}
+    cannot_flip = {"torch.set_flush_denormal"} if not torch.set_flush_denormal(False) else set()
+    assert {s.name for s in ti.GLOBAL_SWITCHES} - unreadable - cannot_flip - set(changed) <= set(refused)
+    assert len(refused) <= 2, refused  # only hardware-dependent ones (fp16 reduction on a CPU without fp16)
+    assert torch.get_default_device() == torch.device("cpu")
+    assert torch.empty(1).device.type == "cpu"
+
+
+def test_switch_table_names_the_public_ones():
+    """The table holds the settings users set most (a guard against an entry going missing)."""
+    names = {s.name for s in ti.GLOBAL_SWITCHES}
+    for name in (
+        "torch.use_deterministic_algorithms",
+        "torch.set_num_threads",
+        "torch.set_float32_matmul_precision",
+        "torch.set_flush_denormal",
+        "torch.autograd.set_detect_anomaly",
+        "torch.backends.cudnn.benchmark",
+        "torch.backends.mkldnn.enabled",
+        "torch.backends.opt_einsum.enabled/strategy",
+        "torch.backends.cuda.matmul.allow_tf32",
+        "torch.backends.cuda.enable_flash_sdp",
+        "torch.set_default_device",
+        "torch.set_warn_always",
+    ):
+        assert name in names, name
+
+
+# --- what forward writes on the user's objects (issue 12, item 5) ------------------------------
+
+
+class WritesEverywhere(nn.Module):
+    """A forward that writes on everything it can reach, then maybe fails."""
+
+    def __init__(self, fail: bool):
+        super().__init__()
+        self.fail = fail
+        self.lin = nn.Linear(3, 3)
+        self.old = nn.Linear(3, 3)
+        self.register_buffer("running", torch.zeros(3))
+        self.cache: dict[str, torch.Tensor] = {}
+        self.history: list[torch.Tensor] = []
+        self.nested = {"inner": {}}
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.cache_t = x * 2  # a new plain attribute
+        self.register_buffer("b", x.sum())  # a new buffer
+        self.register_parameter("p", nn.Parameter(torch.ones(3)))  # a new parameter
+        self.lin.register_forward_hook(lambda m, i, o: o * 2)  # a hook added inside forward
+        nn.modules.module.register_module_forward_hook(lambda m, i, o: o)  # a global one
+        self.cache["bias"] = y + 1  # a plain dict cache
+        self.history.append(y)
+        self.nested["inner"]["t"] = y
+        self.added = nn.Linear(3, 3)  # a submodule added
+        del self.old  # and one removed
+        self.running = y.sum(0)  # a buffer replaced (same shape: a buffer mutation)
+        self.lin.training = not self.lin.training
+        if self.fail:
+            raise RuntimeError("boom")
+        return y + self.running
+
+
+def _traced_tensors_reachable(model: nn.Module) -> list[str]:
+    """Paths of tracer tensors reachable from the model's attributes and plain containers."""
+    found = []
+
+    def visit(value, path, depth):
+        if ti.is_traced_tensor(value):
+            found.append(path)
+        elif depth < 6 and isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                visit(v, f"{path}[{i}]", depth + 1)
+        elif depth < 6 and isinstance(value, dict):
+            for k, v in value.items():
+                visit(v, f"{path}[{k!r}]", depth + 1)
+
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            visit(value, f"{name}.{attr}", 0)
+    return found
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["success", "failure"])
+def test_forward_writes_are_put_back(fail):
+    model, x = WritesEverywhere(fail), torch.randn(2, 3)
+    namespaces = [(m, dict(vars(m))) for m in model.modules()]
+    registries = [
+        (m, {k: dict(v) for k, v in vars(m).items() if isinstance(v, dict)}) for m in model.modules()
+    ]
+    global_hooks = [dict(t) for t in ti.global_module_hook_tables()]
+    before = _snapshot(model)
+    with pytest.raises(predispatch.errors.TraceError) if fail else contextlib.nullcontext():
+        predispatch.export(model, (x,))
+    _assert_unchanged(before, model)
+    for module, saved in namespaces:
+        assert vars(module).keys() == saved.keys()
+        assert all(vars(module)[k] is v for k, v in saved.items())
+    for module, saved in registries:
+        assert {k: dict(v) for k, v in vars(module).items() if isinstance(v, dict)} == saved
+    assert model.cache == {} and model.history == [] and model.nested == {"inner": {}}
+    assert [dict(t) for t in ti.global_module_hook_tables()] == global_hooks
+    assert _traced_tensors_reachable(model) == []
+    # usable after export, and exportable again
+    model.fail = False
+    predispatch.export(model, (x,))
+    try:
+        model(x)  # eager after export: no tracer tensor to trip on
+    finally:  # eager's forward registers its global hook for real: take it away again
+        for table, saved in zip(ti.global_module_hook_tables(), global_hooks):
+            table.clear()
+            table.update(saved)
+
+
+def test_replaced_buffer_is_a_buffer_mutation():
+    """`self.running = new` (same shape) changes the buffer in eager: the program records it."""
+
+    class Replaces(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("running", torch.zeros(3))
+
+        def forward(self, x):
+            self.running = x.sum(0) * 2
+            return x + self.running
+
+    x = torch.randn(2, 3)
+    ep = export_and_check(Replaces(), (x,))
+    assert [(s.kind.name, s.target) for s in ep.signature.mutations] == [("BUFFER_MUTATION", "running")]
+    eager, program = Replaces(), ep.module()
+    eager(x), program(x)
+    torch.testing.assert_close(program.running, eager.running, rtol=0, atol=0)

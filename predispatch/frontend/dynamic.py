@@ -18,7 +18,7 @@ import torch
 from torch import fx, nn
 
 from predispatch import _torch_internals as ti
-from predispatch.errors import DynamicShapeError, user_frame
+from predispatch.errors import DynamicShapeError, from_torch, user_frame
 from predispatch.program.signature import ShapeRecord
 
 
@@ -39,12 +39,15 @@ def fake_dynamic_inputs(module: nn.Module, args: tuple, kwargs: dict, dynamic_sh
     try:
         made = ti.make_fake_inputs(module, args, kwargs, dynamic_shapes)
     except Exception as exc:  # torch's UserError for a malformed spec
-        raise DynamicShapeError(
-            f"dynamic_shapes does not match the inputs: {exc}",
-            where=user_frame(),
-            fix="give one entry per argument (by name in a dict, or by position), each a dict "
-            "{dim: torch.export.Dim(...)} or a tuple with None for static dimensions.",
-        ) from exc
+        raise from_torch(
+            DynamicShapeError(
+                f"dynamic_shapes does not match the inputs: {exc}",
+                where=user_frame(),
+                fix="give one entry per argument (by name in a dict, or by position), each a dict "
+                "{dim: torch.export.Dim(...)} or a tuple with None for static dimensions.",
+            ),
+            exc,
+        ) from None
     fake_mode, fake_args, fake_kwargs, equalities, signature, shapes = made
     return DynamicInputs(fake_mode, tuple(fake_args), dict(fake_kwargs), equalities, signature, shapes)
 
@@ -56,11 +59,14 @@ def check_constraints(dynamic: DynamicInputs, gm: fx.GraphModule) -> None:
             dynamic.fake_mode, gm, dynamic.dynamic_shapes, dynamic.equalities, dynamic.original_signature
         )
     except ti.ConstraintViolationError as exc:
-        raise DynamicShapeError(
-            "a dimension marked dynamic cannot be dynamic in this code:\n" + str(exc),
-            where=user_frame(),
-            fix="apply the suggested dynamic_shapes fix above, or mark the dimension static.",
-        ) from exc
+        raise from_torch(
+            DynamicShapeError(
+                "a dimension marked dynamic cannot be dynamic in this code:\n" + str(exc),
+                where=user_frame(),
+                fix="apply the suggested dynamic_shapes fix above, or mark the dimension static.",
+            ),
+            exc,
+        ) from None
 
 
 def shape_record(fake_mode: ti.FakeTensorMode, user_placeholders: list[fx.Node]) -> ShapeRecord:

@@ -16,7 +16,7 @@ from torch import nn
 from predispatch import _torch_internals as ti
 from predispatch.errors import UnsupportedInputError, user_frame
 from predispatch.frontend.dynamic import DynamicInputs, fake_dynamic_inputs
-from predispatch.frontend.reachable import modules_reached
+from predispatch.frontend.reachable import Beyond, beyond_tree, modules_reached, resolve
 from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, Leaf
 
 #: Leaf types that are baked into the program as constants instead of becoming graph inputs.
@@ -33,6 +33,9 @@ class LiftedTensor:
 
     spec: InputSpec
     tensor: torch.Tensor
+    #: more names to bind it to during the trace, not program names: a plain container holding
+    #: the same tensor (RNNs' `_flat_weights` list, `self.refs = [self.lin.weight]`)
+    bind_also: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,8 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     register_dataclasses((args, kwargs))
     module, signature_of = as_module(module_or_fn, args, kwargs)
     leaves, in_spec = _named_leaves(signature_of, args, kwargs)
-    state = lift_state(module)
+    state = lift_state(module, beyond_tree(module))
+    _check_state(state)
     dynamic = fake_dynamic_inputs(module, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
     fake_mode = dynamic.fake_mode if dynamic else ti.new_fake_mode()
     flat = pytree.tree_leaves((args, kwargs))
@@ -202,6 +206,13 @@ def _check_args(args: Any, kwargs: Any) -> tuple[tuple, dict]:
             where=user_frame(),
             fix="pass kwargs={'name': value}.",
         )
+    for key in kwargs or {}:
+        if not isinstance(key, str):
+            raise UnsupportedInputError(
+                f"export() takes keyword arguments by name, got the key {key!r} ({type(key).__name__}).",
+                where=user_frame(),
+                fix="use parameter names as the keys: kwargs={'mask': mask}; pass other values positionally.",
+            )
     return args, dict(kwargs or {})
 
 
@@ -242,6 +253,7 @@ def _named_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tu
     for path, value in with_path:
         label = _label(names, path)
         if isinstance(value, torch.Tensor):
+            _check_tensor_input(label, value)
             leaves.append(Leaf(label, True))
         elif isinstance(value, (*CONSTANT_TYPES, nn.Module)):  # modules: lifted by FunctionRoot
             leaves.append(Leaf(label, False, value))
@@ -253,6 +265,34 @@ def _named_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tu
                 "register other containers with torch.utils._pytree.register_pytree_node.",
             )
     return tuple(leaves), in_spec
+
+
+def _check_tensor_input(label: str, tensor: torch.Tensor) -> None:
+    """Refuse tensors the fake-tensor trace has no kernels for (quantized tensors)."""
+    if tensor.is_quantized:
+        raise UnsupportedInputError(
+            f"input {label!r} is a quantized tensor ({tensor.dtype}); export traces on fake tensors, "
+            "which have no quantized kernels.",
+            where=user_frame(),
+            fix="pass the float tensor (x.dequantize()) and quantize inside forward, or export the float "
+            "model and quantize the program (torchao's PT2E flow).",
+        )
+
+
+def _check_state(state: tuple[LiftedTensor, ...]) -> None:
+    """Refuse inference tensors as parameters or buffers: a module built or loaded under
+    `torch.inference_mode()` has them, and they cannot take part in autograd outside it."""
+    for lifted in state:
+        if lifted.tensor.is_inference():
+            raise UnsupportedInputError(
+                f"{lifted.spec.kind.name.lower().replace('_', ' ')} {lifted.spec.target!r} is an inference tensor: "
+                "the module was built or loaded under torch.inference_mode(), and such tensors cannot be "
+                "traced for training.",
+                where=user_frame(),
+                fix="build or load the module outside inference_mode, or replace its state by normal "
+                "tensors first: model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, "
+                "assign=True) outside inference_mode.",
+            )
 
 
 def _parameter_names(fn: Callable[..., Any], args: tuple) -> list[str]:
@@ -296,27 +336,33 @@ def unique_identifier(label: str, taken: set[str]) -> str:
     return name
 
 
-def lift_state(module: nn.Module) -> tuple[LiftedTensor, ...]:
+def lift_state(module: nn.Module, beyond: Beyond | None = None) -> tuple[LiftedTensor, ...]:
     """Parameters, buffers and tensor attributes of `module`, deduplicated, by fully qualified name.
 
     Order: parameters, then buffers, then constant tensors, each in module registration order
     (AOTAutograd places parameters before buffers; we keep that order in the graph).
     A tensor reachable under several names (tied weights) is lifted once, under its first name,
-    with the other names recorded as aliases.
+    with the other names recorded as aliases.  With `beyond`, the state of modules outside the
+    registered tree and tensors in plain containers come after the tree's, named by their
+    paths (see Note [Modules outside the registered tree]).
     """
     taken: set[str] = set()
     lifted = []
+    outside = beyond.modules if beyond is not None else {}
     groups = (
-        (InputKind.PARAMETER, module.named_parameters(remove_duplicate=False)),
-        (InputKind.BUFFER, module.named_buffers(remove_duplicate=False)),
-        (InputKind.CONSTANT_TENSOR, _tensor_attributes(module)),
+        (InputKind.PARAMETER, _named_beyond(module, outside, lambda m: m.named_parameters(remove_duplicate=False))),
+        (InputKind.BUFFER, _named_beyond(module, outside, lambda m: m.named_buffers(remove_duplicate=False))),
+        (InputKind.CONSTANT_TENSOR, _named_beyond(module, outside, _tensor_attributes)),
+        (InputKind.CONSTANT_TENSOR, (beyond.tensors.items() if beyond is not None else ())),
     )
     seen: dict[int, int] = {}
     aliases: dict[int, list[str]] = {}
+    bind_also: dict[int, list[str]] = {}
     for kind, named in groups:
         for fqn, tensor in named:
             if id(tensor) in seen:
-                aliases.setdefault(seen[id(tensor)], []).append(fqn)
+                in_container = beyond is not None and beyond.tensors.get(fqn) is tensor
+                (bind_also if in_container else aliases).setdefault(seen[id(tensor)], []).append(fqn)
                 continue
             seen[id(tensor)] = len(lifted)
             name = unique_identifier(PLACEHOLDER_PREFIX[kind] + fqn, taken)
@@ -325,7 +371,17 @@ def lift_state(module: nn.Module) -> tuple[LiftedTensor, ...]:
     for index, names in aliases.items():
         spec = lifted[index].spec
         lifted[index] = LiftedTensor(dataclasses.replace(spec, aliases=tuple(names)), lifted[index].tensor)
+    for index, names in bind_also.items():
+        lifted[index] = dataclasses.replace(lifted[index], bind_also=tuple(names))
     return tuple(lifted)
+
+
+def _named_beyond(module: nn.Module, outside: dict[str, nn.Module], named: Callable[[nn.Module], Any]):
+    """`named(module)`, then `named(m)` of each module outside the tree, prefixed by its path."""
+    yield from named(module)
+    for path, other in outside.items():
+        for fqn, tensor in named(other):
+            yield f"{path}.{fqn}", tensor
 
 
 def _tensor_attributes(module: nn.Module):
@@ -338,7 +394,7 @@ def _tensor_attributes(module: nn.Module):
 
 def _is_persistent(module: nn.Module, fqn: str) -> bool:
     owner, _, attr = fqn.rpartition(".")
-    return attr not in module.get_submodule(owner)._non_persistent_buffers_set
+    return attr not in resolve(module, owner)._non_persistent_buffers_set
 
 
 def _inputs_device(leaves: list[Any]) -> torch.device:

@@ -10,10 +10,14 @@ the variable's name, or the argument's name.
 from __future__ import annotations
 
 import inspect
+import re
+import sys
 import types
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -53,3 +57,154 @@ def _global_names(code: types.CodeType) -> Iterator[str]:
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             yield from _global_names(const)
+
+
+# --- Beyond the registered tree ------------------------------------------------------------
+#
+# Note [Modules outside the registered tree]
+# A module kept in a plain list, dict or tuple attribute (`self.helpers = [nn.Linear(3, 3)]`),
+# or on a plain helper object (`self.ctx = Ctx(proj=nn.Linear(3, 3))`), is called by forward
+# but is not a submodule: `named_parameters()` does not see it.  Its state is lifted like a
+# submodule's, named by the path forward reaches it by (`helpers.0.weight`, `ctx.proj.weight`),
+# and `ep.module()` holds its copies at that path.  The same walk finds the plain containers
+# and helper objects forward may fill (`self.attention_bias_cache[key] = bias`), which
+# `_isolation` puts back as they were after export.
+
+#: Attributes every module has (its registries and hook tables): not plain attributes.
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+#: How deep the walk goes below a module's plain attribute, and how many objects it visits.
+_MAX_DEPTH, _MAX_VISITS = 4, 10_000
+_CONTAINERS = (list, tuple, dict, set)
+_PATH_PART = re.compile(r"^[A-Za-z_0-9]+$")
+#: Objects of these packages are not the user's helpers (a program, a config, a tokenizer).
+_LIBRARIES = ("torch", "builtins", "predispatch", "transformers", "numpy")
+
+
+@dataclass(frozen=True)
+class Beyond:
+    """What forward can reach from a module tree through plain attributes.
+
+    modules: modules outside the tree, by the path from the root (`helpers.0`), each with its
+        own submodules (those are named by `named_modules()` under the path).
+    tensors: tensors kept in plain containers or helper objects (`attention_bias_cache.cpu`),
+        by path; forward reads them as constants.
+    containers: lists, dicts and sets reachable through plain attributes (tuples are immutable).
+    objects: plain helper objects (not modules) reachable through plain attributes.
+    A module or tensor without a path (a set member, under a dict key with a dot) is in none of
+    `modules`/`tensors`, but the containers and objects around it are still listed.
+    """
+
+    modules: dict[str, nn.Module]
+    tensors: dict[str, torch.Tensor]
+    containers: tuple[Any, ...]
+    objects: tuple[Any, ...]
+
+
+def beyond_tree(root: nn.Module) -> Beyond:
+    """Walk every module's plain attributes (see Note [Modules outside the registered tree])."""
+    walk = _Walk()
+    walk.tree(root, "")
+    return Beyond(walk.modules, walk.tensors, tuple(walk.containers), tuple(walk.objects))
+
+
+class _Walk:
+    """One walk: ids of everything seen, so shared objects and cycles are visited once."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.modules: dict[str, nn.Module] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.containers: list[Any] = []
+        self.objects: list[Any] = []
+
+    def tree(self, root: nn.Module, prefix: str | None) -> None:
+        named = list(root.named_modules(prefix=prefix or "", remove_duplicate=False))
+        self.seen.update(id(m) for _, m in named)
+        for path, module in named:
+            base = path if prefix is not None else None  # an unnamed module's attributes have no path
+            for attr, value in vars(module).items():
+                if attr not in _MODULE_INTERNALS:
+                    self.value(value, attr if base == "" else _join(base, attr), 0)
+
+    def value(self, value: Any, path: str | None, depth: int, tuples: int = 0) -> None:
+        if depth > 0 and isinstance(value, torch.Tensor):  # depth 0: a plain tensor attribute, lifted already
+            # `tuples`: how many tuples directly enclose it; the trace swaps a tensor in a tuple by
+            # rebuilding the tuple on its (mutable) holder, so one level only
+            if path is not None and tuples <= 1 and id(value) not in self.seen:
+                self.seen.add(id(value))
+                self.tensors[path] = value
+            return
+        if id(value) in self.seen or depth > _MAX_DEPTH or len(self.seen) > _MAX_VISITS or not _is_walked(value):
+            return
+        self.seen.add(id(value))
+        if isinstance(value, nn.Module):
+            if path is not None:
+                self.modules[path] = value
+            self.tree(value, path)
+            return
+        if isinstance(value, (list, dict, set)):
+            self.containers.append(value)
+        elif not isinstance(value, tuple):
+            self.objects.append(value)
+        for key, child in _children(value):
+            self.value(child, _join(path, key), depth + 1, tuples + 1 if isinstance(value, tuple) else 0)
+
+
+def _join(path: str | None, part: str | None) -> str | None:
+    return None if path is None or part is None else f"{path}.{part}"
+
+
+def _is_walked(value: Any) -> bool:
+    """Modules, containers and plain helper objects of the user's own classes; not tensors,
+    classes, functions, Python modules, or library objects (configs, tokenizers)."""
+    if isinstance(value, (nn.Module, *_CONTAINERS)):
+        return True
+    if isinstance(value, (torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType)):
+        return False
+    module_name = getattr(type(value), "__module__", "") or ""
+    if module_name.split(".")[0] in sys.stdlib_module_names:  # loggers, locks, partials
+        return False
+    return hasattr(value, "__dict__") and not module_name.startswith(_LIBRARIES)
+
+
+def _children(value: Any) -> Iterator[tuple[str | None, Any]]:
+    """(path part, child): list/tuple indices, dict keys that can be path parts, attributes.
+    A child without a usable name (a set member, a key with a dot) is walked unnamed (None):
+    its containers are still put back; a module there is not lifted (it has no path)."""
+    if isinstance(value, (list, tuple)):
+        yield from ((str(i), v) for i, v in enumerate(value))
+    elif isinstance(value, dict):
+        for key, child in list(value.items()):
+            part = str(key) if isinstance(key, (str, int)) and _PATH_PART.match(str(key)) else None
+            yield part, child
+    elif isinstance(value, set):
+        yield from ((None, v) for v in list(value))
+    else:
+        yield from vars(value).items()
+
+
+def resolve(root: Any, path: str) -> Any:
+    """The object at `path` from `root`: submodules, then list/tuple indices, dict keys, attributes."""
+    obj = root
+    for part in path.split(".") if path else ():
+        if isinstance(obj, nn.Module) and part in obj._modules:
+            obj = obj._modules[part]
+        elif isinstance(obj, (list, tuple)) and part.isdigit():
+            obj = obj[int(part)]
+        elif isinstance(obj, dict) and (part in obj or (part.isdigit() and int(part) in obj)):
+            obj = obj[part] if part in obj else obj[int(part)]
+        else:
+            obj = getattr(obj, part)
+    return obj
+
+
+def in_tree(root: nn.Module, fqn: str) -> bool:
+    """Whether `fqn` names state of `root`'s registered tree (its owner path runs through
+    submodules only), as torch's own utilities (`reparametrize`, `state_dict`) need."""
+    module = root
+    owner = fqn.rpartition(".")[0]
+    for part in owner.split(".") if owner else ():
+        module = module._modules.get(part)
+        if module is None:
+            return False
+    return True

@@ -31,6 +31,7 @@ from torch import fx, nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
+from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.program.signature import InputKind, Leaf, OutputKind, ShapeRecord
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
@@ -56,7 +57,7 @@ class CallContract:
 
     in_spec: pytree.TreeSpec
     input_leaves: tuple[Leaf, ...]
-    tensor_meta: tuple[tuple[torch.dtype, tuple[int | None, ...]], ...]
+    tensor_meta: tuple[tuple[torch.dtype, tuple[int | None, ...], torch.device], ...]
     shapes: ShapeRecord
     writes: tuple[str | int, ...]
     arg_names: tuple[str, ...]
@@ -116,8 +117,16 @@ class ProgramModule(fx.GraphModule):
             return owner.load_state_dict(state_dict, strict=strict)
 
     def _bindings(self) -> dict[str, torch.Tensor]:
-        """Every fully qualified name of the program's state, bound to this module's tensor."""
-        return {fqn: getattr(*owner_of(self, target)) for target, aliases in self.call_contract.state for fqn in (target, *aliases)}
+        """Every fully qualified name of the program's state in the exported module's registered
+        tree, bound to this module's tensor (state kept outside the tree, `helpers.0.weight`, is
+        not in the exported module's state_dict either)."""
+        owner = self.__dict__.get("_state_dict_owner")
+        return {
+            fqn: getattr(*owner_of(self, target))
+            for target, aliases in self.call_contract.state
+            for fqn in (target, *aliases)
+            if owner is None or in_tree(owner, fqn)
+        }
 
 
 class GraphConstant:
@@ -189,9 +198,31 @@ def _open_snapshots() -> list[tuple[ProgramModule, Any]]:
 
 
 def owner_of(root: nn.Module, fqn: str) -> tuple[Any, str]:
-    """The object holding `fqn` and the attribute's name."""
+    """The object holding the state at `fqn` and its attribute name there.  The path may run
+    outside the registered tree (Note [Modules outside the registered tree]: `helpers.0.weight`,
+    `cache.bias`); a list or dict holding the tensor itself is read through `_Entries`."""
     owner, _, attr = fqn.rpartition(".")
-    return (root.get_submodule(owner) if owner else root), attr
+    if not owner:
+        return root, attr
+    found = resolve(root, owner)
+    return (_Entries(found) if isinstance(found, (list, tuple, dict)) else found), attr
+
+
+def read_state(root: Any, fqn: str) -> torch.Tensor:
+    """The tensor at `fqn` under `root`, through plain containers too (called from the generated
+    code for live state kept outside the registered tree)."""
+    return getattr(*owner_of(root, fqn))
+
+
+class _Entries:
+    """A list's or dict's entries as attributes (`getattr(_Entries(cache), "bias")`), so state
+    kept in a plain container is read like state kept on a module."""
+
+    def __init__(self, container: list | tuple | dict):
+        self._container = container
+
+    def __getattr__(self, name: str) -> Any:
+        return resolve(self._container, name)
 
 
 # --- the input checks --------------------------------------------------------------------------
@@ -199,6 +230,7 @@ def owner_of(root: nn.Module, fqn: str) -> tuple[Any, str]:
 
 def check_inputs(contract: CallContract, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor leaves of the call, after checking it matches the exported call."""
+    args, kwargs = _as_exported_call(contract, args, kwargs)
     flat, spec = pytree.tree_flatten((args, kwargs))
     if spec != contract.in_spec:
         raise InputMismatchError(
@@ -225,11 +257,34 @@ def check_inputs(contract: CallContract, args: tuple, kwargs: dict) -> list[torc
     return tensors
 
 
-def tensor_meta(example: Any) -> tuple[torch.dtype, tuple[int | None, ...]] | None:
-    """A placeholder's dtype and sizes, symbolic sizes as None (what `_check_tensor` compares)."""
+def _as_exported_call(contract: CallContract, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Arrange a call as the exported one was, where eager would accept it just the same.
+
+    Keyword arguments in another order are put in the exported order; an argument exported
+    positionally and passed by its name goes back to its position; an argument exported by
+    name and passed positionally gets its name when that is unambiguous (one such argument).
+    Anything else is left as it is, and the structure check that follows refuses it.
+    """
+    exported_args, exported_kwargs = contract.in_spec.children()
+    n_args, names = exported_args.num_children, list(exported_kwargs.context or ())
+    args, kwargs = tuple(args), dict(kwargs)
+    positional = list(contract.arg_names)
+    while len(args) < n_args and len(args) < len(positional) and positional[len(args)] in kwargs:
+        args = (*args, kwargs.pop(positional[len(args)]))
+    missing = [name for name in names if name not in kwargs]
+    if len(args) == n_args + 1 and len(missing) == 1:
+        kwargs[missing[0]] = args[-1]
+        args = args[:-1]
+    if set(kwargs) == set(names):
+        kwargs = {name: kwargs[name] for name in names}
+    return args, kwargs
+
+
+def tensor_meta(example: Any) -> tuple[torch.dtype, tuple[int | None, ...], torch.device] | None:
+    """A placeholder's dtype, sizes (symbolic ones as None) and device: what `_check_tensor` compares."""
     if not isinstance(example, torch.Tensor):
         return None
-    return example.dtype, tuple(s if isinstance(s, int) else None for s in example.shape)
+    return example.dtype, tuple(s if isinstance(s, int) else None for s in example.shape), example.device
 
 
 def _check_symbols(shapes: ShapeRecord, paths: list[str], tensors: list[torch.Tensor]) -> None:
@@ -261,14 +316,21 @@ def _shape_error(what: str) -> None:
     )
 
 
-def _check_tensor(path: str, value: Any, example: tuple[torch.dtype, tuple[int | None, ...]] | None) -> None:
+def _check_tensor(path: str, value: Any, example: tuple[torch.dtype, tuple[int | None, ...], torch.device] | None) -> None:
     if not isinstance(value, torch.Tensor):
         raise InputMismatchError(
             f"input {path!r} was a tensor at export and has type {type(value).__name__} now.", where=user_frame()
         )
     if example is None:
         return
-    dtype, shape = example
+    dtype, shape, device = example
+    if value.device != device and not ti.is_traced_tensor(value):
+        raise InputMismatchError(
+            f"input {path!r} was on {device} at export and is on {value.device} now; the "
+            "program's state and the devices in its graph are those of the export.",
+            where=user_frame(),
+            fix=f"move the input: x.to({str(device)!r}), or export again with inputs on {value.device}.",
+        )
     wrong_rank = value.dim() != len(shape)
     if value.dtype != dtype or wrong_rank or any(e is not None and a != e for a, e in zip(value.shape, shape)):
         exported = tuple("?" if s is None else s for s in shape)

@@ -34,6 +34,7 @@ import torch
 from torch import fx, nn
 
 from predispatch import _torch_internals as ti
+from predispatch.frontend.reachable import in_tree
 from predispatch.program import interop, runner
 from predispatch.program.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
 from predispatch.program.signature import InputKind
@@ -54,7 +55,7 @@ def module_of(ep: ExportedProgram) -> ProgramModule:
     placeholders = graph.find_nodes(op="placeholder")
     n_state = len(sig.inputs_of(*_STATE_KINDS))
     user = _placeholders_per_leaf(graph, sig, placeholders[n_state:])
-    state = _unlift_state(graph, sig, placeholders[:n_state], "" if ep.live_root is None else f"{runner.LIVE_ROOT}.")
+    state = _unlift_state(graph, sig, placeholders[:n_state], ep.live_root)
     _write_back_and_return(graph, sig, state, user)
     for gm in list(source.modules()):
         if isinstance(gm, fx.GraphModule):
@@ -100,16 +101,24 @@ def _placeholders_per_leaf(graph: fx.Graph, sig: Any, tensor_placeholders: list[
     return ordered
 
 
-def _unlift_state(graph: fx.Graph, sig: Any, placeholders: list[fx.Node], prefix: str) -> dict[str, fx.Node]:
-    """Each state placeholder becomes a `get_attr` of its fully qualified name (under `prefix`:
-    the live root of a function export); by that name."""
+def _unlift_state(graph: fx.Graph, sig: Any, placeholders: list[fx.Node], live_root: nn.Module | None) -> dict[str, fx.Node]:
+    """Each state placeholder becomes a `get_attr` of its fully qualified name (under the live
+    root of a function export); by that name.  Live state kept outside the registered tree
+    (`helpers.0.weight` in a plain list) is read by `runner.read_state`, which walks containers."""
     anchor = graph.find_nodes(op="placeholder")
     by_target = {}
     for spec, node in zip(sig.inputs_of(*_STATE_KINDS), placeholders):
         where = graph.inserting_after(anchor[-1]) if anchor else graph.inserting_before(next(iter(graph.nodes)))
         with where, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the attribute is installed once the graph is complete
-            attr = graph.get_attr(prefix + spec.target)
+            if live_root is None:
+                attr = graph.get_attr(spec.target)
+            elif in_tree(live_root, spec.target):
+                attr = graph.get_attr(f"{runner.LIVE_ROOT}.{spec.target}")
+            else:
+                root = graph.get_attr(runner.LIVE_ROOT)
+                with graph.inserting_after(root):
+                    attr = graph.call_function(runner.read_state, (root, spec.target))
         attr.meta = dict(node.meta)
         node.replace_all_uses_with(attr)
         graph.erase_node(node)

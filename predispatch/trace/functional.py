@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import gc
+import inspect
+import linecache
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +21,13 @@ from predispatch.errors import (
     PredispatchError,
     TraceError,
     UnsupportedOutputError,
+    from_torch,
     user_frame,
 )
 from predispatch.frontend import PreparedInputs
 from predispatch.frontend.dynamic import check_constraints
-from predispatch.frontend.inputs import CONSTANT_TYPES
+from predispatch.frontend.inputs import CONSTANT_TYPES, register_dataclasses
+from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
 from predispatch.trace.decompose import DecompositionLog, DecompositionPolicy
@@ -75,7 +81,7 @@ class _Program:
         bound = {
             fqn: tensor
             for lifted, tensor in zip(prepared.state, state)
-            for fqn in (lifted.spec.target, *lifted.spec.aliases)
+            for fqn in (lifted.spec.target, *lifted.spec.aliases, *lifted.bind_also)
         }
         # buffers and constants that do not require grad: their updates need no history kept
         without_history = [
@@ -88,16 +94,141 @@ class _Program:
         with contextlib.ExitStack() as stack:
             # Note [RNG state in forward]
             self.visible_generators = stack.enter_context(refusing_rng_changes(prepared.module))
-            stack.enter_context(ti.reparametrize(prepared.module, bound))
+            inside, beyond = _split_by_reach(prepared.module, bound)
+            stack.enter_context(ti.reparametrize(prepared.module, inside))
+            stack.enter_context(_bound_beyond(prepared.module, beyond))
             stack.enter_context(keeper)  # Note [Mutations inside grad regions]
             stack.enter_context(keeper.observer())
             stack.enter_context(backward_hooks(prepared.module, keeper))
             stack.enter_context(capture_autograd_functions())
+            assigned = stack.enter_context(_buffer_assignments())
             out = prepared.module(*args, **kwargs)
+            _record_reassigned_buffers(prepared, state, assigned)
         self.grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
         self.input_metadata_write = keeper.input_metadata_write
-        self.outputs = _output_leaves(out)
+        self.outputs = _output_leaves(out, prepared.module)
         return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, _GRAPH_OUTPUT_TYPES) and not _is_static(x))
+
+
+def _split_by_reach(root: torch.nn.Module, bound: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Names whose path runs through submodules only (torch's reparametrize binds them), and
+    the others: state of modules outside the tree, tensors in plain containers."""
+    inside, beyond = {}, {}
+    for fqn, tensor in bound.items():
+        (inside if in_tree(root, fqn) else beyond)[fqn] = tensor
+    return inside, beyond
+
+
+@contextlib.contextmanager
+def _bound_beyond(root: torch.nn.Module, bound: dict[str, torch.Tensor]):
+    """Bind state reached outside the registered tree (Note [Modules outside the registered
+    tree]): a module's tensors through torch's reparametrize, a container's entry by assignment;
+    everything is put back on exit."""
+    per_module: dict[int, tuple[torch.nn.Module, dict[str, torch.Tensor]]] = {}
+    entries = []
+    in_tuples: dict[str, dict[int, torch.Tensor]] = {}
+    for fqn, tensor in bound.items():
+        owner_path, _, attr = fqn.rpartition(".")
+        owner = resolve(root, owner_path)
+        if isinstance(owner, torch.nn.Module):
+            per_module.setdefault(id(owner), (owner, {}))[1][attr] = tensor
+        elif isinstance(owner, tuple):  # immutable: rebuilt with the tensors swapped, on its holder
+            in_tuples.setdefault(owner_path, {})[int(attr)] = tensor
+        else:
+            entries.append((owner, attr, tensor))
+    for path, swapped in in_tuples.items():
+        old = resolve(root, path)
+        items = [swapped.get(i, item) for i, item in enumerate(old)]
+        holder_path, _, key = path.rpartition(".")
+        entries.append((resolve(root, holder_path), key, type(old)(*items) if hasattr(old, "_fields") else type(old)(items)))
+    with contextlib.ExitStack() as stack:
+        for module, tensors in per_module.values():
+            stack.enter_context(ti.reparametrize(module, tensors))
+        for owner, attr, tensor in entries:
+            stack.enter_context(_entry_bound(owner, attr, tensor))
+        yield
+
+
+@contextlib.contextmanager
+def _entry_bound(owner: Any, attr: str, tensor: torch.Tensor):
+    """`owner[attr]` (a list index, a dict key) or `owner.attr` bound to `tensor` for a while."""
+    if isinstance(owner, list):
+        key: Any = int(attr)
+    elif isinstance(owner, dict):
+        key = attr if attr in owner else int(attr)
+    else:
+        key = None
+    old = getattr(owner, attr) if key is None else owner[key]
+    _put(owner, attr if key is None else key, tensor, key is None)
+    try:
+        yield
+    finally:
+        _put(owner, attr if key is None else key, old, key is None)
+
+
+def _put(owner: Any, key: Any, value: Any, attribute: bool) -> None:
+    if attribute:
+        object.__setattr__(owner, key, value)
+    else:
+        owner[key] = value
+
+
+@contextlib.contextmanager
+def _buffer_assignments():
+    """Where forward assigns a registered buffer (`self.rel_indices = t` goes through
+    `register_buffer`, so torch's global buffer registration hook sees it): `{(id(module),
+    name): (module, name, the user's line)}`, the last assignment of each."""
+    assigned: dict[tuple[int, str], tuple[torch.nn.Module, str, str | None]] = {}
+
+    def hook(module: torch.nn.Module, name: str, buffer: Any) -> None:
+        assigned[(id(module), name)] = (module, name, user_frame())
+
+    handle = torch.nn.modules.module.register_module_buffer_registration_hook(hook)
+    try:
+        yield assigned
+    finally:
+        handle.remove()
+
+
+def _record_reassigned_buffers(prepared: PreparedInputs, state: tuple[torch.Tensor, ...], assigned: dict) -> None:
+    """A buffer forward replaced by another tensor (`self.rel_indices = new`) is a mutation of
+    that buffer, as in eager (where the module keeps the new tensor): write the new value into
+    the buffer's graph input, so the program records it as a buffer mutation.  A replacement of
+    another shape, dtype or device, or by None, cannot be written into the buffer: refused.
+    """
+    if not assigned:
+        return
+    places = _buffer_places(prepared)
+    for module, name, where in assigned.values():
+        index = places.get((id(module), name))
+        if index is None:  # a buffer forward registered itself: put back by `_isolation`
+            continue
+        bound, new = state[index], module._buffers.get(name)
+        if new is bound:
+            continue
+        old = prepared.fake_state[index]
+        if not isinstance(new, torch.Tensor) or (new.shape, new.dtype, new.device) != (bound.shape, bound.dtype, bound.device):
+            now = "None" if new is None else f"{new.dtype} {tuple(new.shape)}"
+            raise TraceError(
+                f"forward replaces buffer {prepared.state[index].spec.target!r} ({old.dtype} {tuple(old.shape)}) "
+                f"by a tensor of another shape, dtype or device ({now}); the program's buffer keeps its "
+                "exported shape, so it cannot take the new value.",
+                where=where or f"{user_frame()} (the export call)",
+                fix="register the buffer with the shape forward gives it (compute it in __init__), or keep "
+                "the new tensor in a local variable (or a plain attribute) instead of the buffer.",
+            )
+        bound.copy_(new.detach() if new.requires_grad else new)
+
+
+def _buffer_places(prepared: PreparedInputs) -> dict[tuple[int, str], int]:
+    """`{(id(owner module), attribute): state index}` of every lifted buffer name (aliases too)."""
+    places = {}
+    for index, lifted in enumerate(prepared.state):
+        if lifted.spec.kind is InputKind.BUFFER:
+            for fqn in (lifted.spec.target, *lifted.spec.aliases):
+                owner, _, attr = fqn.rpartition(".")
+                places[(id(resolve(prepared.module, owner)), attr)] = index
+    return places
 
 
 _active_traces = 0
@@ -225,8 +356,21 @@ def _is_static(value: Any) -> bool:
     return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and value.node.expr.is_number
 
 
-def _output_leaves(out: Any) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:
-    """Check and describe the user's return value: graph outputs (tensors, symbolic scalars) and constants."""
+def _output_leaves(out: Any, module: torch.nn.Module) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:
+    """Check and describe the user's return value: graph outputs (tensors, symbolic scalars) and constants.
+
+    Outputs take what inputs take: dataclasses are registered as pytree nodes here as they are
+    for inputs (`register_dataclasses`), so `ep.module()` returns eager's types.
+    """
+    try:
+        register_dataclasses(out)
+    except Exception as exc:  # noqa: BLE001 - a dataclass pytree cannot describe (init=False fields)
+        raise UnsupportedOutputError(
+            f"the output is a {type(out).__name__} that cannot be flattened: {exc}",
+            where=_return_lines(module),
+            fix="return tensors (or tuples/lists/dicts/dataclasses of tensors); register custom "
+            "containers with torch.utils._pytree.register_pytree_node.",
+        ) from None
     with_path, spec = pytree.tree_flatten_with_path(out)
     leaves = []
     for path, value in with_path:
@@ -240,16 +384,45 @@ def _output_leaves(out: Any) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:
         else:
             raise UnsupportedOutputError(
                 f"{label} has type {type(value).__name__}, which is neither a tensor nor a constant.",
-                where=user_frame(),
+                where=_return_lines(module),
                 fix="return tensors (or tuples/lists/dicts/dataclasses of tensors); register custom "
                 "containers with torch.utils._pytree.register_pytree_node.",
             )
     return tuple(leaves), spec
 
 
+def _return_lines(module: torch.nn.Module) -> str | None:
+    """`file:line (return ...)` of forward's return statement (all of them, joined by "or", when
+    forward has several: which one ran is gone with its frame); the export call if no source."""
+    fn = inspect.unwrap(getattr(module, "forward"))
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    try:
+        lines, first = inspect.getsourcelines(fn)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return f"{user_frame()} (the export call)"
+    body = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else tree
+    returns = [n.lineno + first - 1 for n in _own_nodes(body) if isinstance(n, ast.Return)]
+    if not returns or code is None:
+        return f"{user_frame()} (the export call)"
+    return " or ".join(f"{code.co_filename}:{line} ({linecache.getline(code.co_filename, line).strip()})" for line in returns)
+
+
+def _own_nodes(node: ast.AST):
+    """The nodes of a function body, not of functions, lambdas or classes defined inside it."""
+    for child in ast.iter_child_nodes(node):
+        yield child
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            yield from _own_nodes(child)
+
+
 @contextlib.contextmanager
 def _user_errors():
-    """Turn torch's tracing failures into predispatch errors that name the user's line."""
+    """Turn torch's tracing failures into predispatch errors that name the user's line.
+
+    Our message is printed alone; torch's exception stays reachable as `err.torch_error`
+    (see `errors.from_torch`)."""
     try:
         yield
     except PredispatchError:
@@ -257,19 +430,25 @@ def _user_errors():
     except Exception as exc:  # noqa: BLE001 - every torch failure is re-raised with context
         where = user_frame(exc.__traceback__) or f"{user_frame()} (the export call; torch found this after tracing)"
         if _is_data_dependent(exc):
-            raise DataDependentError(
-                "Python code branches on, or converts, a value inside a tensor, which export "
-                "cannot know (it traces shapes, not values).",
-                where=where,
-                fix="make the branch static, use torch.where to compute both sides, or torch.cond.",
-            ) from exc
+            raise from_torch(
+                DataDependentError(
+                    "Python code branches on, or converts, a value inside a tensor, which export "
+                    "cannot know (it traces shapes, not values).",
+                    where=where,
+                    fix="make the branch static, use torch.where to compute both sides, or torch.cond.",
+                ),
+                exc,
+            ) from None
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TraceError(
-            f"tracing failed: {type(exc).__name__}: {first_line}",
-            where=where,
-            fix="the torch error chained below says what failed at the named line; if it is an "
-            "in-place metadata change of an input (x.t_(), x.resize_()), write it out of place.",
-        ) from exc
+        raise from_torch(
+            TraceError(
+                f"tracing failed: {type(exc).__name__}: {first_line}",
+                where=where,
+                fix="torch's full error is kept as err.torch_error; if it is an in-place metadata change "
+                "of an input (x.t_(), x.resize_()), write it out of place.",
+            ),
+            exc,
+        ) from None
 
 
 def _is_data_dependent(exc: Exception) -> bool:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 from predispatch import _torch_internals as ti
-from predispatch.errors import PredispatchError, UnsupportedHookError, user_frame
+from predispatch.errors import PredispatchError, UnsupportedHookError, from_torch, user_frame
 from predispatch.trace.autograd_function.capture import torch_applies
 from predispatch.trace.hooks.capture import Capture, first_line
 from predispatch.trace.hooks.layout import Layout, is_floating
@@ -54,13 +54,16 @@ def probe_outputs(module: nn.Module, args: tuple, kwargs: dict, capture: Capture
     except PredispatchError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with what to do
-        raise UnsupportedHookError(
-            f"{capture.describe(module)} has a full backward hook; export learns which outputs its "
-            "grad_output holds by running the module once more on stand-in tensors, which failed: "
-            f"{type(exc).__name__}: {first_line(exc)}",
-            where=user_frame(exc.__traceback__) or user_frame(),
-            fix="make the module's forward depend only on its arguments and its own parameters and buffers.",
-        ) from exc
+        raise from_torch(
+            UnsupportedHookError(
+                f"{capture.describe(module)} has a full backward hook; export learns which outputs its "
+                "grad_output holds by running the module once more on stand-in tensors, which failed: "
+                f"{type(exc).__name__}: {first_line(exc)}",
+                where=user_frame(exc.__traceback__) or user_frame(),
+                fix="make the module's forward depend only on its arguments and its own parameters and buffers.",
+            ),
+            exc,
+        ) from None
 
 
 class _StandIns:
