@@ -12,11 +12,14 @@ from torch import nn
 from predispatch import _torch_internals as ti
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
 from predispatch.program.signature import InputKind, OutputKind, ShapeRecord
+from predispatch.program.modes import check_mode_switch, set_exported_modes
+from predispatch.program.writes import apply_metadata_mutation, check_write_targets, plan_writes
 
 if TYPE_CHECKING:
     from predispatch.program.exported_program import ExportedProgram
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+_USER_MUTATIONS = (OutputKind.USER_INPUT_MUTATION, OutputKind.USER_INPUT_METADATA_MUTATION)
 
 
 class ProgramModule(nn.Module):
@@ -40,6 +43,14 @@ class ProgramModule(nn.Module):
                 for fqn in (spec.target, *spec.aliases):
                     _install(self, fqn, tensor, spec.kind, spec.persistent)
         self._prepare_calls()
+        if ep.live_root is None:
+            set_exported_modes(self, ep.signature.training_flags)
+
+    def train(self, mode: bool = True) -> ProgramModule:
+        """Refuse a mode the program was not exported in (`.eval()` calls this too); see
+        Note [One mode per program] in modes.py."""
+        check_mode_switch(self._program.signature.training_flags, mode)
+        return super().train(mode)
 
     def _prepare_calls(self) -> None:
         """Resolve, once, what every call needs: the module owning each state tensor (read by
@@ -50,11 +61,12 @@ class ProgramModule(nn.Module):
         owners = [_owner(root, spec.target) for spec in sig.inputs_of(*_STATE_KINDS)]
         user_index = {spec.name: i for i, spec in enumerate(sig.inputs_of(InputKind.USER_INPUT))}
         writes = [
-            (None, user_index[s.target]) if s.kind is OutputKind.USER_INPUT_MUTATION else _owner(root, s.target)
+            (None, user_index[s.target]) if s.kind in _USER_MUTATIONS else _owner(root, s.target)
             for s in sig.mutations
         ]
         object.__setattr__(self, "_state_owners", owners)
         object.__setattr__(self, "_writes", writes)
+        object.__setattr__(self, "_write_plans", plan_writes(self._program.graph_module, sig))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ep = self._program
@@ -63,10 +75,14 @@ class ProgramModule(nn.Module):
         state = [getattr(owner, attr) for owner, attr in self._state_owners]
         targets = [user[attr] if owner is None else getattr(owner, attr) for owner, attr in self._writes]
         mutations = sig.mutations
+        check_write_targets(self._write_plans, targets, (*state, *user))
         with _snapshot_saved(targets):
             outs = ep.graph_module(*state, *user)
-        for target, value in zip(targets, outs):
-            _write_back(target, value)
+        for plan, target, value in zip(self._write_plans, targets, outs):
+            if plan.metadata:
+                apply_metadata_mutation(target, value, plan.writes_data)
+            else:
+                _write_back(target, value)
         if sig.grad_mode_on_exit is not None:
             torch.set_grad_enabled(sig.grad_mode_on_exit)
         results = iter(outs[len(mutations):])

@@ -196,3 +196,20 @@ def _normalize(op: object) -> str:
     if isinstance(op, str):
         return op.replace("::", ".")
     raise TypeError(f"expected an op or an op name, got {op!r}")
+
+
+def _polygamma_(self: torch.Tensor, n: int) -> torch.Tensor:
+    return self.copy_(torch.ops.aten.polygamma.default(n, self))
+
+
+#: In-place ops functionalization cannot trace, each with its functional rewrite and the reason.
+#: Functionalization finds an in-place op's functional twin by name and argument order; when the
+#: twin takes its arguments in another order, it finds none and raises ("Found a custom
+#: (non-ATen) operator whose output has alias annotations").  The rewrite computes the value
+#: with the functional op and writes it with `copy_`, which functionalization handles.
+INPLACE_REWRITES: dict[torch._ops.OpOverload, tuple[Callable[..., torch.Tensor], str]] = {
+    torch.ops.aten.polygamma_.default: (
+        _polygamma_,
+        "polygamma_(Tensor(a!) self, int n) vs polygamma(int n, Tensor self): the order differs",
+    ),
+}
