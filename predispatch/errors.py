@@ -77,8 +77,8 @@ class TraceError(PredispatchError):
     """torch could not trace the user's code; the original torch error is chained.
 
     Cause: an operation that functional pre-dispatch tracing does not support (for example a
-    metadata mutation such as `x.t_()` of an input, or a mutation of an input that aliases
-    another input).
+    metadata mutation such as `self.b.t_()` of a buffer, a storage swap `x.set_(y)`, or a
+    mutation of an input that aliases another input).
     Fix: the message names the line; rewrite it functionally (`y = x.t()` instead of `x.t_()`).
     """
 
