@@ -147,8 +147,9 @@ def exporting_flags() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def decomposition_hook(should_decompose: Callable[[Any, Callable[[], bool]], bool]) -> Iterator[None]:
-    """Route FunctionalTensorMode's "decompose this composite?" question to `should_decompose`.
+def decomposition_hook(should_decompose: Callable[[Any, Callable[[], bool], tuple, dict], bool]) -> Iterator[None]:
+    """Route FunctionalTensorMode's "decompose this composite?" question to `should_decompose`
+    (with the call's args and kwargs: some composites alias their input only for some calls).
 
     FunctionalTensorMode sits on the PreDispatch stack and sees every op before its
     CompositeImplicitAutograd kernel would run.  It asks `_can_decompose` whether to inline
@@ -158,7 +159,7 @@ def decomposition_hook(should_decompose: Callable[[Any, Callable[[], bool]], boo
     original = FunctionalTensorMode._can_decompose
 
     def _can_decompose(self, func, args, kwargs):
-        return should_decompose(func, lambda: original(self, func, args, kwargs))
+        return should_decompose(func, lambda: original(self, func, args, kwargs), args, kwargs)
 
     FunctionalTensorMode._can_decompose = _can_decompose
     try:
@@ -247,15 +248,17 @@ def functional_dispatch_observer(
 def functional_rewrites(table: dict[OpOverload, Callable[..., Any]]) -> Iterator[None]:
     """Run `table[func](*args, **kwargs)` in FunctionalTensorMode in place of `func`.
 
-    For the in-place ops functionalization cannot pair with a functional twin (see
-    `INPLACE_REWRITES` in trace/decompose.py): the rewrite runs inside the mode again, so
-    its own ops (a functional op and a `copy_`) are functionalized as usual.
+    For the ops torch's own path gets wrong (see `REWRITES` in trace/decompose.py): a
+    composite is rewritten only when the decomposition policy decomposes it (`_can_decompose`,
+    see `decomposition_hook`); the rewrite runs inside the mode again, so its own ops are
+    functionalized as usual.
     """
     original = FunctionalTensorMode.__torch_dispatch__
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         rewrite = table.get(func)
-        if rewrite is None:
+        composite = rewrite is not None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), CIA)
+        if rewrite is None or (composite and not self._can_decompose(func, args, kwargs or {})):
             return original(self, func, types, args, kwargs)
         with self:
             return rewrite(*args, **(kwargs or {}))

@@ -24,7 +24,7 @@ from predispatch.frontend.dynamic import check_constraints
 from predispatch.frontend.inputs import CONSTANT_TYPES
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
-from predispatch.trace.decompose import INPLACE_REWRITES, DecompositionLog, DecompositionPolicy
+from predispatch.trace.decompose import REWRITES, DecompositionLog, DecompositionPolicy
 from predispatch.trace.grad_history import GradHistoryKeeper
 from predispatch.trace.hooks import backward_hooks
 
@@ -125,8 +125,10 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
         stack.enter_context(_no_garbage_collection())
         stack.enter_context(torch.enable_grad())  # the ambient mode regions are relative to
         stack.enter_context(ti.exporting_flags())
-        stack.enter_context(ti.decomposition_hook(lambda op, default: policy.should_decompose(op, default, log)))
-        stack.enter_context(ti.functional_rewrites({op: rewrite for op, (rewrite, _) in INPLACE_REWRITES.items()}))
+        stack.enter_context(
+            ti.decomposition_hook(lambda op, default, args, kwargs: policy.should_decompose(op, default, log, args, kwargs))
+        )
+        stack.enter_context(ti.functional_rewrites({op: rewrite for op, (rewrite, _) in REWRITES.items()}))
         stack.enter_context(prepared.fake_mode)
         stack.enter_context(_counted())
         with _user_errors():
