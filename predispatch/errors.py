@@ -254,7 +254,8 @@ class ModeSwitchError(PredispatchError):
     norm's batch or running statistics); switching the program module's mode cannot change it,
     so the switch is refused instead of silently keeping the old behaviour.
     Example: `predispatch.export(model.train(), args).module().eval()`.
-    Fix: export once per mode: `model.eval(); ep_eval = predispatch.export(model, args)`.
+    Fix: `predispatch.export_train_eval(model, args)` exports both modes, and its `module()`
+    switches between them; or export once per mode: `model.eval(); predispatch.export(model, args)`.
     """
 
     anchor = "modeswitcherror"

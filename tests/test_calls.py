@@ -303,7 +303,7 @@ class TrainEval(TestCase):
         self.assertExpectedInline(stable_message(info.value), """\
 the program was exported with the module in train mode, and its graph is traced in that mode (dropout, batch norm); .eval() cannot change a traced graph, so it is refused.
   at test_calls.py:N (program.eval())
-  fix: export a program for eval mode: model.eval(); ep_eval = predispatch.export(model, args); keep one program per mode.
+  fix: export a program for eval mode (model.eval(); ep_eval = predispatch.export(model, args)), or export both modes at once: predispatch.export_train_eval(model, args).module() switches with .train()/.eval().
   see docs/errors.md#modeswitcherror""")
 
     def test_train_of_an_eval_program_is_refused(self):
@@ -331,3 +331,64 @@ the program was exported with bn in eval mode, and its graph is traced in that m
         assert program.training is False
         with pytest.raises(errors.ModeSwitchError):
             program.train()
+
+
+class BothModes(TestCase):
+    """`predispatch.export_train_eval`: one export per mode, one module switching between them."""
+
+    def _eager_and_program(self):
+        torch.manual_seed(0)
+        model = Dropper().eval()
+        flags_before = [m.training for m in model.modules()]
+        state_before = {k: v.clone() for k, v in model.state_dict().items()}
+        programs = predispatch.export_train_eval(model, (torch.randn(8, 4),))
+        assert [m.training for m in model.modules()] == flags_before  # put back
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, state_before[k]), k
+        return copy.deepcopy(model), programs.module(), programs
+
+    def _step(self, eager, program, x, seed):
+        """Outputs, parameter gradients and buffers after one call equal eager's."""
+        for module in (eager, program):
+            module.zero_grad()
+        torch.manual_seed(seed)
+        expected = eager(x)
+        torch.manual_seed(seed)
+        actual = program(x)
+        assert torch.equal(actual, expected)
+        expected.sum().backward()
+        actual.sum().backward()
+        for (name, e), (_, p) in zip(eager.named_parameters(), program.named_parameters()):
+            assert torch.equal(p.grad, e.grad), name
+        for (name, e), (_, p) in zip(eager.state_dict().items(), program.state_dict().items()):
+            assert torch.equal(p, e), name
+
+    def test_switches_like_eager(self):
+        eager, program, programs = self._eager_and_program()
+        assert program.training is False and list(program.state_dict()) == list(eager.state_dict())
+        x = torch.randn(8, 4)
+        self._step(eager, program, x, seed=1)  # eval: dropout off, running stats read
+        eager.train(), program.train()
+        assert program.training is True
+        self._step(eager, program, x, seed=2)  # train: dropout on, running stats updated
+        self._step(eager, program, x, seed=3)
+        eager.eval(), program.eval()
+        self._step(eager, program, x, seed=4)  # eval again, with the stats train mode updated
+        assert "native_dropout" in str(programs.train_program) and "native_dropout" not in str(programs.eval_program)
+
+    def test_one_set_of_state(self):
+        _, program, _ = self._eager_and_program()
+        with torch.no_grad():
+            program.lin.weight.zero_()
+        x = torch.randn(8, 4)
+        out = program(x)
+        assert torch.equal(out, out[0].expand_as(out))  # the zeroed weight reached the eval program
+
+    def test_only_modules(self):
+        with pytest.raises(errors.UnsupportedInputError) as info:
+            predispatch.export_train_eval(torch.sin, (torch.randn(2),))
+        self.assertExpectedInline(stable_message(info.value), """\
+export_train_eval() takes an nn.Module, got builtin_function_or_method.
+  at test_calls.py:N (predispatch.export_train_eval(torch.sin, (torch.randn(2),)))
+  fix: export a function with predispatch.export; it has no train/eval mode.
+  see docs/errors.md#unsupportedinputerror""")

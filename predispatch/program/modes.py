@@ -8,19 +8,23 @@ The graph is that one mode.  `ep.module().eval()` on a program traced in train m
 `.training` and change nothing else: dropout stays on.  So a switch to another mode is refused
 (`ModeSwitchError`, which says how to export the other mode), a "switch" to the mode the program
 already has is allowed (`.eval()` on an eval program), and `.training` reads the exported flags.
-One program per mode: export twice (`model.train()` / `model.eval()` before each export).
-
-A program that holds both modes (pytorch#103681) would need two graphs behind one module and a
-save format for both; that is left for when the program module and the file format settle.
+To switch modes, export both: `predispatch.export_train_eval(model, args)` traces the model
+once in each mode and returns a `TrainEvalProgram`, whose `module()` runs the train program
+or the eval program by its `.training` flag, over one set of state (pytorch#103681).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from predispatch.errors import ModeSwitchError, user_frame
+
+if TYPE_CHECKING:
+    from predispatch.program.exported_program import ExportedProgram
 
 
 def exported_mode(training_flags: Sequence[tuple[str, bool]], path: str) -> bool | None:
@@ -55,6 +59,59 @@ def check_mode_switch(training_flags: Sequence[tuple[str, bool]], mode: bool) ->
         f"{what}, and its graph is traced in that mode (dropout, batch norm); "
         f".{'eval' if not mode else 'train'}() cannot change a traced graph, so it is refused.",
         where=user_frame(),
-        fix=f"export a program for {wanted} mode: {call}; ep_{wanted} = predispatch.export(model, args); "
-        "keep one program per mode.",
+        fix=f"export a program for {wanted} mode ({call}; ep_{wanted} = predispatch.export(model, args)), "
+        "or export both modes at once: predispatch.export_train_eval(model, args).module() switches "
+        "with .train()/.eval().",
     )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainEvalProgram:
+    """One module exported in both modes (`predispatch.export_train_eval`).
+
+    train_program: the program traced with `model.train()` (every module training).
+    eval_program: the program traced with `model.eval()`.
+    training: the module's mode at export: the mode `module()` starts in.
+    Save each program with `predispatch.save`; `TrainEvalProgram(load(a), load(b), training)`
+    puts them together again.
+    """
+
+    train_program: ExportedProgram
+    eval_program: ExportedProgram
+    training: bool = True
+
+    def module(self) -> TrainEvalModule:
+        """An `nn.Module` that runs `train_program` or `eval_program` by its `.training` flag."""
+        return TrainEvalModule(self)
+
+    def __str__(self) -> str:
+        return f"Train mode:\n{self.train_program}\n\nEval mode:\n{self.eval_program}"
+
+
+class TrainEvalModule(nn.Module):
+    """Both programs of a `TrainEvalProgram` over one set of state, switched by `.train()`/`.eval()`.
+
+    The train program's module holds the copies of the state; the eval program's reads them
+    live from it at each call (as a function export reads its modules), so training in one
+    mode and evaluating in the other see the same parameters and buffers.  Its submodules and
+    `state_dict()` keys are the exported module's.
+    """
+
+    def __init__(self, program: TrainEvalProgram):
+        super().__init__()
+        from predispatch.program.runner import ProgramModule
+
+        train = ProgramModule(program.train_program)
+        evaluate = ProgramModule(dataclasses.replace(program.eval_program, live_root=train))
+        object.__setattr__(self, "_runners", {True: train, False: evaluate})  # not submodules
+        for name, child in train.named_children():
+            self.add_module(name, child)
+        self.train(program.training)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._runners[self.training](*args, **kwargs)
+
+    @property
+    def positional_names(self) -> tuple[str, ...]:
+        """The exported callable's positional parameter names (read by a re-export)."""
+        return self._runners[True].positional_names
