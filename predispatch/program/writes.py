@@ -117,13 +117,14 @@ def check_write_targets(
         data is written may share memory with none of them but itself.
     Called before the graph runs, so a failing call changes nothing (Note [All or nothing calls]).
     """
+    if not plans or any(ti.is_traced_tensor(t) for t in targets):
+        return  # nothing written, or a re-export traces this call: checks would be recorded as ops
+    spans = _spans_by_storage(inputs) if any(plan.writes_data for plan in plans) else {}
     for plan, target in zip(plans, targets):
-        if ti.is_traced_tensor(target):
-            return  # a re-export traces this call: the checks would be recorded as graph ops
         grad_on = torch.is_grad_enabled() if plan.grad_mode is None else plan.grad_mode
         problem = _eager_refusal(target, grad_on, plan.writes_data)
         if problem is None and plan.writes_data:
-            problem = _shared_memory(target, inputs)
+            problem = _shared_memory(target, spans)
         if problem is not None:
             what, fix = problem
             raise MutationTargetError(
@@ -184,20 +185,31 @@ def _is_leaf_or_view_of_leaf(t: torch.Tensor) -> bool:
     return t.is_leaf or (t._is_view() and t._base is not None and t._base.is_leaf and t._base.requires_grad)
 
 
-def _shared_memory(target: torch.Tensor, inputs: Sequence[torch.Tensor]) -> tuple[str, str] | None:
-    """(what, fix) when `target`'s memory overlaps another input's, else None."""
+def _shared_memory(target: torch.Tensor, spans: dict[int, list[tuple[int, int, torch.Tensor]]]) -> tuple[str, str] | None:
+    """(what, fix) when `target`'s memory overlaps another input's, else None.  `spans`: the
+    inputs' byte ranges grouped by storage (`_spans_by_storage`), so a call costs one pass over
+    the inputs, not one per target."""
     span = _byte_span(target)
-    for other in inputs:
-        if other is target or span is None:
-            continue
-        other_span = _byte_span(other)
-        if other_span is not None and other_span[0] == span[0] and other_span[1] < span[2] and span[1] < other_span[2]:
+    if span is None:
+        return None
+    storage, start, end = span
+    for other_start, other_end, other in spans.get(storage, ()):
+        if other is not target and other_start < end and start < other_end:
             return (
                 "it shares memory with another input of the call; eager's change would show through "
                 "that alias, the program's inputs are independent values",
                 "pass tensors that do not share memory (x.clone() at one place).",
             )
     return None
+
+
+def _spans_by_storage(inputs: Sequence[torch.Tensor]) -> dict[int, list[tuple[int, int, torch.Tensor]]]:
+    spans: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+    for t in inputs:
+        span = _byte_span(t)
+        if span is not None:
+            spans.setdefault(span[0], []).append((span[1], span[2], t))
+    return spans
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int, int] | None:
