@@ -248,6 +248,20 @@ torch.export.ExportedProgram cannot hold this program:
   fix: keep using the predispatch program (ep.module(), predispatch.save), or change the model so the named construct goes away; docs/format.md#torch-interop lists what converts.
   see docs/errors.md#notrepresentableerror""")
 
+    def test_storage_swap_is_refused(self):
+        class Swaps(nn.Module):
+            def forward(self, x, y):
+                x.set_(y)
+                return x + 1
+
+        with pytest.raises(errors.TraceError) as info:
+            predispatch.export(Swaps(), (torch.randn(3), torch.randn(3)))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward changes the shape, strides or storage of input 'x' in place (x.t_(), x.resize_(), x.set_(...)); a functional graph cannot hand that change back to a parameter or buffer, nor a storage swap to any input.
+  at test_calls.py:N (x.set_(y))
+  fix: write it out of place (x = x.t()) and return the new tensor.
+  see docs/errors.md#traceerror""")
+
     def test_polygamma_in_place(self):
         class Polygamma(nn.Module):
             def forward(self, x):
@@ -392,3 +406,25 @@ export_train_eval() takes an nn.Module, got builtin_function_or_method.
   at test_calls.py:N (predispatch.export_train_eval(torch.sin, (torch.randn(2),)))
   fix: export a function with predispatch.export; it has no train/eval mode.
   see docs/errors.md#unsupportedinputerror""")
+
+    def test_flags_put_back_when_an_export_fails(self):
+        class FailsInEval(Dropper):
+            def forward(self, x):
+                if not self.training:
+                    raise RuntimeError("no eval here")
+                return super().forward(x)
+
+        model = FailsInEval().train()
+        model.bn.eval()
+        flags = [m.training for m in model.modules()]
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        x = torch.randn(8, 4)
+        globals_before = GlobalState.capture()
+        with pytest.raises(errors.TraceError):
+            predispatch.export_train_eval(model, (x,))
+        assert [m.training for m in model.modules()] == flags
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, state[k]), k
+        globals_after = GlobalState.capture()
+        assert globals_before.grad_enabled == globals_after.grad_enabled
+        assert torch.equal(globals_before.rng_state, globals_after.rng_state)
