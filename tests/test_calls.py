@@ -95,7 +95,7 @@ the program changes input 'x' in place, and more than one of its elements refers
         self.assertExpectedInline(message, """\
 the program changes input 'x' in place, and it is a leaf tensor that requires grad (or a view of one) written with grad mode on, so eager would raise ('a leaf Variable that requires grad is being used in an in-place operation'); nothing was run or written.
   at test_calls.py:N (program(*args))
-  fix: pass a tensor that is not a leaf requiring grad (x.clone()), or call under torch.no_grad().
+  fix: pass a tensor that is not a leaf requiring grad (x.clone()), or call under torch.no_grad(); a write through x.data or x.detach() in forward cannot be told apart here: make it under torch.no_grad() instead.
   see docs/errors.md#mutationtargeterror""")
 
     def test_view_of_a_leaf_that_requires_grad(self):

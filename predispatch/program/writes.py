@@ -16,11 +16,13 @@ rules:
   InferenceMode is not allowed");
 - a leaf that requires grad (or a view of one) written while grad mode is on ("a leaf Variable
   that requires grad is being used in an in-place operation").  Whether grad mode is on at the
-  write is read off the graph (`mutation_grad_modes`): a value made in a `no_grad` region
+  write is read off the graph (`plan_writes`): a value made in a `no_grad` region
   (`keep_history` or the region's result) was written with grad off, one made in an
   `enable_grad` region with grad on, and any other with the caller's mode.  This is
-  conservative: a write through `x.detach()` at the top level is refused here for a leaf that
-  requires grad, although eager allows it (the call can run under `torch.no_grad()`);
+  conservative: a write through `x.data` or `x.detach()` at the top level is refused here for a
+  leaf that requires grad, although eager allows it.  (The trace gets such a write wrong too:
+  later uses differentiate through the update as if it were recorded; a write under
+  `torch.no_grad()` is kept right by Note [Mutations inside grad regions].);
 - a target sharing memory with another input of the call: the program takes its inputs as
   independent values, so eager's change seen through the other alias would be lost silently.
 
@@ -176,7 +178,9 @@ def _eager_refusal(target: torch.Tensor, grad_on: bool, writes_data: bool) -> tu
         return (
             "it is a leaf tensor that requires grad (or a view of one) written with grad mode on, so "
             "eager would raise ('a leaf Variable that requires grad is being used in an in-place operation')",
-            "pass a tensor that is not a leaf requiring grad (x.clone()), or call under torch.no_grad().",
+            "pass a tensor that is not a leaf requiring grad (x.clone()), or call under torch.no_grad(); "
+            "a write through x.data or x.detach() in forward cannot be told apart here: make it under "
+            "torch.no_grad() instead.",
         )
     return None
 
