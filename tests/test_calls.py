@@ -8,7 +8,7 @@ import io
 import pytest
 import torch
 from expecttest import TestCase
-from helpers import export_and_check, graph, stable_message
+from helpers import check_gradients, export_and_check, graph, stable_message
 from torch import nn
 
 import predispatch
@@ -156,6 +156,21 @@ the program changes input 'x' in place, and it shares memory with another input 
         """A parameter is a leaf that requires grad; written under no_grad, eager allows it."""
         ep = export_and_check(EmaParameter(), (torch.randn(3),))
         assert [s.kind for s in ep.signature.mutations] == [OutputKind.PARAMETER_MUTATION]
+        check_gradients(EmaParameter(), (torch.randn(3),))
+
+    def test_write_through_data_is_refused_not_differentiated(self):
+        """Eager allows `self.w.data.mul_(...)`; the trace would differentiate later uses through
+        the update (a silently wrong gradient), so the call is refused (a known limit)."""
+
+        class DataEma(EmaParameter):
+            def forward(self, x):
+                self.w.data.mul_(0.5)
+                return x * self.w
+
+        program = predispatch.export(DataEma(), (torch.randn(3),)).module()
+        with pytest.raises(errors.MutationTargetError):
+            program(torch.randn(3))
+        assert torch.equal(program.w, torch.ones(3))
 
 
 class Transposes(nn.Module):
