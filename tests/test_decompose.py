@@ -307,7 +307,7 @@ class GraphModule(torch.nn.Module):
         assert _kinds(ep) == ["USER_INPUT_MUTATION", "USER_OUTPUT", "USER_OUTPUT"]
         targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
         assert targets.count("aten.einsum.default") == 1  # the matmul-like call, kept whole
-        self.assertExpectedInline(ep.decompositions.decisions["aten.einsum.default"][1], """per call: per call: kept for calls that do not alias their input (it aliases only for a single operand with no summed label (a permutation or diagonal)); decomposed where this call aliases its input (a single operand with no summed label (a permutation or diagonal)); decomposed where this call aliases its input (a single operand with no summed label (a permutation or diagonal))""")
+        self.assertExpectedInline(ep.decompositions.decisions["aten.einsum.default"][1], """per call: kept where the call does not alias its input; decomposed where the call aliases its input (one operand, no summed label: a permutation or diagonal)""")
 
     def test_einsum_aliasing_matches_eager(self):
         from predispatch.trace.decompose import CALL_DEPENDENT_ALIASING

@@ -61,9 +61,10 @@ class DecompositionLog:
         """The first decision for `op`; an op decided per call (`CALL_DEPENDENT_ALIASING`) that
         was both kept and decomposed is listed as kept, with both reasons."""
         name = op_name(op)
-        if name in self.decisions and self.decisions[name][0] == decomposed:  # the other decision
+        earlier = self.decisions.get(name)
+        if earlier is not None and earlier[0] == decomposed and not earlier[1].startswith("per call:"):
             kept_why, decomposed_why = (self.decisions[name][1], why) if decomposed else (why, self.decisions[name][1])
-            self.decisions[name] = (True, f"per call: {kept_why}; decomposed where {decomposed_why}")
+            self.decisions[name] = (True, f"per call: kept where {kept_why}; decomposed where {decomposed_why}")
             return
         self.decisions.setdefault(name, (not decomposed, why))
 
@@ -133,8 +134,8 @@ class DecompositionPolicy:
         if op in CALL_DEPENDENT_ALIASING:
             aliases, which = CALL_DEPENDENT_ALIASING[op]
             if aliases(*args, **kwargs):
-                return True, f"this call aliases its input ({which})"
-            return False, f"kept for calls that do not alias their input (it aliases only for {which})"
+                return True, f"the call aliases its input ({which})"
+            return False, "the call does not alias its input"
         return verdict_of(op, torch_default)
 
 
@@ -309,12 +310,14 @@ def _einsum_aliases(equation: str, tensors: list[torch.Tensor], path: object = N
 
 
 def _einsum_labels(term: str) -> list[str]:
-    return ["..." if "..." in term else "", *term.replace("...", "")][0 if "..." in term else 1 :]
+    """The labels of one side of an equation, an ellipsis counting as one label."""
+    labels = list(term.replace("...", ""))
+    return [*labels, "..."] if "..." in term else labels
 
 
 #: Composites that alias an input for some calls only: the predicate says whether this call
 #: does.  A call that does not alias keeps the op whole (the audit's only complaint about it
 #: is aliasing); one that does decomposes.
 CALL_DEPENDENT_ALIASING: dict[torch._ops.OpOverload, tuple[Callable[..., bool], str]] = {
-    _aten.einsum.default: (_einsum_aliases, "a single operand with no summed label (a permutation or diagonal)"),
+    _aten.einsum.default: (_einsum_aliases, "one operand, no summed label: a permutation or diagonal"),
 }
