@@ -241,6 +241,17 @@ Graph signature:
         assert torch.equal(base_p.grad, base_e.grad)
         assert (x_p.shape, x_p.stride()) == (x_e.shape, x_e.stride())
 
+    def test_re_export_of_the_program(self):
+        """The program module's `as_strided_`/`resize_` write-backs trace as metadata mutations."""
+        ep = predispatch.export(MetadataAndData(), (torch.randn(2, 3), torch.ones(2, 2)))
+        again = predispatch.export(ep.module(), (torch.randn(2, 3), torch.ones(2, 2)))
+        assert mutable_ops(again.graph_module) == []
+        eager_args = (torch.arange(6.0).view(2, 3), torch.ones(2, 2))
+        program_args = (torch.arange(6.0).view(2, 3), torch.ones(2, 2))
+        assert torch.equal(again.module()(*program_args), MetadataAndData()(*eager_args))
+        for a, e in zip(program_args, eager_args):
+            assert (a.shape, a.stride()) == (e.shape, e.stride()) and torch.equal(a, e)
+
     def test_round_trips_through_save(self):
         ep = predispatch.export(Transposes(), (torch.randn(2, 3),))
         buffer = io.BytesIO()

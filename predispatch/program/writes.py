@@ -143,10 +143,13 @@ def apply_metadata_mutation(target: torch.Tensor, value: torch.Tensor, writes_da
     change's `value` is a view of `target` itself, so its data is already there.  A value made
     anew may need more memory than the target's storage has (`x.resize_(larger)`): the storage
     grows first, as eager's `resize_` grows it."""
-    if writes_data:
-        needed = (value.storage_offset() + _extent(value)) * value.element_size()
-        if target.untyped_storage().nbytes() < needed:
-            target.untyped_storage().resize_(needed)
+    if writes_data and ti.is_traced_tensor(target):
+        target.resize_(value.shape)  # a re-export: no storage to measure; functionalization tracks this
+    elif writes_data:
+        elements = value.storage_offset() + _extent(value)
+        if target.untyped_storage().nbytes() < elements * value.element_size():
+            target.as_strided_((0,), (1,), 0)
+            target.resize_(elements)  # grows the storage, keeping its bytes, as eager's resize_ does
     target.as_strided_(value.size(), value.stride(), value.storage_offset())
     if writes_data:
         with torch.no_grad() if target.is_leaf and target.requires_grad else contextlib.nullcontext():
