@@ -7,7 +7,7 @@
 """
 
 from predispatch import errors
-from predispatch._export import export
+from predispatch._export import export, export_train_eval
 from predispatch.program import (
     ExportedProgram,
     ExportSignature,
@@ -16,6 +16,7 @@ from predispatch.program import (
     OutputKind,
     OutputSpec,
 )
+from predispatch.program.modes import TrainEvalProgram
 from predispatch.program.serialize import load, save
 
 __version__ = "0.1.0"
@@ -27,8 +28,10 @@ __all__ = [
     "InputSpec",
     "OutputKind",
     "OutputSpec",
+    "TrainEvalProgram",
     "errors",
     "export",
+    "export_train_eval",
     "load",
     "save",
 ]

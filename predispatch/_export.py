@@ -13,7 +13,9 @@ from typing import Any
 from predispatch import _torch_internals as ti
 from predispatch._isolation import isolated
 from predispatch.frontend import modules_of, prepare
+from predispatch.errors import UnsupportedInputError, user_frame
 from predispatch.program import ExportedProgram, build_program
+from predispatch.program.modes import TrainEvalProgram
 from predispatch.trace import DecompositionPolicy, is_tracing, trace
 
 
@@ -66,3 +68,28 @@ def _export_nested(module_or_fn: Any, args: tuple, kwargs: dict | None, policy: 
     """
     prepared = prepare(module_or_fn, args, kwargs)
     return build_program(prepared, trace(prepared, policy), live=True)
+
+
+def export_train_eval(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, **options: Any) -> TrainEvalProgram:
+    """`export` the module twice, with `module.train()` and with `module.eval()`; the result's
+    `module()` switches between the two programs with `.train()`/`.eval()` as the module does.
+
+    The module's training flags are put back as they were.  Options are `export`'s.  See Note
+    [One mode per program] in predispatch/program/modes.py.
+    """
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise UnsupportedInputError(
+            f"export_train_eval() takes an nn.Module, got {type(module).__name__}.",
+            where=user_frame(),
+            fix="export a function with predispatch.export; it has no train/eval mode.",
+        )
+    flags = [(m, m.training) for m in module.modules()]
+    try:
+        train_program = export(module.train(), args, kwargs, **options)
+        eval_program = export(module.eval(), args, kwargs, **options)
+    finally:
+        for m, flag in flags:
+            m.training = flag
+    return TrainEvalProgram(train_program, eval_program, flags[0][1])

@@ -125,6 +125,8 @@ __all__ = [
     "inside_op_call",
     "generator_identity",
     "reparametrize",
+    "has_internal_overlap",
+    "functional_rewrites",
 ]
 
 #: What torch raises when Python needs a value that only exists at run time.
@@ -157,8 +159,9 @@ def exporting_flags() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def decomposition_hook(should_decompose: Callable[[Any, Callable[[], bool]], bool]) -> Iterator[None]:
-    """Route FunctionalTensorMode's "decompose this composite?" question to `should_decompose`.
+def decomposition_hook(should_decompose: Callable[[Any, Callable[[], bool], tuple, dict], bool]) -> Iterator[None]:
+    """Route FunctionalTensorMode's "decompose this composite?" question to `should_decompose`
+    (with the call's args and kwargs: some composites alias their input only for some calls).
 
     FunctionalTensorMode sits on the PreDispatch stack and sees every op before its
     CompositeImplicitAutograd kernel would run.  It asks `_can_decompose` whether to inline
@@ -168,7 +171,7 @@ def decomposition_hook(should_decompose: Callable[[Any, Callable[[], bool]], boo
     original = FunctionalTensorMode._can_decompose
 
     def _can_decompose(self, func, args, kwargs):
-        return should_decompose(func, lambda: original(self, func, args, kwargs))
+        return should_decompose(func, lambda: original(self, func, args, kwargs), args, kwargs)
 
     FunctionalTensorMode._can_decompose = _can_decompose
     try:
@@ -253,6 +256,32 @@ def functional_dispatch_observer(
         FunctionalTensorMode.__torch_dispatch__ = original
 
 
+@contextlib.contextmanager
+def functional_rewrites(table: dict[OpOverload, Callable[..., Any]]) -> Iterator[None]:
+    """Run `table[func](*args, **kwargs)` in FunctionalTensorMode in place of `func`.
+
+    For the ops torch's own path gets wrong (see `REWRITES` in trace/decompose.py): a
+    composite is rewritten only when the decomposition policy decomposes it (`_can_decompose`,
+    see `decomposition_hook`); the rewrite runs inside the mode again, so its own ops are
+    functionalized as usual.
+    """
+    original = FunctionalTensorMode.__torch_dispatch__
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        rewrite = table.get(func)
+        composite = rewrite is not None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), CIA)
+        if rewrite is None or (composite and not self._can_decompose(func, args, kwargs or {})):
+            return original(self, func, types, args, kwargs)
+        with self:
+            return rewrite(*args, **(kwargs or {}))
+
+    FunctionalTensorMode.__torch_dispatch__ = __torch_dispatch__
+    try:
+        yield
+    finally:
+        FunctionalTensorMode.__torch_dispatch__ = original
+
+
 def functional_value(t: FunctionalTensor) -> torch.Tensor:
     """The tensor a FunctionalTensor currently stands for (its latest functional value)."""
     torch._sync(t)
@@ -304,16 +333,20 @@ def trace_functional(
 class ProgramTrace:
     """What `trace_program` captured.
 
-    graph_module: inputs `(token, *args)`, outputs `(*new values of data_mutated, *fn's outputs)`;
+    graph_module: inputs `(token, *args)`, outputs `(*new values of mutated, *fn's outputs)`;
         `token` orders effectful ops (`with_effects`); trace/functional.py's
         `_remove_effect_tokens` takes it out again.
-    data_mutated / metadata_mutated: positions in `args` whose data / shape, strides or storage
-        `fn` changed in place.
+    mutated: positions in `args` whose new values the first outputs carry, in order: every
+        input `fn` changed in place, its data or its shape, strides or storage offset.
+    metadata_mutated: the positions among `mutated` whose shape, strides or storage offset
+        changed (`x.t_()`): their output is the input's new view (or new value).
+    storage_mutated: positions whose storage `fn` swapped (`x.set_(y)`).
     """
 
     graph_module: torch.fx.GraphModule
-    data_mutated: tuple[int, ...]
+    mutated: tuple[int, ...]
     metadata_mutated: tuple[int, ...]
+    storage_mutated: tuple[int, ...] = ()
 
 
 def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn.Module) -> ProgramTrace:
@@ -326,8 +359,9 @@ def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn
     FunctionalTensor inputs after the run, as AOTAutograd's own metadata analysis reads them.
     `scope` names modules in each node's `nn_module_stack`.
     """
-    data: list[int] = []
+    mutated: list[int] = []
     metadata: list[int] = []
+    storage: list[int] = []
 
     def functional(token: torch.Tensor, *inputs: Any) -> tuple[Any, ...]:
         with _functional_mode() as mode:
@@ -335,11 +369,13 @@ def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn
             mode._tokens = {effect: f_token for effect in _EffectType}
             out = fn(*wrapped)
             for i, (data_changed, meta_changed) in enumerate(_mutations(wrapped, inputs)):
+                if data_changed or meta_changed:
+                    mutated.append(i)
                 if meta_changed:
                     metadata.append(i)
-                elif data_changed:
-                    data.append(i)
-            new_values = [functional_value(wrapped[i]) for i in data]
+                if meta_changed and _has_metadata_mutation(wrapped[i], inputs[i], check_only_storage_mutation=True):
+                    storage.append(i)
+            new_values = [functional_value(wrapped[i]) for i in mutated]
             out = torch.utils._pytree.tree_map_only(FunctionalTensor, functional_value, out)
         return (*new_values, *out)
 
@@ -351,7 +387,7 @@ def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn
         stack.enter_context(forward_frames_only())
         token = torch.empty(0)
         gm = make_fx(functional, record_module_stack=True, pre_dispatch=True)(token, *args)
-    return ProgramTrace(gm, tuple(data), tuple(metadata))
+    return ProgramTrace(gm, tuple(mutated), tuple(metadata), tuple(storage))
 
 
 class _ForwardFrames:
@@ -421,14 +457,14 @@ def _to_functional(values: Any) -> list[Any]:
 
 def _mutations(wrapped: list[Any], originals: Any) -> Iterator[tuple[bool, bool]]:
     """(data mutated, metadata mutated) of each wrapped input, AOTAutograd's tests
-    (`torch._functorch._aot_autograd.functional_utils`); a storage swap (`set_`) counts as metadata."""
+    (`torch._functorch._aot_autograd.functional_utils`); a storage swap (`set_`) counts as metadata.
+    Both can be true (`x.t_().add_(1)`)."""
     for f_arg, arg in zip(wrapped, originals):
         if not isinstance(f_arg, FunctionalTensor):
             yield False, False
             continue
         torch._sync(f_arg)
-        meta_changed = _has_metadata_mutation(f_arg, arg, check_only_storage_mutation=False)
-        yield _has_data_mutation(f_arg) and not meta_changed, meta_changed
+        yield _has_data_mutation(f_arg), _has_metadata_mutation(f_arg, arg, check_only_storage_mutation=False)
 
 
 def discarding_unbacked_symbols(fake_mode: FakeTensorMode):
@@ -828,3 +864,10 @@ def global_module_hook_tables() -> tuple[dict, ...]:
         module._global_forward_hooks_always_called,
         module._global_forward_hooks_with_kwargs,
     )
+# --- ep.module()'s write-back checks (program/writes.py) ---------------------------------------
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of `t` share memory for sure (an expanded tensor): eager's in-place
+    ops refuse such a target (`assert_no_internal_overlap`); "too hard to tell" counts as no, as
+    in eager."""
+    return torch._debug_has_internal_overlap(t) == 1

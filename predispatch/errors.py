@@ -81,6 +81,8 @@ class TraceError(PredispatchError):
     Cause: an operation that functional pre-dispatch tracing does not support (for example a
     metadata mutation such as `x.t_()` of an input, a mutation of an input that aliases
     another input, or a buffer replaced in forward by a tensor of another shape).
+    metadata mutation such as `self.b.t_()` of a buffer, a storage swap `x.set_(y)`, or a
+    mutation of an input that aliases another input).
     Fix: the message names the line; rewrite it functionally (`y = x.t()` instead of `x.t_()`).
     """
 
@@ -271,3 +273,30 @@ def from_torch(error: PredispatchError, exc: BaseException) -> PredispatchError:
     """
     error.torch_error = exc
     return error
+class MutationTargetError(PredispatchError):
+    """A program that changes an input or its state in place was called with a target eager could
+    not change in place; the call raised before running, so nothing was written.
+
+    Cause: the tensor to be written is expanded (its elements share memory), an inference tensor
+    outside `torch.inference_mode()`, a leaf that requires grad (or a view of one) written with
+    grad mode on, or it shares memory with another input of the call.
+    Example: `ep.module()(torch.zeros(3).expand(2, 3))` for a forward doing `x.add_(1)`.
+    Fix: pass a tensor with its own memory (`x.clone()`), or call under `torch.no_grad()` for a
+    leaf that requires grad.
+    """
+
+    anchor = "mutationtargeterror"
+
+
+class ModeSwitchError(PredispatchError):
+    """`ep.module().train()` / `.eval()` asked for a mode the program was not exported in.
+
+    Cause: the graph is traced once, in the module's mode at export (dropout on or off, batch
+    norm's batch or running statistics); switching the program module's mode cannot change it,
+    so the switch is refused instead of silently keeping the old behaviour.
+    Example: `predispatch.export(model.train(), args).module().eval()`.
+    Fix: `predispatch.export_train_eval(model, args)` exports both modes, and its `module()`
+    switches between them; or export once per mode: `model.eval(); predispatch.export(model, args)`.
+    """
+
+    anchor = "modeswitcherror"

@@ -89,15 +89,6 @@ OP_DB_RANDOM: dict[str, str] = {
 #: matches eager bit for bit.
 OP_DB_TOLERANCES: dict[str, Tolerance] = {}
 
-_METADATA_MUTATION = _torch(
-    "an in-place metadata mutation of a graph input (x.t_(), x.squeeze_()) cannot be "
-    "functionalized; predispatch raises TraceError by design (torch.export keeps the mutable "
-    "op in a non-functional graph)"
-)
-_POLYGAMMA_ = _torch(
-    "functionalization finds no functional twin of aten::polygamma_(Tensor(a!) self, int n) "
-    "(polygamma takes n first); torch.export(...).run_decompositions() fails the same way"
-)
 _JITERATOR = _device("jiterator ops compile CUDA kernels at run time; CPU has none")
 _LSTSQ = _data("aten.linalg_lstsq has no fake kernel for its data-dependent output sizes")
 
@@ -117,17 +108,6 @@ OP_DB_XFAILS: dict[str, Known] = {
         "a torch.Size output comes back as a plain tuple: pytree unflattens torch.Size to tuple "
         "(torch.export's module() does the same)"
     ),
-    "as_strided.partial_views:inplace": _METADATA_MUTATION,
-    "resize_:inplace": _METADATA_MUTATION,
-    "squeeze:inplace": _METADATA_MUTATION,
-    "t:inplace": _METADATA_MUTATION,
-    "transpose:inplace": _METADATA_MUTATION,
-    "unsqueeze:inplace": _METADATA_MUTATION,
-    "polygamma.polygamma_n_0:inplace": _POLYGAMMA_,
-    "polygamma.polygamma_n_1:inplace": _POLYGAMMA_,
-    "polygamma.polygamma_n_2:inplace": _POLYGAMMA_,
-    "polygamma.polygamma_n_3:inplace": _POLYGAMMA_,
-    "polygamma.polygamma_n_4:inplace": _POLYGAMMA_,
     # Samples that cannot run here.
     "jiterator_unary": _JITERATOR,
     "jiterator_binary": _JITERATOR,

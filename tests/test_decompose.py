@@ -212,3 +212,133 @@ class LiarsBeyondTheKnownFour(TestCase):
                 wrong_x = x.clone()
                 wrong.module()(wrong_x)
                 self.assertFalse(torch.equal(wrong_x, expected_x), f"keeping {op_name} whole should lose the mutation")
+
+
+def _like_eager(fn, make_args, **options):
+    """Export `fn` as a module; outputs and inputs after the call equal eager's bitwise, and
+    eager's aliasing is kept: the graph is functional and the inputs changed as eager changed them."""
+
+    class Call(nn.Module):
+        def forward(self, *args):
+            return fn(*args)
+
+    ep = predispatch.export(Call(), make_args(), **options)
+    from predispatch.passes import mutable_ops
+
+    assert mutable_ops(ep.graph_module) == []
+    eager_args, program_args = make_args(), make_args()
+    expected = fn(*eager_args)
+    actual = ep.module()(*program_args)
+    assert_same_tree(actual, expected)
+    assert_same_tree(program_args, eager_args)
+    return ep
+
+
+def _kinds(ep):
+    return [s.kind.name for s in ep.signature.outputs]
+
+
+class CallDependentAliasing(TestCase):
+    """Note [Rewrites of torch's own path] in predispatch/trace/decompose.py."""
+
+    def test_eval_dropout_returns_its_input(self):
+        def fn(x):
+            y = F.dropout(x, 0.5, training=False)
+            y.add_(1)  # eager: y is x, so x changes
+            return y * 2
+
+        ep = _like_eager(fn, lambda: (torch.arange(6.0).view(2, 3),))
+        assert _kinds(ep) == ["USER_INPUT_MUTATION", "USER_OUTPUT"]
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, args_0: "f32[2, 3]"):
+        alias: "f32[2, 3]" = torch.ops.aten.alias.default(args_0);  args_0 = None
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(alias, 1);  alias = None
+        alias_1: "f32[2, 3]" = torch.ops.aten.alias.default(add);  add = None
+        alias_2: "f32[2, 3]" = torch.ops.aten.alias.default(alias_1)
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(alias_2, 2);  alias_2 = None
+        return (alias_1, mul)""")
+
+    def test_dropout_with_p_zero_in_training_returns_its_input(self):
+        def fn(x):
+            y = F.dropout(x, 0.0, training=True)
+            y.mul_(3)
+            return y
+
+        _like_eager(fn, lambda: (torch.arange(4.0),))
+
+    def test_training_dropout_still_draws(self):
+        def fn(x):
+            return F.dropout(x, 0.5, training=True)
+
+        torch.manual_seed(0)
+        ep = predispatch.export(nn.Dropout(0.5), (torch.ones(16),))
+        torch.manual_seed(3)
+        expected = fn(torch.ones(16))
+        torch.manual_seed(3)
+        assert torch.equal(ep.module()(torch.ones(16)), expected)
+        assert "native_dropout" in graph(ep)
+
+    def test_unsafe_chunk_returns_views(self):
+        def fn(x):
+            a, b = x.unsafe_chunk(2)
+            a.add_(1)  # eager: a is a view of x
+            return b * 1
+
+        ep = _like_eager(fn, lambda: (torch.arange(12.0).view(4, 3),))
+        assert _kinds(ep) == ["USER_INPUT_MUTATION", "USER_OUTPUT"]
+
+    def test_unsafe_split_returns_views(self):
+        def fn(x):
+            a, b = x.unsafe_split_with_sizes([1, 3])
+            c, _ = x.unsafe_split(2)
+            b.zero_()
+            return c + a
+
+        _like_eager(fn, lambda: (torch.arange(12.0).view(4, 3),))
+
+    def test_einsum_permutation_aliases_and_matmul_stays_whole(self):
+        def fn(x, w):
+            t = torch.einsum("ij->ji", x)
+            t.mul_(2)  # eager: t is a view of x
+            return torch.einsum("ij,jk->ik", x, w), torch.einsum("ii->i", w)
+
+        ep = _like_eager(fn, lambda: (torch.arange(6.0).view(2, 3), torch.arange(9.0).view(3, 3)))
+        assert _kinds(ep) == ["USER_INPUT_MUTATION", "USER_OUTPUT", "USER_OUTPUT"]
+        targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+        assert targets.count("aten.einsum.default") == 1  # the matmul-like call, kept whole
+        self.assertExpectedInline(ep.decompositions.decisions["aten.einsum.default"][1], """per call: kept where the call does not alias its input; decomposed where the call aliases its input (one operand, no summed label: a permutation or diagonal)""")
+
+    def test_einsum_aliasing_matches_eager(self):
+        from predispatch.trace.decompose import CALL_DEPENDENT_ALIASING
+
+        aliases, _ = CALL_DEPENDENT_ALIASING[torch.ops.aten.einsum.default]
+        x, y, z = torch.randn(3, 3), torch.randn(3, 3), torch.randn(3, 1)
+        calls = [
+            ("ij->ji", (x,)), ("ii->i", (x,)), ("ij->ij", (x,)), ("ij->i", (x,)), ("ij", (x,)),
+            ("ji", (x,)), ("...->...", (x,)), ("ij->", (x,)), ("ij,jk->ik", (x, y)), ("ii", (x,)),
+            ("ik->i", (z,)), ("b...->...b", (x,)), ("i j -> j i", (x,)), ("ij,jk", (x, y)),
+        ]
+        for equation, operands in calls:
+            out = torch.einsum(equation, *operands)
+            eager = any(out.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in operands)
+            assert aliases(equation, list(operands)) == eager, equation
+
+    def test_reshape_from_a_shape_tensor(self):
+        def fn(x, shape):
+            return torch._reshape_from_tensor(x, shape) * 2
+
+        ep = _like_eager(fn, lambda: (torch.arange(6.0).view(2, 3), torch.tensor([3, 2])))
+        program = ep.module()
+        assert program(torch.arange(6.0).view(2, 3), torch.tensor([1, 6])).shape == (1, 6)  # read per call
+
+    def test_fp16_weight_saturation(self):
+        def fn(w):
+            return torch._saturate_weight_to_fp16(w) + 0
+
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager warns "FOUND weight out of range"
+            ep = _like_eager(fn, lambda: (torch.tensor([[1e6, -1e6, 3.0], [2.0, 7e4, -5.0]]),))
+        assert _kinds(ep) == ["USER_INPUT_MUTATION", "USER_OUTPUT"]  # eager clamps the weight in place

@@ -27,8 +27,12 @@ class ReturnsModule(nn.Module):
 
 
 class MutatesMetadata(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(2, 3))
+
     def forward(self, x):
-        x.t_()
+        self.b.t_()
         return x + 1
 
 
@@ -78,12 +82,12 @@ Python code branches on, or converts, a value inside a tensor, which export cann
   fix: make the branch static, use torch.where to compute both sides, or torch.cond.
   see docs/errors.md#datadependenterror""")
 
-    def test_metadata_mutation_of_input(self):
+    def test_metadata_mutation_of_buffer(self):
         with pytest.raises(errors.TraceError) as info:
             predispatch.export(MutatesMetadata(), (torch.randn(2, 3),))
         self.assertExpectedInline(message(info.value), """\
-forward changes the shape, strides or storage of input 'x' in place (x.t_(), x.resize_(), x.set_(...)); a functional graph cannot hand that change back.
-  at test_errors.py:N (x.t_())
+forward changes the shape, strides or storage of input 'b' in place (x.t_(), x.resize_(), x.set_(...)); a functional graph cannot hand that change back to a parameter or buffer, nor a storage swap to any input.
+  at test_errors.py:N (self.b.t_())
   fix: write it out of place (x = x.t()) and return the new tensor.
   see docs/errors.md#traceerror""")
 

@@ -157,7 +157,7 @@ def forward(self, x, scale, tag):
     add = torch.ops.aten.add.Tensor(read_before_write, 1);  read_before_write = None
     linear = torch.ops.aten.linear.default(x, lin_weight, lin_bias);  x = lin_weight = lin_bias = None
     mul = torch.ops.aten.mul.Tensor(linear, scale);  linear = scale = None
-    apply_mutations = predispatch_program_runner_apply_mutations(('buffer_mutation',), (steps,), (add,));  steps = add = apply_mutations = None
+    apply_mutations = predispatch_program_runner_apply_mutations(('copy',), (steps,), (add,));  steps = add = apply_mutations = None
     return pytree.tree_unflatten([mul, 'a'], self._out_spec)""",
         )
         eager = copy.deepcopy(net)

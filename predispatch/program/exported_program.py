@@ -131,7 +131,10 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
     gm.__class__.__name__ = "GraphModule"
     check_functional(gm)
     output_nodes = gm.graph.output_node().args[0]
-    outputs = [_mutation_spec(inputs[i], node) for i, node in zip(traced.mutated_inputs, output_nodes)]
+    outputs = [
+        _mutation_spec(inputs[i], node, i in traced.metadata_mutated)
+        for i, node in zip(traced.mutated_inputs, output_nodes)
+    ]
     user_paths = [leaf.path for leaf in traced.output_leaves if leaf.is_tensor]
     user_nodes = output_nodes[len(traced.mutated_inputs):]
     outputs += [OutputSpec(OutputKind.USER_OUTPUT, _node_name(n), p) for n, p in zip(user_nodes, user_paths)]
@@ -145,6 +148,7 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
         traced.grad_mode_on_exit,
         prepared.arg_names,
         shape_record(prepared.fake_mode, gm.graph.find_nodes(op="placeholder")[len(prepared.state):]),
+        () if isinstance(prepared.module, FunctionRoot) else training_flags(prepared.module),
     )
     state = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is not InputKind.CONSTANT_TENSOR}
     constants = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is InputKind.CONSTANT_TENSOR}
@@ -154,11 +158,20 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
     return ExportedProgram(gm, signature, state, constants, traced.decompositions, live_root, hooks, owner)
 
 
-def _mutation_spec(mutated: InputSpec, node: fx.Node) -> OutputSpec:
+def training_flags(module: nn.Module) -> tuple[tuple[str, bool], ...]:
+    """The root's `training` flag (path "") and every submodule's that differs from it."""
+    flags = [("", module.training)]
+    flags += [(path, m.training) for path, m in module.named_modules() if path and m.training != module.training]
+    return tuple(flags)
+
+
+def _mutation_spec(mutated: InputSpec, node: fx.Node, metadata: bool = False) -> OutputSpec:
     """The output carrying `mutated`'s new value: its target is the fully qualified name, or
-    for a user input the placeholder's name."""
+    for a user input the placeholder's name.  `metadata`: the input's shape or strides changed
+    too (only user inputs get here: the trace refuses it for state)."""
     target = mutated.name if mutated.kind is InputKind.USER_INPUT else mutated.target
-    return OutputSpec(_MUTATION_KIND[mutated.kind], node.name, target)
+    kind = OutputKind.USER_INPUT_METADATA_MUTATION if metadata else _MUTATION_KIND[mutated.kind]
+    return OutputSpec(kind, node.name, target)
 
 
 def _node_name(node: object) -> str:

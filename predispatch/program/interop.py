@@ -108,6 +108,11 @@ def _unrepresentable(ep: ExportedProgram) -> list[str]:
         problems.append(f"forward leaves grad mode {'en' if sig.grad_mode_on_exit else 'dis'}abled for its caller")
     if sig.shapes.is_dynamic:
         problems.append("dynamic shapes: to_torch does not carry symbol ranges into torch's range_constraints yet")
+    for spec in sig.outputs_of(OutputKind.USER_INPUT_METADATA_MUTATION):
+        problems.append(
+            f"output {spec.name} changes the shape or strides of input {spec.target!r} in place: torch's "
+            "signature has no output kind for a metadata mutation"
+        )
     for leaf in (*sig.input_leaves, *sig.output_leaves):
         if not leaf.is_tensor and type(leaf.value) not in _CONSTANT_TYPES:
             problems.append(f"{leaf.path} is a constant {type(leaf.value).__name__}; torch holds int, float, bool, str or None")

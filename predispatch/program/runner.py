@@ -32,7 +32,9 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
 from predispatch.frontend.reachable import in_tree, resolve
+from predispatch.program.modes import check_mode_switch
 from predispatch.program.signature import InputKind, Leaf, OutputKind, ShapeRecord
+from predispatch.program.writes import WritePlan, apply_metadata_mutation, check_write_targets
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
@@ -53,6 +55,9 @@ class CallContract:
         among the call's tensor leaves (for the saved-tensor snapshot).
     arg_names: the exported callable's positional parameter names.
     state: `(target, aliases)` of each lifted tensor, for `state_dict` with hooks.
+    write_plans: per mutation output, what eager's in-place op would check of its target
+        (`writes.plan_writes`), checked for every target before the graph runs.
+    training_flags: the `training` flags at export (`.train()`/`.eval()` to another mode is refused).
     """
 
     in_spec: pytree.TreeSpec
@@ -62,6 +67,8 @@ class CallContract:
     writes: tuple[str | int, ...]
     arg_names: tuple[str, ...]
     state: tuple[tuple[str, tuple[str, ...]], ...]
+    write_plans: tuple[WritePlan, ...] = ()
+    training_flags: tuple[tuple[str, bool], ...] = ()
 
 
 class ProgramModule(fx.GraphModule):
@@ -90,6 +97,14 @@ class ProgramModule(fx.GraphModule):
         copied.graph = graph  # generates the copy's own code
         keep_class_names(self, copied)
         return copied
+
+    def train(self, mode: bool = True) -> ProgramModule:
+        """Refuse a mode the program was not exported in (`.eval()` calls this too); see
+        Note [One mode per program] in modes.py."""
+        contract = self.meta.get(ti.USER_PRESERVED_ATTRIBUTES, {}).get("call_contract")
+        if contract is not None:
+            check_mode_switch(contract.training_flags, mode)
+        return super().train(mode)
 
     @property
     def call_contract(self) -> CallContract:
@@ -173,6 +188,8 @@ def _before_call(module: ProgramModule, args: tuple, kwargs: dict) -> None:
     tensors = check_inputs(contract, args, kwargs)
     root = module.__dict__.get(LIVE_ROOT, module)
     targets = [tensors[w] if isinstance(w, int) else getattr(*owner_of(root, w)) for w in contract.writes]
+    state = [getattr(*owner_of(root, target)) for target, _ in contract.state]
+    check_write_targets(contract.write_plans, targets, (*state, *tensors))  # before any write
     snapshot = _snapshot_saved(targets)
     snapshot.__enter__()
     _open_snapshots().append((module, snapshot))
@@ -360,15 +377,23 @@ def read_before_write(target: torch.Tensor) -> torch.Tensor:
     return target
 
 
-def apply_mutations(kinds: tuple[str, ...], targets: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> None:
+def apply_mutations(writers: tuple[str, ...], targets: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> None:
     """Write every mutation back, after the graph computed all of them.
 
-    One call in the generated code for all of a call's mutations (`kinds` are `OutputKind`
-    values, strings so the generated code can hold them): a step that must see every target
-    before the first write has them all here.
+    One call in the generated code for all of a call's mutations (`writers` are keys of
+    `_WRITE_BACK`, strings so the generated code can hold them; `writer_of` picks them).  The
+    targets were checked before the graph ran (`_before_call`), so no write here can fail
+    half-way.
     """
-    for kind, target, value in zip(kinds, targets, values):
-        _WRITE_BACK[kind](target, value)
+    for writer, target, value in zip(writers, targets, values):
+        _WRITE_BACK[writer](target, value)
+
+
+def writer_of(plan: WritePlan) -> str:
+    """How one mutation output is written back: its `_WRITE_BACK` key."""
+    if not plan.metadata:
+        return "copy"
+    return "restride_and_copy" if plan.writes_data else "restride"
 
 
 def _write_back(target: torch.Tensor, value: torch.Tensor) -> None:
@@ -381,13 +406,15 @@ def _write_back(target: torch.Tensor, value: torch.Tensor) -> None:
 
 
 #: Mutation kinds whose target is a user input (named by its placeholder), not state (by FQN).
-WRITES_TO_USER_INPUT = frozenset({OutputKind.USER_INPUT_MUTATION})
+WRITES_TO_USER_INPUT = frozenset({OutputKind.USER_INPUT_MUTATION, OutputKind.USER_INPUT_METADATA_MUTATION})
 
-#: How each kind of mutation output is written back (keys: `OutputKind` values).
+#: How a mutation output is written back (`writer_of` picks the key): new data with `copy_`;
+#: a new shape, stride or offset with `as_strided_` as AOTAutograd's runtime wrappers do, and
+#: then the data when forward wrote that too.
 _WRITE_BACK = {
-    OutputKind.BUFFER_MUTATION.value: _write_back,
-    OutputKind.PARAMETER_MUTATION.value: _write_back,
-    OutputKind.USER_INPUT_MUTATION.value: _write_back,
+    "copy": _write_back,
+    "restride": lambda target, value: apply_metadata_mutation(target, value, False),
+    "restride_and_copy": lambda target, value: apply_metadata_mutation(target, value, True),
 }
 
 

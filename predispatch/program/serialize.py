@@ -262,6 +262,7 @@ def _encode_signature(sig: ExportSignature) -> dict:
         "grad_mode_on_exit": sig.grad_mode_on_exit,
         "arg_names": list(sig.arg_names),
         "shapes": _encode_shapes(sig.shapes),
+        "training_flags": [[path, flag] for path, flag in sig.training_flags],
     }
 
 
@@ -319,11 +320,20 @@ def _decode_signature(data: Any) -> ExportSignature:
         grad_mode,
         tuple(expect(n, str, where) for n in expect(data.get("arg_names"), list, where)),
         _decode_shapes(data.get("shapes"), f"{where} shapes"),
+        _decode_training_flags(data.get("training_flags", []), f"{where} training_flags"),
     )
 
 
 #: The outputs that are leaves of the program's result (a joint program's gradients too).
 _LEAF_KINDS = (OutputKind.USER_OUTPUT, OutputKind.GRADIENT_TO_PARAMETER, OutputKind.GRADIENT_TO_USER_INPUT)
+
+
+def _decode_training_flags(data: Any, where: str) -> tuple[tuple[str, bool], ...]:
+    """`[[path, flag], ...]`; absent in files saved before the field existed (read as unknown: ())."""
+    pairs = [expect(pair, list, where) for pair in expect(data, list, where)]
+    if any(len(pair) != 2 for pair in pairs):
+        raise SerializationError(f"{where}: each entry must be [module path, training flag].")
+    return tuple((expect(path, str, where), expect(flag, bool, where)) for path, flag in pairs)
 
 
 def _enum(kind: type, value: Any, where: str) -> Any:

@@ -32,10 +32,20 @@ class OutputKind(enum.Enum):
     PARAMETER_MUTATION = "parameter_mutation"
     GRADIENT_TO_PARAMETER = "gradient_to_parameter"
     GRADIENT_TO_USER_INPUT = "gradient_to_user_input"
+    #: a user input whose shape, strides or storage offset forward changed in place (`x.t_()`):
+    #: the output is the input's new view, applied back with `as_strided_`
+    USER_INPUT_METADATA_MUTATION = "user_input_metadata_mutation"
 
 
 #: The outputs that carry a new value of an input (`ProgramModule` writes them back).
-MUTATION_KINDS = frozenset({OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION, OutputKind.PARAMETER_MUTATION})
+MUTATION_KINDS = frozenset(
+    {
+        OutputKind.BUFFER_MUTATION,
+        OutputKind.USER_INPUT_MUTATION,
+        OutputKind.USER_INPUT_METADATA_MUTATION,
+        OutputKind.PARAMETER_MUTATION,
+    }
+)
 
 #: Prefix of a placeholder's name, by kind (`p_lin_weight`, `b_bn_running_mean`, `c_scale`).
 PLACEHOLDER_PREFIX = {InputKind.PARAMETER: "p_", InputKind.BUFFER: "b_", InputKind.CONSTANT_TENSOR: "c_"}
@@ -142,6 +152,9 @@ class ExportSignature:
     arg_names: the names of the positional parameters at export (`x`, `mask`), so a program's
         `module()` can be exported again with the same names.
     shapes: user input shapes in symbols, symbol ranges and shape guards (dynamic exports).
+    training_flags: the `training` flag the exported module had (path "") and each submodule's
+        flag that differs from it, at export: the mode the graph was traced in (dropout, batch
+        norm); `module().train()`/`.eval()` may not change it.  Empty for a function export.
     """
 
     inputs: tuple[InputSpec, ...]
@@ -153,6 +166,7 @@ class ExportSignature:
     grad_mode_on_exit: bool | None = None
     arg_names: tuple[str, ...] = ()
     shapes: ShapeRecord = ShapeRecord()
+    training_flags: tuple[tuple[str, bool], ...] = ()
 
     def inputs_of(self, *kinds: InputKind) -> tuple[InputSpec, ...]:
         return tuple(s for s in self.inputs if s.kind in kinds)

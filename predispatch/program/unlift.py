@@ -37,7 +37,9 @@ from predispatch import _torch_internals as ti
 from predispatch.frontend.reachable import in_tree
 from predispatch.program import interop, runner
 from predispatch.program.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
+from predispatch.program.modes import set_exported_modes
 from predispatch.program.signature import InputKind
+from predispatch.program.writes import WritePlan, plan_writes
 
 if TYPE_CHECKING:
     from predispatch.program.exported_program import ExportedProgram
@@ -56,7 +58,8 @@ def module_of(ep: ExportedProgram) -> ProgramModule:
     n_state = len(sig.inputs_of(*_STATE_KINDS))
     user = _placeholders_per_leaf(graph, sig, placeholders[n_state:])
     state = _unlift_state(graph, sig, placeholders[:n_state], ep.live_root)
-    _write_back_and_return(graph, sig, state, user)
+    plans = plan_writes(ep.graph_module, sig)
+    _write_back_and_return(graph, sig, state, user, plans)
     for gm in list(source.modules()):
         if isinstance(gm, fx.GraphModule):
             _lift_region_constants(gm)
@@ -65,7 +68,9 @@ def module_of(ep: ExportedProgram) -> ProgramModule:
     module = ProgramModule(nn.Module(), fx.Graph())
     _install_state(module, ep)
     _install_subgraphs(module, source)
-    module.meta[ti.USER_PRESERVED_ATTRIBUTES] = {"call_contract": _contract(ep)}
+    module.meta[ti.USER_PRESERVED_ATTRIBUTES] = {"call_contract": _contract(ep, plans)}
+    if ep.live_root is None:
+        set_exported_modes(module, sig.training_flags)
     if ep.state_dict_owner is not None:
         module.__dict__["_state_dict_owner"] = ep.state_dict_owner
     module.graph = graph  # generates the code
@@ -127,7 +132,7 @@ def _unlift_state(graph: fx.Graph, sig: Any, placeholders: list[fx.Node], live_r
     return by_target
 
 
-def _write_back_and_return(graph: fx.Graph, sig: Any, state: dict[str, fx.Node], user: list[fx.Node]) -> None:
+def _write_back_and_return(graph: fx.Graph, sig: Any, state: dict[str, fx.Node], user: list[fx.Node], plans: tuple) -> None:
     """The write-back call, grad mode for the caller, and every output leaf in pytree order."""
     output = graph.output_node()
     values = list(output.args[0])
@@ -138,8 +143,8 @@ def _write_back_and_return(graph: fx.Graph, sig: Any, state: dict[str, fx.Node],
         if mutations:
             targets = tuple(by_name[s.target] if s.kind in runner.WRITES_TO_USER_INPUT else state[s.target] for s in mutations)
             _read_written_targets_through_runner(graph, targets)
-            kinds = tuple(s.kind.value for s in mutations)
-            graph.call_function(runner.apply_mutations, (kinds, targets, tuple(values[: len(mutations)])))
+            writers = tuple(runner.writer_of(plan) for plan in plans)
+            graph.call_function(runner.apply_mutations, (writers, targets, tuple(values[: len(mutations)])))
         if sig.grad_mode_on_exit is not None:
             graph.call_function(torch._C._set_grad_enabled, (sig.grad_mode_on_exit,))
     results = iter(values[len(mutations) :])
@@ -293,7 +298,7 @@ def _is_graph_attr(source: fx.GraphModule, target: str) -> bool:
     return head != runner.LIVE_ROOT and head in source.__dict__ or head in source._modules or head in source._buffers
 
 
-def _contract(ep: ExportedProgram) -> CallContract:
+def _contract(ep: ExportedProgram, plans: tuple[WritePlan, ...]) -> CallContract:
     sig = ep.signature
     placeholders = ep.graph.find_nodes(op="placeholder")[len(sig.inputs_of(*_STATE_KINDS)) :]
     user_index = {spec.name: i for i, spec in enumerate(sig.inputs_of(InputKind.USER_INPUT))}
@@ -306,6 +311,8 @@ def _contract(ep: ExportedProgram) -> CallContract:
         writes=writes,
         arg_names=sig.arg_names,
         state=tuple((s.target, s.aliases) for s in sig.inputs_of(*_STATE_KINDS)),
+        write_plans=plans,
+        training_flags=sig.training_flags,
     )
 
 

@@ -58,7 +58,15 @@ class DecompositionLog:
     decisions: dict[str, tuple[bool, str]] = field(default_factory=dict)
 
     def record(self, op: torch._ops.OpOverload, decomposed: bool, why: str) -> None:
-        self.decisions.setdefault(op_name(op), (not decomposed, why))
+        """The first decision for `op`; an op decided per call (`CALL_DEPENDENT_ALIASING`) that
+        was both kept and decomposed is listed as kept, with both reasons."""
+        name = op_name(op)
+        earlier = self.decisions.get(name)
+        if earlier is not None and earlier[0] == decomposed and not earlier[1].startswith("per call:"):
+            kept_why, decomposed_why = (self.decisions[name][1], why) if decomposed else (why, self.decisions[name][1])
+            self.decisions[name] = (True, f"per call: kept where {kept_why}; decomposed where {decomposed_why}")
+            return
+        self.decisions.setdefault(name, (not decomposed, why))
 
     @property
     def kept(self) -> list[str]:
@@ -102,14 +110,18 @@ class DecompositionPolicy:
             _composites_named(op)
         return cls(frozenset(map(_normalize, preserve)), frozenset(map(_normalize, decompose)))
 
-    def should_decompose(self, op: object, torch_default: Callable[[], bool], log: DecompositionLog) -> bool:
+    def should_decompose(
+        self, op: object, torch_default: Callable[[], bool], log: DecompositionLog, args: tuple = (), kwargs: dict | None = None
+    ) -> bool:
         if not is_composite(op):
             return torch_default()
-        decomposed, why = self._decide(op, torch_default)
+        decomposed, why = self._decide(op, torch_default, args, kwargs or {})
         log.record(op, decomposed, why)
         return decomposed
 
-    def _decide(self, op: torch._ops.OpOverload, torch_default: Callable[[], bool]) -> tuple[bool, str]:
+    def _decide(
+        self, op: torch._ops.OpOverload, torch_default: Callable[[], bool], args: tuple, kwargs: dict
+    ) -> tuple[bool, str]:
         names = {op_name(op), op_name(op).rsplit(".", 1)[0]}
         if names & self.decompose:
             return True, "decompose= asked for it"
@@ -119,6 +131,11 @@ class DecompositionPolicy:
             return True, "its schema mutates or aliases"
         if op.namespace != "aten":
             return True, "non-aten composites decompose by default"
+        if op in CALL_DEPENDENT_ALIASING:
+            aliases, which = CALL_DEPENDENT_ALIASING[op]
+            if aliases(*args, **kwargs):
+                return True, f"the call aliases its input ({which})"
+            return False, "the call does not alias its input"
         return verdict_of(op, torch_default)
 
 
@@ -196,3 +213,111 @@ def _normalize(op: object) -> str:
     if isinstance(op, str):
         return op.replace("::", ".")
     raise TypeError(f"expected an op or an op name, got {op!r}")
+
+
+# Note [Rewrites of torch's own path]
+# -------------------------------------
+# A few ops come out of torch's functional pre-dispatch path wrong, or not at all; `REWRITES`
+# runs predispatch's version of each instead (`ti.functional_rewrites`; a composite only when
+# the policy decomposes it, so `decompose=`/`preserve=` and `ep.audit` still apply):
+#
+# - aliasing that depends on the call: eval-mode `dropout` returns its input itself in eager,
+#   so a later in-place op on the result changes the input; torch's Python decomposition
+#   clones.  `unsafe_chunk`/`unsafe_split` return views of the input whose schema hides it, so
+#   functionalization does not see a later in-place op reach the input.  The rewrites use the
+#   view ops functionalization tracks (`alias`, `split`), and the mutation is written back
+#   to the input as eager makes it.
+# - composites whose C++ kernel reads tensor data, which fake tensors do not have ("data is not
+#   allocated yet"): `_reshape_from_tensor` (the shape comes from a tensor's values) and
+#   `_saturate_weight_to_fp16` (clamps the weight to the float16 range, in place).
+# - in-place ops functionalization cannot pair with a functional twin (`polygamma_`: the
+#   functional `polygamma` takes its arguments in another order).
+
+
+def _dropout(op: torch._ops.OpOverload) -> Callable[..., torch.Tensor]:
+    """`op` (a dropout) as eager runs it: the input itself (an alias) when nothing is dropped."""
+
+    def dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+        if train and p != 0:
+            return op.decompose(input, p, train)
+        return torch.ops.aten.alias.default(input)
+
+    return dropout
+
+
+def _unsafe_chunk(self: torch.Tensor, chunks: int, dim: int = 0) -> list[torch.Tensor]:
+    size = self.size(dim)
+    return torch.ops.aten.split.Tensor(self, (size + chunks - 1) // chunks, dim)
+
+
+def _reshape_from_tensor(self: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+    sizes = shape.tolist()  # data-dependent: unbacked sizes under fake tensors
+    return self.reshape(sizes)
+
+
+_FP16_MAX = 65504.0
+
+
+def _saturate_weight_to_fp16(weight: torch.Tensor) -> torch.Tensor:
+    """The C++ kernel clamps the first `size(0) * size(1)` elements of `weight.contiguous()` to
+    the float16 range in place (so `weight` itself when contiguous) and returns `weight`."""
+    target = weight if weight.is_contiguous() else weight.contiguous()
+    target.view(-1)[: weight.size(0) * weight.size(1)].clamp_(-_FP16_MAX, _FP16_MAX)
+    return torch.ops.aten.alias.default(weight)
+
+
+def _polygamma_(self: torch.Tensor, n: int) -> torch.Tensor:
+    return self.copy_(torch.ops.aten.polygamma.default(n, self))
+
+
+_aten = torch.ops.aten
+
+#: predispatch's version of ops torch's path gets wrong, with the reason; see Note [Rewrites of
+#: torch's own path].
+REWRITES: dict[torch._ops.OpOverload, tuple[Callable[..., object], str]] = {
+    _aten.dropout.default: (
+        _dropout(_aten.dropout.default),
+        "eager returns its input itself when not training or p == 0; torch's decomposition clones",
+    ),
+    _aten.unsafe_chunk.default: (_unsafe_chunk, "eager's chunks are views of the input; split is the tracked view op"),
+    _aten.unsafe_split.Tensor: (
+        lambda self, size, dim=0: _aten.split.Tensor(self, size, dim),
+        "eager's pieces are views of the input, which unsafe_split's schema does not declare",
+    ),
+    _aten.unsafe_split_with_sizes.default: (
+        lambda self, sizes, dim=0: _aten.split_with_sizes.default(self, sizes, dim),
+        "eager's pieces are views of the input, which unsafe_split_with_sizes's schema does not declare",
+    ),
+    _aten._reshape_from_tensor.default: (_reshape_from_tensor, "the C++ kernel reads the shape tensor's data"),
+    _aten._saturate_weight_to_fp16.default: (_saturate_weight_to_fp16, "the C++ kernel reads and writes the weight's data"),
+    _aten.polygamma_.default: (
+        _polygamma_,
+        "polygamma_(Tensor(a!) self, int n) vs polygamma(int n, Tensor self): functionalization finds no twin",
+    ),
+}
+
+
+def _einsum_aliases(equation: str, tensors: list[torch.Tensor], path: object = None) -> bool:
+    """Whether eager's einsum returns a view of its operand: one operand, and no label summed
+    (`'ij->ji'`, `'ii->i'`, `'...'`); any other call computes a new tensor."""
+    if len(tensors) != 1:
+        return False
+    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+    labels = _einsum_labels(lhs)
+    if arrow:
+        return set(labels) <= set(_einsum_labels(rhs))
+    return len(labels) == len(set(labels))
+
+
+def _einsum_labels(term: str) -> list[str]:
+    """The labels of one side of an equation, an ellipsis counting as one label."""
+    labels = list(term.replace("...", ""))
+    return [*labels, "..."] if "..." in term else labels
+
+
+#: Composites that alias an input for some calls only: the predicate says whether this call
+#: does.  A call that does not alias keeps the op whole (the audit's only complaint about it
+#: is aliasing); one that does decomposes.
+CALL_DEPENDENT_ALIASING: dict[torch._ops.OpOverload, tuple[Callable[..., bool], str]] = {
+    _aten.einsum.default: (_einsum_aliases, "one operand, no summed label: a permutation or diagonal"),
+}

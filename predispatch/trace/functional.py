@@ -30,7 +30,7 @@ from predispatch.frontend.inputs import CONSTANT_TYPES, register_dataclasses
 from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
-from predispatch.trace.decompose import DecompositionLog, DecompositionPolicy
+from predispatch.trace.decompose import REWRITES, DecompositionLog, DecompositionPolicy
 from predispatch.trace.grad_history import GradHistoryKeeper
 from predispatch.trace.hooks import backward_hooks
 from predispatch.trace.rng import refuse_generators_made_in_forward, refusing_rng_changes
@@ -48,6 +48,8 @@ class TracedGraph:
     decompositions: what the trace decided for each composite op it met.
     grad_mode_on_exit: the grad mode forward sets for its caller by a plain
         `torch.set_grad_enabled(b)` never undone; None when forward leaves the caller's mode.
+    metadata_mutated: the positions among `mutated_inputs` (user inputs only) whose shape,
+        strides or storage offset forward changed in place (`x.t_()`).
     """
 
     graph_module: fx.GraphModule
@@ -56,6 +58,7 @@ class TracedGraph:
     out_spec: pytree.TreeSpec
     decompositions: DecompositionLog
     grad_mode_on_exit: bool | None
+    metadata_mutated: tuple[int, ...] = ()
 
 
 class _Program:
@@ -257,19 +260,16 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
         stack.enter_context(_no_garbage_collection())
         stack.enter_context(torch.enable_grad())  # the ambient mode regions are relative to
         stack.enter_context(ti.exporting_flags())
-        stack.enter_context(ti.decomposition_hook(lambda op, default: policy.should_decompose(op, default, log)))
+        stack.enter_context(
+            ti.decomposition_hook(lambda op, default, args, kwargs: policy.should_decompose(op, default, log, args, kwargs))
+        )
+        stack.enter_context(ti.functional_rewrites({op: rewrite for op, (rewrite, _) in REWRITES.items()}))
         stack.enter_context(prepared.fake_mode)
         stack.enter_context(_counted())
         with _user_errors():
             captured = ti.trace_program(program, (*prepared.fake_state, *prepared.fake_user_inputs), prepared.module)
-    if captured.metadata_mutated:
-        raise TraceError(
-            f"forward changes the shape, strides or storage of {_input_label(prepared, captured.metadata_mutated[0])} "
-            "in place (x.t_(), x.resize_(), x.set_(...)); a functional graph cannot hand that change back.",
-            where=program.input_metadata_write or f"{user_frame()} (the export call)",
-            fix="write it out of place (x = x.t()) and return the new tensor.",
-        )
-    _check_repeated_inputs(prepared, captured.data_mutated)
+    _check_metadata_mutations(prepared, captured, program.input_metadata_write)
+    _check_repeated_inputs(prepared, captured.mutated)
     refuse_generators_made_in_forward(captured.graph_module, program.visible_generators)
     gm = captured.graph_module
     _remove_effect_tokens(gm)
@@ -277,7 +277,28 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
     if prepared.dynamic is not None:
         check_constraints(prepared.dynamic, gm)
     output_leaves, out_spec = program.outputs
-    return TracedGraph(gm, captured.data_mutated, output_leaves, out_spec, log, program.grad_mode_on_exit)
+    return TracedGraph(
+        gm, captured.mutated, output_leaves, out_spec, log, program.grad_mode_on_exit, captured.metadata_mutated
+    )
+
+
+def _check_metadata_mutations(prepared: PreparedInputs, captured: ti.ProgramTrace, where: str | None) -> None:
+    """Refuse an in-place change of shape, strides or storage the program cannot hand back.
+
+    A user input's new shape and strides are handed back (`USER_INPUT_METADATA_MUTATION`:
+    `ep.module()` applies them with `as_strided_`, as AOTAutograd's runtime wrappers do); a
+    storage swap (`x.set_(y)`) and a metadata change of lifted state (a buffer's `t_()`) are not.
+    """
+    n_state = len(prepared.state)
+    refused = [i for i in captured.metadata_mutated if i < n_state or i in captured.storage_mutated]
+    if refused:
+        raise TraceError(
+            f"forward changes the shape, strides or storage of {_input_label(prepared, refused[0])} "
+            "in place (x.t_(), x.resize_(), x.set_(...)); a functional graph cannot hand that change back "
+            "to a parameter or buffer, nor a storage swap to any input.",
+            where=where or f"{user_frame()} (the export call)",
+            fix="write it out of place (x = x.t()) and return the new tensor.",
+        )
 
 
 @contextlib.contextmanager

@@ -1,0 +1,115 @@
+"""Train/eval for `ep.module()`: the graph was traced in one mode, and a mode switch cannot change it.
+
+Note [One mode per program]
+---------------------------
+`export` traces forward once, with the module's `training` flags as they are: dropout draws its
+mask (or not), batch norm uses batch statistics and updates its running ones (or reads them).
+The graph is that one mode.  `ep.module().eval()` on a program traced in train mode would flip
+`.training` and change nothing else: dropout stays on.  So a switch to another mode is refused
+(`ModeSwitchError`, which says how to export the other mode), a "switch" to the mode the program
+already has is allowed (`.eval()` on an eval program), and `.training` reads the exported flags.
+To switch modes, export both: `predispatch.export_train_eval(model, args)` traces the model
+once in each mode and returns a `TrainEvalProgram`, whose `module()` runs the train program
+or the eval program by its `.training` flag, over one set of state (pytorch#103681).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from predispatch.errors import ModeSwitchError, user_frame
+
+if TYPE_CHECKING:
+    from predispatch.program.exported_program import ExportedProgram
+
+
+def exported_mode(training_flags: Sequence[tuple[str, bool]], path: str) -> bool | None:
+    """The `training` flag the module at `path` had at export; None when not recorded (a
+    function export, or a file saved before the flags were)."""
+    flags = dict(training_flags)
+    return flags.get(path, flags.get(""))
+
+
+def set_exported_modes(root: nn.Module, training_flags: Sequence[tuple[str, bool]]) -> None:
+    """Give `root` and its submodules the `training` flags the exported modules had (a program
+    module's containers are fresh modules, whose flag would otherwise read True)."""
+    if not training_flags:
+        return
+    for path, module in root.named_modules():
+        module.training = exported_mode(training_flags, path)
+
+
+def check_mode_switch(training_flags: Sequence[tuple[str, bool]], mode: bool) -> None:
+    """Raise `ModeSwitchError` unless every exported module already had `training == mode`
+    (see Note [One mode per program]); nothing is checked without recorded flags."""
+    differing = [path or "the module" for path, flag in training_flags if flag != mode]
+    if not differing:
+        return
+    exported = "train" if dict(training_flags)[""] else "eval"
+    if dict(training_flags)[""] != mode:
+        what = f"the program was exported with the module in {exported} mode"
+    else:
+        what = f"the program was exported with {', '.join(differing[:3])} in {'eval' if mode else 'train'} mode"
+    wanted, call = ("eval", "model.eval()") if not mode else ("train", "model.train()")
+    raise ModeSwitchError(
+        f"{what}, and its graph is traced in that mode (dropout, batch norm); "
+        f".{'eval' if not mode else 'train'}() cannot change a traced graph, so it is refused.",
+        where=user_frame(),
+        fix=f"export a program for {wanted} mode ({call}; ep_{wanted} = predispatch.export(model, args)), "
+        "or export both modes at once: predispatch.export_train_eval(model, args).module() switches "
+        "with .train()/.eval().",
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainEvalProgram:
+    """One module exported in both modes (`predispatch.export_train_eval`).
+
+    train_program: the program traced with `model.train()` (every module training).
+    eval_program: the program traced with `model.eval()`.
+    training: the module's mode at export: the mode `module()` starts in.
+    Save each program with `predispatch.save`; `TrainEvalProgram(load(a), load(b), training)`
+    puts them together again.
+    """
+
+    train_program: ExportedProgram
+    eval_program: ExportedProgram
+    training: bool = True
+
+    def module(self) -> TrainEvalModule:
+        """An `nn.Module` that runs `train_program` or `eval_program` by its `.training` flag."""
+        return TrainEvalModule(self)
+
+    def __str__(self) -> str:
+        return f"Train mode:\n{self.train_program}\n\nEval mode:\n{self.eval_program}"
+
+
+class TrainEvalModule(nn.Module):
+    """Both programs of a `TrainEvalProgram` over one set of state, switched by `.train()`/`.eval()`.
+
+    The train program's module holds the copies of the state; the eval program's reads them
+    live from it at each call (as a function export reads its modules), so training in one
+    mode and evaluating in the other see the same parameters and buffers.  Its submodules and
+    `state_dict()` keys are the exported module's.
+    """
+
+    def __init__(self, program: TrainEvalProgram):
+        super().__init__()
+        train = program.train_program.module()
+        evaluate = dataclasses.replace(program.eval_program, live_root=train).module()
+        object.__setattr__(self, "_runners", {True: train, False: evaluate})  # not submodules
+        for name, child in train.named_children():
+            self.add_module(name, child)
+        self.train(program.training)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._runners[self.training](*args, **kwargs)
+
+    @property
+    def positional_names(self) -> tuple[str, ...]:
+        """The exported callable's positional parameter names (read by a re-export)."""
+        return self._runners[True].positional_names

@@ -1,0 +1,456 @@
+"""`ep.module()` behaves as eager, all or nothing: write-back checks, input metadata mutations, train/eval."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from expecttest import TestCase
+from helpers import check_gradients, export_and_check, graph, stable_message
+from torch import nn
+
+import predispatch
+from predispatch import errors
+from predispatch._isolation import GlobalState
+from predispatch.passes import mutable_ops
+from predispatch.program import OutputKind
+
+
+class BufferAndInput(nn.Module):
+    """Mutates a buffer and an input: a failing call must write neither."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(3))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        x.add_(torch.rand(3))  # draws: a refused call must leave the RNG as it was
+        return x * 2
+
+
+class EmaParameter(nn.Module):
+    """A parameter updated under no_grad (an EMA): eager allows it on a leaf that requires grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.w.mul_(0.5)
+        return x * self.w
+
+
+class MutatesTwo(nn.Module):
+    def forward(self, x, y):
+        x.mul_(2)
+        return x + y
+
+
+def _outcome(fn):
+    """(exception type, first line) of `fn()`, or None when it returns."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test compares what eager and the program raise
+        return type(exc), str(exc).splitlines()[0]
+    return None
+
+
+class WriteTargets(TestCase):
+    """Note [All or nothing calls] in predispatch/program/writes.py."""
+
+    def _refused(self, module, make_args):
+        """Eager raises; the program raises MutationTargetError before writing or drawing anything."""
+        program = predispatch.export(module, make_args()).module()
+        eager_args = make_args()
+        assert _outcome(lambda: copy.deepcopy(module)(*eager_args)) is not None  # eager refuses too
+        args = make_args()
+        before_args = [a.detach().clone() for a in args]
+        before_state = {k: v.clone() for k, v in program.state_dict().items()}
+        globals_before = GlobalState.capture()
+        with pytest.raises(errors.MutationTargetError) as info:
+            program(*args)
+        for a, b in zip(args, before_args):
+            assert torch.equal(a, b)
+        for k, v in program.state_dict().items():
+            assert torch.equal(v, before_state[k]), k
+        globals_after = GlobalState.capture()
+        assert torch.equal(globals_before.rng_state, globals_after.rng_state)
+        assert globals_before.grad_enabled == globals_after.grad_enabled
+        return stable_message(info.value)
+
+    def test_expanded_input_writes_nothing(self):
+        message = self._refused(BufferAndInput(), lambda: (torch.zeros(3).expand(2, 3),))
+        self.assertExpectedInline(message, """\
+the program changes input 'x' in place, and more than one of its elements refers to the same memory (an expanded tensor), so eager would raise too ('more than one element of the written-to tensor refers to a single memory location'); nothing was run or written.
+  at test_calls.py:N (program(*args))
+  fix: pass a tensor with its own memory: x.clone() (or x.contiguous()) instead of x.expand(...).
+  see docs/errors.md#mutationtargeterror""")
+
+    def test_leaf_that_requires_grad(self):
+        message = self._refused(BufferAndInput(), lambda: (torch.zeros(2, 3, requires_grad=True),))
+        self.assertExpectedInline(message, """\
+the program changes input 'x' in place, and it is a leaf tensor that requires grad (or a view of one) written with grad mode on, so eager would raise ('a leaf Variable that requires grad is being used in an in-place operation'); nothing was run or written.
+  at test_calls.py:N (program(*args))
+  fix: pass a tensor that is not a leaf requiring grad (x.clone()), or call under torch.no_grad(); a write through x.data or x.detach() in forward cannot be told apart here: make it under torch.no_grad() instead.
+  see docs/errors.md#mutationtargeterror""")
+
+    def test_view_of_a_leaf_that_requires_grad(self):
+        self._refused(BufferAndInput(), lambda: (torch.zeros(4, 3, requires_grad=True)[:2],))
+
+    def test_leaf_under_no_grad_is_written_as_eager_writes_it(self):
+        module = BufferAndInput()
+        program = predispatch.export(module, (torch.zeros(2, 3),)).module()
+        eager_x, program_x = torch.zeros(2, 3, requires_grad=True), torch.zeros(2, 3, requires_grad=True)
+        with torch.no_grad():
+            torch.manual_seed(0)
+            expected = module(eager_x)
+            torch.manual_seed(0)
+            actual = program(program_x)
+        assert torch.equal(actual, expected) and torch.equal(program_x, eager_x)
+        assert torch.equal(program.steps, module.steps)
+
+    def test_inference_tensor(self):
+        def make():
+            with torch.inference_mode():
+                return (torch.zeros(2, 3),)
+
+        message = self._refused(BufferAndInput(), make)
+        self.assertExpectedInline(message, """\
+the program changes input 'x' in place, and it is an inference tensor, which eager may change in place only inside torch.inference_mode() ('Inplace update to inference tensor outside InferenceMode'); nothing was run or written.
+  at test_calls.py:N (program(*args))
+  fix: call inside torch.inference_mode(), or pass x.clone() made outside it.
+  see docs/errors.md#mutationtargeterror""")
+
+    def test_inference_tensor_inside_inference_mode(self):
+        module = BufferAndInput()
+        program = predispatch.export(module, (torch.zeros(2, 3),)).module()
+        with torch.inference_mode():
+            eager_x, program_x = torch.zeros(2, 3), torch.zeros(2, 3)
+            torch.manual_seed(0)
+            expected = module(eager_x)
+            torch.manual_seed(0)
+            actual = program(program_x)
+        assert torch.equal(actual, expected) and torch.equal(program_x, eager_x)
+
+    def test_input_sharing_memory_with_another_input(self):
+        """Eager's `x.mul_(2)` shows through `y`, a view of `x`; the program's inputs are independent."""
+        base = torch.ones(3)
+        eager_out = MutatesTwo()(base, base[:])
+        assert torch.equal(eager_out, torch.full((3,), 4.0))  # eager: y sees x's change
+        program = predispatch.export(MutatesTwo(), (torch.ones(3), torch.ones(3))).module()
+        shared = torch.ones(3)
+        with pytest.raises(errors.MutationTargetError) as info:
+            program(shared, shared[:])
+        assert torch.equal(shared, torch.ones(3))
+        self.assertExpectedInline(stable_message(info.value), """\
+the program changes input 'x' in place, and it shares memory with another input of the call; eager's change would show through that alias, the program's inputs are independent values; nothing was run or written.
+  at test_calls.py:N (program(shared, shared[:]))
+  fix: pass tensors that do not share memory (x.clone() at one place).
+  see docs/errors.md#mutationtargeterror""")
+
+    def test_ema_of_a_parameter_under_no_grad_still_runs(self):
+        """A parameter is a leaf that requires grad; written under no_grad, eager allows it."""
+        ep = export_and_check(EmaParameter(), (torch.randn(3),))
+        assert [s.kind for s in ep.signature.mutations] == [OutputKind.PARAMETER_MUTATION]
+        check_gradients(EmaParameter(), (torch.randn(3),))
+
+    def test_write_through_data_is_refused_not_differentiated(self):
+        """Eager allows `self.w.data.mul_(...)`; the trace would differentiate later uses through
+        the update (a silently wrong gradient), so the call is refused (a known limit)."""
+
+        class DataEma(EmaParameter):
+            def forward(self, x):
+                self.w.data.mul_(0.5)
+                return x * self.w
+
+        program = predispatch.export(DataEma(), (torch.randn(3),)).module()
+        with pytest.raises(errors.MutationTargetError):
+            program(torch.randn(3))
+        assert torch.equal(program.w, torch.ones(3))
+
+
+class Transposes(nn.Module):
+    def forward(self, x):
+        x.t_()
+        return x * 2
+
+
+class MetadataAndData(nn.Module):
+    def forward(self, x, y):
+        x.unsqueeze_(0).add_(1)
+        y.resize_(4, 4)
+        y.fill_(3)
+        return x.sum() + y.sum()
+
+
+class ReadsAfterTranspose(nn.Module):
+    def forward(self, x):
+        x.transpose_(0, 1)
+        return x @ torch.ones(2, 1)
+
+
+def _check_metadata_like_eager(module, make_args):
+    """Output and every input's shape, strides, storage offset and values equal eager's."""
+    ep = predispatch.export(module, make_args())
+    assert mutable_ops(ep.graph_module) == []
+    eager_args, program_args = make_args(), make_args()
+    expected = copy.deepcopy(module)(*eager_args)
+    actual = ep.module()(*program_args)
+    assert torch.equal(actual, expected)
+    for a, e in zip(program_args, eager_args):
+        assert (a.shape, a.stride(), a.storage_offset()) == (e.shape, e.stride(), e.storage_offset())
+        assert torch.equal(a, e)
+    return ep
+
+
+class InputMetadataMutations(TestCase):
+    def test_transpose_in_place(self):
+        ep = _check_metadata_like_eager(Transposes(), lambda: (torch.arange(6.0).view(2, 3),))
+        self.assertExpectedInline(str(ep), """\
+ExportedProgram:
+    class GraphModule(torch.nn.Module):
+        def forward(self, x: "f32[2, 3]"):
+            t: "f32[3, 2]" = torch.ops.aten.t.default(x);  x = None
+            mul: "f32[3, 2]" = torch.ops.aten.mul.Tensor(t, 2)
+            return (t, mul)
+
+Graph signature:
+    Inputs:
+        x: USER_INPUT target='x'
+    Outputs:
+        t: USER_INPUT_METADATA_MUTATION target='x'
+        mul: USER_OUTPUT target='output'""")
+
+    def test_metadata_and_data(self):
+        ep = _check_metadata_like_eager(MetadataAndData(), lambda: (torch.arange(6.0).view(2, 3), torch.ones(2, 2)))
+        kinds = [s.kind for s in ep.signature.mutations]
+        assert kinds == [OutputKind.USER_INPUT_METADATA_MUTATION] * 2
+
+    def test_gradients_through_the_new_view(self):
+        module = ReadsAfterTranspose()
+        ep = predispatch.export(module, (torch.randn(2, 3),))
+        base_e, base_p = torch.randn(2, 3, requires_grad=True), None
+        base_p = base_e.detach().clone().requires_grad_()
+        x_e, x_p = base_e * 1, base_p * 1  # not leaves: eager may change their metadata in place
+        module(x_e).sum().backward()
+        ep.module()(x_p).sum().backward()
+        assert torch.equal(base_p.grad, base_e.grad)
+        assert (x_p.shape, x_p.stride()) == (x_e.shape, x_e.stride())
+
+    def test_re_export_of_the_program(self):
+        """The program module's `as_strided_`/`resize_` write-backs trace as metadata mutations."""
+        ep = predispatch.export(MetadataAndData(), (torch.randn(2, 3), torch.ones(2, 2)))
+        again = predispatch.export(ep.module(), (torch.randn(2, 3), torch.ones(2, 2)))
+        assert mutable_ops(again.graph_module) == []
+        eager_args = (torch.arange(6.0).view(2, 3), torch.ones(2, 2))
+        program_args = (torch.arange(6.0).view(2, 3), torch.ones(2, 2))
+        assert torch.equal(again.module()(*program_args), MetadataAndData()(*eager_args))
+        for a, e in zip(program_args, eager_args):
+            assert (a.shape, a.stride()) == (e.shape, e.stride()) and torch.equal(a, e)
+
+    def test_round_trips_through_save(self):
+        ep = predispatch.export(Transposes(), (torch.randn(2, 3),))
+        buffer = io.BytesIO()
+        predispatch.save(ep, buffer)
+        buffer.seek(0)
+        loaded = predispatch.load(buffer)
+        assert loaded.signature == ep.signature
+        x_e, x_p = torch.randn(2, 3), None
+        x_p = x_e.clone()
+        assert torch.equal(loaded.module()(x_p), Transposes()(x_e))
+        assert (x_p.shape, x_p.stride()) == (x_e.shape, x_e.stride())
+
+    def test_to_torch_refuses(self):
+        ep = predispatch.export(Transposes(), (torch.randn(2, 3),))
+        with pytest.raises(errors.NotRepresentableError) as info:
+            ep.to_torch()
+        self.assertExpectedInline(stable_message(info.value), """\
+torch.export.ExportedProgram cannot hold this program:
+    output t changes the shape or strides of input 'x' in place: torch's signature has no output kind for a metadata mutation
+  fix: keep using the predispatch program (ep.module(), predispatch.save), or change the model so the named construct goes away; docs/format.md#torch-interop lists what converts.
+  see docs/errors.md#notrepresentableerror""")
+
+    def test_storage_swap_is_refused(self):
+        class Swaps(nn.Module):
+            def forward(self, x, y):
+                x.set_(y)
+                return x + 1
+
+        with pytest.raises(errors.TraceError) as info:
+            predispatch.export(Swaps(), (torch.randn(3), torch.randn(3)))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward changes the shape, strides or storage of input 'x' in place (x.t_(), x.resize_(), x.set_(...)); a functional graph cannot hand that change back to a parameter or buffer, nor a storage swap to any input.
+  at test_calls.py:N (x.set_(y))
+  fix: write it out of place (x = x.t()) and return the new tensor.
+  see docs/errors.md#traceerror""")
+
+    def test_polygamma_in_place(self):
+        class Polygamma(nn.Module):
+            def forward(self, x):
+                return x.polygamma_(1)
+
+        ep = export_and_check(Polygamma(), (torch.rand(3) + 0.5,))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, x: "f32[3]"):
+        polygamma: "f32[3]" = torch.ops.aten.polygamma.default(1, x);  x = None
+        return (polygamma, polygamma)""")
+
+
+class Dropper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.drop(self.lin(x)))
+
+
+class TrainEval(TestCase):
+    """Note [One mode per program] in predispatch/program/modes.py."""
+
+    def _in_mode(self, training: bool):
+        torch.manual_seed(0)
+        model = Dropper().train(training)
+        return model, predispatch.export(model, (torch.randn(8, 4),))
+
+    def test_each_mode_matches_eager(self):
+        for training in (True, False):
+            model, ep = self._in_mode(training)
+            program = ep.module()
+            assert program.training is training
+            x = torch.randn(8, 4)
+            torch.manual_seed(1)
+            expected = copy.deepcopy(model)(x)
+            torch.manual_seed(1)
+            actual = program(x)
+            assert torch.equal(actual, expected)
+            program.train(training)  # the exported mode: allowed, changes nothing
+            assert program.training is training
+
+    def test_eval_of_a_train_program_is_refused(self):
+        _, ep = self._in_mode(True)
+        program = ep.module()
+        with pytest.raises(errors.ModeSwitchError) as info:
+            program.eval()
+        assert program.training is True and all(m.training for m in program.modules())
+        self.assertExpectedInline(stable_message(info.value), """\
+the program was exported with the module in train mode, and its graph is traced in that mode (dropout, batch norm); .eval() cannot change a traced graph, so it is refused.
+  at test_calls.py:N (program.eval())
+  fix: export a program for eval mode (model.eval(); ep_eval = predispatch.export(model, args)), or export both modes at once: predispatch.export_train_eval(model, args).module() switches with .train()/.eval().
+  see docs/errors.md#modeswitcherror""")
+
+    def test_train_of_an_eval_program_is_refused(self):
+        _, ep = self._in_mode(False)
+        with pytest.raises(errors.ModeSwitchError) as info:
+            ep.module().train()
+        assert "exported with the module in eval mode" in str(info.value)
+
+    def test_mixed_modes(self):
+        model = Dropper().train()
+        model.bn.eval()
+        program = predispatch.export(model, (torch.randn(8, 4),)).module()
+        assert program.training and not program.bn.training
+        with pytest.raises(errors.ModeSwitchError) as info:
+            program.train()
+        self.assertExpectedInline(str(info.value).splitlines()[0], """\
+the program was exported with bn in eval mode, and its graph is traced in that mode (dropout, batch norm); .train() cannot change a traced graph, so it is refused.""")
+
+    def test_mode_survives_save(self):
+        _, ep = self._in_mode(False)
+        buffer = io.BytesIO()
+        predispatch.save(ep, buffer)
+        buffer.seek(0)
+        program = predispatch.load(buffer).module()
+        assert program.training is False
+        with pytest.raises(errors.ModeSwitchError):
+            program.train()
+
+
+class BothModes(TestCase):
+    """`predispatch.export_train_eval`: one export per mode, one module switching between them."""
+
+    def _eager_and_program(self):
+        torch.manual_seed(0)
+        model = Dropper().eval()
+        flags_before = [m.training for m in model.modules()]
+        state_before = {k: v.clone() for k, v in model.state_dict().items()}
+        programs = predispatch.export_train_eval(model, (torch.randn(8, 4),))
+        assert [m.training for m in model.modules()] == flags_before  # put back
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, state_before[k]), k
+        return copy.deepcopy(model), programs.module(), programs
+
+    def _step(self, eager, program, x, seed):
+        """Outputs, parameter gradients and buffers after one call equal eager's."""
+        for module in (eager, program):
+            module.zero_grad()
+        torch.manual_seed(seed)
+        expected = eager(x)
+        torch.manual_seed(seed)
+        actual = program(x)
+        assert torch.equal(actual, expected)
+        expected.sum().backward()
+        actual.sum().backward()
+        for (name, e), (_, p) in zip(eager.named_parameters(), program.named_parameters()):
+            assert torch.equal(p.grad, e.grad), name
+        for (name, e), (_, p) in zip(eager.state_dict().items(), program.state_dict().items()):
+            assert torch.equal(p, e), name
+
+    def test_switches_like_eager(self):
+        eager, program, programs = self._eager_and_program()
+        assert program.training is False and list(program.state_dict()) == list(eager.state_dict())
+        x = torch.randn(8, 4)
+        self._step(eager, program, x, seed=1)  # eval: dropout off, running stats read
+        eager.train(), program.train()
+        assert program.training is True
+        self._step(eager, program, x, seed=2)  # train: dropout on, running stats updated
+        self._step(eager, program, x, seed=3)
+        eager.eval(), program.eval()
+        self._step(eager, program, x, seed=4)  # eval again, with the stats train mode updated
+        assert "native_dropout" in str(programs.train_program) and "native_dropout" not in str(programs.eval_program)
+
+    def test_one_set_of_state(self):
+        _, program, _ = self._eager_and_program()
+        with torch.no_grad():
+            program.lin.weight.zero_()
+        x = torch.randn(8, 4)
+        out = program(x)
+        assert torch.equal(out, out[0].expand_as(out))  # the zeroed weight reached the eval program
+
+    def test_only_modules(self):
+        with pytest.raises(errors.UnsupportedInputError) as info:
+            predispatch.export_train_eval(torch.sin, (torch.randn(2),))
+        self.assertExpectedInline(stable_message(info.value), """\
+export_train_eval() takes an nn.Module, got builtin_function_or_method.
+  at test_calls.py:N (predispatch.export_train_eval(torch.sin, (torch.randn(2),)))
+  fix: export a function with predispatch.export; it has no train/eval mode.
+  see docs/errors.md#unsupportedinputerror""")
+
+    def test_flags_put_back_when_an_export_fails(self):
+        class FailsInEval(Dropper):
+            def forward(self, x):
+                if not self.training:
+                    raise RuntimeError("no eval here")
+                return super().forward(x)
+
+        model = FailsInEval().train()
+        model.bn.eval()
+        flags = [m.training for m in model.modules()]
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        x = torch.randn(8, 4)
+        globals_before = GlobalState.capture()
+        with pytest.raises(errors.TraceError):
+            predispatch.export_train_eval(model, (x,))
+        assert [m.training for m in model.modules()] == flags
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, state[k]), k
+        globals_after = GlobalState.capture()
+        assert globals_before.grad_enabled == globals_after.grad_enabled
+        assert torch.equal(globals_before.rng_state, globals_after.rng_state)
