@@ -1094,7 +1094,7 @@ The loaded program prints the same, and its `module()` gives bitwise the same ou
 gradients and buffer updates. Saving is deterministic: the same program always gives the same
 bytes."""),
     code("""\
-path = workdir / "block.pdp"
+path = workdir / "block.pd"
 predispatch.save(ep, path)
 loaded = predispatch.load(path)
 print(f"{path.name}: {path.stat().st_size} bytes")
@@ -1109,7 +1109,7 @@ check("outputs bitwise equal", torch.equal(out_o, out_r))
 check("gradients bitwise equal", all(torch.equal(p.grad, grads_r[n].grad) for n, p in original.named_parameters()))
 check("buffers equal", all(torch.equal(b, dict(restored.named_buffers())[n]) for n, b in original.named_buffers()))
 
-again = workdir / "again.pdp"
+again = workdir / "again.pd"
 predispatch.save(loaded, again)
 check("saved again, same bytes", again.read_bytes() == path.read_bytes())"""),
     md("""\
@@ -1126,7 +1126,7 @@ with zipfile.ZipFile(path) as archive:
     manifest = json.loads(archive.read("manifest.json"))
 print({k: manifest[k] for k in ("format", "version", "writer")})
 
-corrupt = workdir / "corrupt.pdp"
+corrupt = workdir / "corrupt.pd"
 data = bytearray(path.read_bytes())
 data[len(data) // 2] ^= 0xFF
 corrupt.write_bytes(bytes(data))
@@ -1174,7 +1174,7 @@ def cli(*args, echo=True):
     return done
 
 
-saved = workdir / "cli_block.pdp"
+saved = workdir / "cli_block.pd"
 exported = cli("export", EXAMPLES / "quickstart.py:Block", "--inputs", "f32[2,5,16]", "--kwargs", "mask=b8[5,5]", "--save", saved)"""),
     md("""\
 The program goes to stdout and status lines (`saved the program to ...`) to stderr, so

@@ -150,7 +150,7 @@ def assert_same_behaviour(ep, loaded, args, kwargs):
 def test_round_trip(name, tmp_path):
     """Same text, same bytes when saved again, same numbers and gradients, every HOP included."""
     ep, args, kwargs = export_case(name)
-    path = tmp_path / "program.pdp"
+    path = tmp_path / "program.pd"
     predispatch.save(ep, path)
     loaded = predispatch.load(path)
     assert str(loaded) == str(ep)
@@ -169,7 +169,7 @@ def test_round_trip(name, tmp_path):
 def test_save_is_deterministic_and_atomic(tmp_path):
     ep, _, _ = export_case("region_nested")
     assert saved(ep) == saved(ep)
-    path = tmp_path / "program.pdp"
+    path = tmp_path / "program.pd"
     with pytest.raises(SerializationError):
         predispatch.save(_unsaveable(ep), path)
     assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary file
@@ -391,7 +391,7 @@ def test_dynamic_shapes_are_refused_on_save():
 
 def test_missing_path_is_an_os_error(tmp_path):
     with pytest.raises(FileNotFoundError):
-        predispatch.load(tmp_path / "nothing.pdp")
+        predispatch.load(tmp_path / "nothing.pd")
 
 
 def test_unsaveable_program_says_what():
