@@ -87,11 +87,16 @@ class ExportedProgram:
                 fix="export again to trace the current hooks, or restore the old ones.",
             )
 
-    def to_torch(self) -> torch.export.ExportedProgram:
-        """This program as a `torch.export.ExportedProgram`; see predispatch/program/interop.py."""
+    def to_torch(self, *, for_inference: bool = False) -> torch.export.ExportedProgram:
+        """This program as a `torch.export.ExportedProgram`; see predispatch/program/interop.py.
+
+        for_inference: for consumers that only run forward (ONNX, PT2E, ExecuTorch): custom
+        autograd.Function and backward-hook backwards are DROPPED (their forwards inlined, with
+        a warning), grad-mode and autocast regions inlined with autocast's casts explicit.
+        """
         from predispatch.program.interop import to_torch
 
-        return to_torch(self)
+        return to_torch(self, for_inference=for_inference)
 
     def __str__(self) -> str:
         return format_program(self)
