@@ -551,3 +551,32 @@ def fx_reserved_names() -> frozenset[str]:
     from torch.fx.graph import _illegal_names
 
     return frozenset(_illegal_names)
+
+
+def declare_size_symbol(fake_mode: FakeTensorMode, name: str, low: int, high: int | None, hint: int) -> Any:
+    """A size symbol named `name` in `fake_mode`'s ShapeEnv, with its range and example value.
+
+    For a loaded program: its graph's fake tensors get the symbols the exporting trace had
+    (same names, same ranges), so printing, `to_torch()`'s range_constraints and the call
+    check see what the original saw.  torch's own symbols are integer and positive.
+    """
+    import sympy
+    from torch.utils._sympy.numbers import int_oo
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    env = fake_mode.shape_env
+    symbol = sympy.Symbol(name, integer=True, positive=True)
+    env.backed_var_to_val[symbol] = sympy.Integer(hint)
+    env.var_to_range[symbol] = ValueRanges(low, int_oo if high is None else high)
+    return symbol
+
+
+def size_symint(fake_mode: FakeTensorMode, expr: Any, hint: int) -> torch.SymInt:
+    """A SymInt for `expr` (over symbols from `declare_size_symbol`) in `fake_mode`."""
+    return fake_mode.shape_env.create_symintnode(expr, hint=hint)
+
+
+def symbol_ranges(fake_mode_or_env: Any, symbols: Any) -> dict:
+    """torch.export's `range_constraints` for `symbols`: each one's ValueRanges in the ShapeEnv."""
+    env = getattr(fake_mode_or_env, "shape_env", fake_mode_or_env)
+    return {s: env.var_to_range[s] for s in symbols}

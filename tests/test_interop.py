@@ -195,13 +195,30 @@ torch.export.ExportedProgram cannot hold this program:
             ep.to_torch()
         self.assertIn("dtype is a constant dtype; torch holds int, float, bool, str or None", str(info.exception))
 
-    def test_dynamic_shapes(self):
+
+
+class DynamicShapes(TestCase):
+    def test_symbols_become_range_constraints(self):
+        """Each symbol's range reaches torch's range_constraints, for a fresh and a loaded
+        program; torch's module() then refuses an out-of-range call as ours does."""
+        from test_serialize import Reshaping, saved
         from torch.export import Dim
 
-        ep = predispatch.export(nn.Linear(4, 4), (torch.randn(3, 4),), dynamic_shapes=({0: Dim("batch")},))
-        with self.assertRaises(NotRepresentableError) as info:
-            ep.to_torch()
-        self.assertIn("dynamic shapes: to_torch does not carry symbol ranges", str(info.exception))
+        model = Reshaping()
+        ep = predispatch.export(model, (torch.randn(3, 4),), dynamic_shapes=({0: Dim("batch", min=2, max=64)},))
+        loaded = predispatch.load(io.BytesIO(saved(ep)))
+        for program in (ep, loaded):
+            tep = program.to_torch()
+            self.assertEqual({str(s): (int(r.lower), int(r.upper)) for s, r in tep.range_constraints.items()},
+                             {name: (low, high) for name, low, high in ep.signature.shapes.ranges})
+            x = torch.randn(7, 4)
+            self.assertTrue(torch.equal(tep.module()(x), model(x)))
+            with self.assertRaisesRegex(RuntimeError, r"to be <= 64, but got 65"):
+                tep.module()(torch.randn(65, 4))
+            buffer = io.BytesIO()
+            torch.export.save(tep, buffer)
+            buffer.seek(0)
+            self.assertTrue(torch.equal(torch.export.load(buffer).module()(x), model(x)))
 
 
 class CustomBackwards(TestCase):

@@ -17,7 +17,7 @@ higher-order ops in `TORCH_HOPS` (torch's own grad-mode and autocast regions); p
 buffers (persistent or not), constants, tied weights, and mutations of buffers, parameters
 and user inputs.  What is refused with `NotRepresentableError`: any other higher-order op
 (`REFUSED_HOPS` says why for predispatch's own), a forward that leaves grad mode changed for its
-caller, dynamic shapes, and constant leaves whose type torch's `ConstantArgument` cannot hold.
+caller, and constant leaves whose type torch's `ConstantArgument` cannot hold.
 docs/format.md#torch-interop keeps the same list.
 
 Note [Custom backwards in torch's ExportedProgram]
@@ -115,7 +115,7 @@ def to_torch(ep: ExportedProgram, *, for_inference: bool = False) -> torch.expor
         graph=builder.graph,
         graph_signature=tsig.ExportGraphSignature(builder.input_specs, builder.output_specs),
         state_dict=builder.state_dict,
-        range_constraints={},
+        range_constraints=_range_constraints(builder.graph),
         module_call_graph=[ModuleCallEntry("", call)],
         constants=builder.constants,
         verifiers=[ti.TrainingIRVerifier],
@@ -161,8 +161,6 @@ def _unrepresentable(ep: ExportedProgram) -> list[str]:
     sig, problems = ep.signature, []
     if sig.grad_mode_on_exit is not None:
         problems.append(f"forward leaves grad mode {'en' if sig.grad_mode_on_exit else 'dis'}abled for its caller")
-    if sig.shapes.is_dynamic:
-        problems.append("dynamic shapes: to_torch does not carry symbol ranges into torch's range_constraints yet")
     for leaf in (*sig.input_leaves, *sig.output_leaves):
         if not leaf.is_tensor and type(leaf.value) not in _CONSTANT_TYPES:
             problems.append(f"{leaf.path} is a constant {type(leaf.value).__name__}; torch holds int, float, bool, str or None")
@@ -188,6 +186,19 @@ def _holds_tensors(module: fx.GraphModule, node: fx.Node) -> bool:
         for sub in subgraphs for inner in sub.modules() if isinstance(inner, fx.GraphModule)
         for n in inner.graph.find_nodes(op="get_attr")
     )
+
+
+def _range_constraints(graph: fx.Graph) -> dict:
+    """torch's `range_constraints`: every size symbol in the graph's values, with its range in
+    the ShapeEnv of the trace (or of `predispatch.load`, which declares the saved ranges)."""
+    constraints = {}
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        sizes = [*val.shape] if isinstance(val, torch.Tensor) else [val] if isinstance(val, torch.SymInt) else []
+        for size in sizes:
+            if isinstance(size, torch.SymInt):
+                constraints.update(ti.symbol_ranges(size.node.shape_env, ti.free_symbols(size)))
+    return constraints
 
 
 def _forward_arg_names(ep: ExportedProgram) -> list[str] | None:
