@@ -182,8 +182,16 @@ class Refusals(TestCase):
         self.assertExpectedInline(str(info.exception), """\
 torch.export.ExportedProgram cannot hold this program:
     forward leaves grad mode disabled for its caller
-  fix: keep using the predispatch program (ep.module(), predispatch.save), or change the model so the named construct goes away; docs/format.md#torch-interop lists what converts.
+  fix: keep using the predispatch program (ep.module(), predispatch.save, which holds all of it), use ep.to_torch(for_inference=True) for a consumer that only runs forward, or change the model so the named construct goes away; docs/format.md#torch-interop lists what converts.
   see docs/errors.md#notrepresentableerror""")
+
+    def test_grad_mode_left_changed_is_no_matter_for_inference(self):
+        model, x = LeftOpen(), torch.randn(2, 3)
+        tep = predispatch.export(model, (x,)).to_torch(for_inference=True)
+        with torch.enable_grad():
+            expected = model(x)
+        with torch.enable_grad():
+            assert_same_tree(tep.module()(x), expected)
 
     def test_constant_of_a_type_torch_cannot_hold(self):
         class Cast(nn.Module):

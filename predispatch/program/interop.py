@@ -133,7 +133,9 @@ def _to_torch_for_inference(ep: ExportedProgram) -> torch.export.ExportedProgram
     gm = copy.deepcopy(ep.graph_module)
     dropped = inline_function_forwards(gm)
     drop_history(gm)
-    lowered = to_torch(dataclasses.replace(ep, graph_module=gm))
+    # a forward that leaves grad mode changed for its caller matters to training callers only
+    signature = dataclasses.replace(ep.signature, grad_mode_on_exit=None)
+    lowered = to_torch(dataclasses.replace(ep, graph_module=gm, signature=signature))
     if dropped:
         warnings.warn(
             f"to_torch(for_inference=True) dropped {len(dropped)} custom backward(s) ({', '.join(dropped)}): "
@@ -151,7 +153,8 @@ def _refuse_unrepresentable(ep: ExportedProgram) -> None:
     if problems:
         raise NotRepresentableError(
             "torch.export.ExportedProgram cannot hold this program:\n    " + "\n    ".join(problems),
-            fix="keep using the predispatch program (ep.module(), predispatch.save), or change the model "
+            fix="keep using the predispatch program (ep.module(), predispatch.save, which holds all of it), "
+            "use ep.to_torch(for_inference=True) for a consumer that only runs forward, or change the model "
             "so the named construct goes away; docs/format.md#torch-interop lists what converts.",
         )
 
