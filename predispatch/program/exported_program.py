@@ -12,7 +12,7 @@ from torch import fx, nn
 from predispatch.errors import HooksChangedError
 from predispatch.frontend.hooks import HookRecord, hook_changes, record_hooks
 from predispatch.passes import check_functional, name_placeholders, remove_copies, wrap_regions
-from predispatch.program.printing import format_program
+from predispatch.program.printing import format_graph, format_program
 from predispatch.program.signature import ExportSignature, InputKind, InputSpec, OutputKind, OutputSpec
 
 if TYPE_CHECKING:  # the program stage consumes the earlier stages' values, never their code
@@ -97,6 +97,10 @@ class ExportedProgram:
         from predispatch.program.interop import to_torch
 
         return to_torch(self, for_inference=for_inference)
+
+    def graph_code(self) -> str:
+        """The graph as Python code, subgraphs nested, as `print(ep)` shows it (without the signature)."""
+        return format_graph(self.graph_module)
 
     def __str__(self) -> str:
         return format_program(self)
