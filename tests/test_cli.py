@@ -433,3 +433,15 @@ def test_show_into_a_closed_pipe_ends_quietly(tmp_path):
     result = _read_one_line_and_close("show", str(path))
     assert result.stdout.startswith(b"ExportedProgram")
     assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_import_and_help_do_not_import_dynamo():
+    """torch._dynamo costs about 1 s of CPU: `import predispatch` and `--help` leave it unimported."""
+    code = (
+        "import sys, contextlib, io; import predispatch; from predispatch.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()): main(['--help'])\n"
+        "print('torch._dynamo' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.stdout.strip() == "False", done.stderr
