@@ -86,6 +86,12 @@ def run_both(expected_module, actual_module, args, kwargs, *, exact=True, grad=T
                 assert_same_tree(a.grad, e.grad, exact)
 
 
+#: torch's run_decompositions deep-copies module_call_graph's pytree specs, which makes torch
+#: 2.13 warn about LeafSpec; torch.export's own programs warn the same, so it is not ours.
+_TORCH_LEAFSPEC_WARNING = "ignore:.*isinstance\\(treespec, LeafSpec\\):FutureWarning"
+
+
+@pytest.mark.filterwarnings(_TORCH_LEAFSPEC_WARNING)
 @pytest.mark.parametrize("name", sorted(set(CASES) - REFUSED))
 def test_torch_program_matches(name):
     ep, args, kwargs = export_case(name)
