@@ -277,3 +277,23 @@ def test_executorch(source, model_name):
     method = Runtime.get().load_program(program.buffer).load_method("forward")
     (actual,) = method.execute(list(args))
     assert_close(actual, expected, **tolerance(model_name))
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_onnx_dynamic_batch(source):
+    """A dynamic batch dimension reaches ONNX as a symbolic one: onnxruntime runs other sizes."""
+    import onnxruntime
+    from torch.export import Dim
+
+    model, args = make("mlp")
+    shapes = ({0: Dim("batch", min=2, max=64)},)
+    if source == "torch.export":
+        program = torch.export.export(model, args, dynamic_shapes=shapes)
+    else:
+        program = predispatch.export(model, args, dynamic_shapes=shapes).to_torch(for_inference=True)
+    onnx_program = torch.onnx.export(program, args, dynamo=True, verbose=False)
+    session = onnxruntime.InferenceSession(onnx_program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    for batch in (2, 9, 64):
+        x = torch.randn(batch, 8)
+        (actual,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+        assert_close(torch.from_numpy(actual), model(x), **tolerance("mlp"))
