@@ -309,3 +309,16 @@ def forward(self, p_lin_weight, p_lin_bias, x):
         casts = [n.kwargs.get("dtype") for n in tep.graph.nodes if n.target is torch.ops.aten._to_copy.default]
         self.assertEqual(casts, [torch.bfloat16] * 3 + [torch.float32])
         self.assertTrue(torch.equal(tep.module()(x), model(x)))
+
+
+def test_for_inference_drops_keep_history():
+    """predispatch::keep_history only routes gradients: the inference lowering computes its value."""
+    cls, make = REGION_CASES["intermediate_mutated_under_no_grad"]
+    torch.manual_seed(0)
+    model, args = cls(), make()
+    ep = predispatch.export(model, args)
+    assert "keep_history" in str(ep)
+    tep = ep.to_torch(for_inference=True)
+    targets = {str(n.target) for m in tep.graph_module.modules() for n in m.graph.nodes if hasattr(m, "graph")}
+    assert not any("keep_history" in t or "higher_order" in t for t in targets)
+    assert_same_tree(tep.module()(*args), ep.module()(*args))
