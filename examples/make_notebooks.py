@@ -1,17 +1,22 @@
-"""Write the example notebooks (examples/*.ipynb) from the cells below, without outputs.
+"""Write the example notebooks (examples/*.ipynb) from the cells below, executed.
 
-    python examples/make_notebooks.py           # (re)write every notebook
-    python examples/make_notebooks.py --check   # exit 1 if a stored notebook differs from this file
+    python examples/make_notebooks.py           # (re)write and execute every notebook (~1 min)
+    python examples/make_notebooks.py --check   # exit 1 if a stored notebook's cells differ from this file
 
-The notebooks are the source users open; this file is how they are kept small and reviewable:
-one place to edit, cells stored without outputs, cell ids fixed so a diff shows only what
-changed.  tests/test_notebooks.py executes every notebook and checks that each matches this file.
+The notebooks are the source users open, stored with their outputs so that browsing one shows
+what it prints; this file is how they are kept small and reviewable: one place to edit, cell
+ids fixed so a diff shows only what changed.  They run in a kernel on this interpreter, in
+examples/.  tests/test_notebooks.py checks that each stored notebook's cells match this file,
+re-executes it, and compares the new outputs with the stored ones (numbers and paths aside).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -404,9 +409,6 @@ This notebook shows both, and measures each against eager and against torch's ow
 form, `torch.export.export(...).run_decompositions({})`."""),
     code(SETUP),
     code("""\
-from predispatch.program.printing import format_graph  # the graph as print(ep) shows it
-
-
 def grad_of(module, x, *rest):
     \"\"\"d(sum of output)/dx of `module(x, *rest)`, on a fresh leaf copy of x.\"\"\"
     x = x.detach().clone().requires_grad_()
@@ -424,7 +426,7 @@ class DetachedDouble(nn.Module):
 
 x = torch.randn(3)
 ep = predispatch.export(DetachedDouble(), (x,))
-print(format_graph(ep.graph_module))"""),
+print(ep.graph_code())"""),
     md("""\
 The region is a HOP whose subgraph `grad_region_0` is printed nested under the module. Its state
 is **absolute**: the region sets grad mode to `False` whatever the caller's mode is.
@@ -466,7 +468,7 @@ class Nested(nn.Module):
 
 x = torch.randn(3)
 ep = predispatch.export(Nested(), (x,))
-print(format_graph(ep.graph_module))
+print(ep.graph_code())
 
 leaf = x.clone().requires_grad_()
 eager_flags = [t.requires_grad for t in Nested()(leaf)]
@@ -521,7 +523,7 @@ class Mixed(nn.Module):
 
 model, x = Mixed(), torch.randn(4, 8)
 ep = predispatch.export(model, (x,))
-print(format_graph(ep.graph_module))
+print(ep.graph_code())
 check("output equals eager", torch.equal(ep.module()(x), model(x)))
 check("gradient equals eager", torch.equal(grad_of(ep.module(), x), grad_of(model, x)))"""),
     md("""\
@@ -546,7 +548,7 @@ class MutatedUnderNoGrad(nn.Module):
 
 x = torch.tensor([1.0, 2.0, 3.0])
 ep = predispatch.export(MutatedUnderNoGrad(), (x,))
-print(format_graph(ep.graph_module))
+print(ep.graph_code())
 print()
 torch_functional = torch.export.export(MutatedUnderNoGrad(), (x,), strict=False).run_decompositions({})
 grads = {
@@ -645,8 +647,6 @@ supported and what is refused."""),
 - `GradReverse`: identity forward; backward multiplies by `-lambda` (domain-adversarial
   training)."""),
     code("""\
-from predispatch.program.printing import format_graph  # the graph as print(ep) shows it
-
 
 class FakeQuant(torch.autograd.Function):
     @staticmethod
@@ -689,7 +689,7 @@ class QuantDANN(nn.Module):
 
 model, x = QuantDANN(), torch.randn(5, 6) * 2
 ep = predispatch.export(model, (x,))
-print(format_graph(ep.graph_module))"""),
+print(ep.graph_code())"""),
     md("""\
 Each `Function.apply` is one `autograd_function_apply` node holding a forward subgraph, which
 returns `((*outputs), (*saved))`, and a backward subgraph, which takes
@@ -776,18 +776,27 @@ def train(module, steps=3):
 trained_eager, trained_program = train(copy.deepcopy(model)), train(ep.module())
 check("parameters after 3 steps equal", all(torch.equal(p, trained_program[n]) for n, p in trained_eager.items()))"""),
     md("""\
-## Where it cannot go
+## Into torch's ExportedProgram, and to inference consumers
 
-torch.export's `ExportedProgram` has no place for a Function's backward, so converting this
-program with `ep.to_torch()` is refused (`NotRepresentableError`) rather than dropping it.
-Save it with `predispatch.save` instead (notebook 6)."""),
+`ep.to_torch()` keeps each Function as torch's own `autograd_function_apply`, so the torch
+program trains with the custom backward too.  (torch 2.13's `torch.export.load` cannot read
+that op back from a file: save such a program with `predispatch.save`, notebook 6.)
+
+Consumers that only run forward (ONNX, PT2E quantization, ExecuTorch) take
+`ep.to_torch(for_inference=True)`: each Function's forward is inlined and its backward
+dropped, with a warning that says so."""),
     code("""\
-try:
-    ep.to_torch()
-except predispatch.errors.NotRepresentableError as error:
-    print(f"{type(error).__name__}: {error}")
-else:
-    raise AssertionError("to_torch should have refused")"""),
+torch_program = ep.to_torch()
+trained_torch = train(torch_program.module())
+check("torch's program trains like eager", all(torch.allclose(p, trained_torch[n]) for n, p in trained_eager.items()))
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    inference = ep.to_torch(for_inference=True)
+print(caught[0].message)
+check("the inference program has no autograd_function_apply",
+      all("autograd_function_apply" not in str(n.target) for n in inference.graph.nodes))
+check("and runs forward like the model", all(torch.equal(a, b) for a, b in zip(inference.module()(x), model(x))))"""),
     md("""\
 A backward that cannot be traced (it calls `.numpy()`, branches on a tensor's value, or reads a
 module weight it was not given) is refused with `AutogradFunctionError` or `DataDependentError`,
@@ -973,11 +982,9 @@ class Hooked(nn.Module):
         return h.sum()
 
 
-from predispatch.program.printing import format_graph  # the graph as print(ep) shows it
-
 x3 = torch.randn(3)
 hooked = predispatch.export(Hooked(), (x3,))
-print(format_graph(hooked.graph_module))
+print(hooked.graph_code())
 a, b = x3.clone().requires_grad_(), x3.clone().requires_grad_()
 hooked.module()(a).backward()
 Hooked()(b).backward()
@@ -1094,7 +1101,7 @@ The loaded program prints the same, and its `module()` gives bitwise the same ou
 gradients and buffer updates. Saving is deterministic: the same program always gives the same
 bytes."""),
     code("""\
-path = workdir / "block.pdp"
+path = workdir / "block.pd"
 predispatch.save(ep, path)
 loaded = predispatch.load(path)
 print(f"{path.name}: {path.stat().st_size} bytes")
@@ -1109,7 +1116,7 @@ check("outputs bitwise equal", torch.equal(out_o, out_r))
 check("gradients bitwise equal", all(torch.equal(p.grad, grads_r[n].grad) for n, p in original.named_parameters()))
 check("buffers equal", all(torch.equal(b, dict(restored.named_buffers())[n]) for n, b in original.named_buffers()))
 
-again = workdir / "again.pdp"
+again = workdir / "again.pd"
 predispatch.save(loaded, again)
 check("saved again, same bytes", again.read_bytes() == path.read_bytes())"""),
     md("""\
@@ -1126,7 +1133,7 @@ with zipfile.ZipFile(path) as archive:
     manifest = json.loads(archive.read("manifest.json"))
 print({k: manifest[k] for k in ("format", "version", "writer")})
 
-corrupt = workdir / "corrupt.pdp"
+corrupt = workdir / "corrupt.pd"
 data = bytearray(path.read_bytes())
 data[len(data) // 2] ^= 0xFF
 corrupt.write_bytes(bytes(data))
@@ -1174,7 +1181,7 @@ def cli(*args, echo=True):
     return done
 
 
-saved = workdir / "cli_block.pdp"
+saved = workdir / "cli_block.pd"
 exported = cli("export", EXAMPLES / "quickstart.py:Block", "--inputs", "f32[2,5,16]", "--kwargs", "mask=b8[5,5]", "--save", saved)"""),
     md("""\
 The program goes to stdout and status lines (`saved the program to ...`) to stderr, so
@@ -1281,7 +1288,51 @@ def build(cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
 
 
 def render(cells: list[tuple[str, str]]) -> str:
+    """The notebook's text without outputs (what `sources` of the executed one must equal)."""
     return nbformat.writes(build(cells)) + "\n"
+
+
+def sources(nb: nbformat.NotebookNode) -> list[tuple[str, str, str]]:
+    """Each cell's id, kind and source: what this file decides, outputs aside."""
+    return [(cell.id, cell.cell_type, cell.source) for cell in nb.cells]
+
+
+def execute(nb: nbformat.NotebookNode, kernel_dir: Path) -> nbformat.NotebookNode:
+    """Run every cell of `nb` in a fresh kernel on this interpreter, in examples/; raises on an error."""
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+    from nbclient import NotebookClient
+
+    specs = KernelSpecManager(kernel_dirs=[str(kernel_dir)], ensure_native_kernel=False)
+    manager = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=specs)
+    NotebookClient(nb, km=manager, timeout=180, resources={"metadata": {"path": str(HERE)}}).execute()
+    return nb
+
+
+def write_kernelspec(root: Path) -> Path:
+    """A kernelspec directory whose only kernel, `python3`, is this interpreter."""
+    spec = root / "python3"
+    spec.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "Python 3", "language": "python"}))
+    return root
+
+
+def comparable(text: str) -> str:
+    """Output text with what changes from run to run masked: numbers, addresses, temporary paths."""
+    text = re.sub(r"/tmp/\S*|/var/folders/\S*", "<tmp>", text)
+    text = re.sub(r"0x[0-9a-f]+", "<addr>", text)
+    return re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", text)
+
+
+def printed(nb: nbformat.NotebookNode) -> list[str]:
+    """Per code cell, the text it printed (stdout and stderr streams, and text results)."""
+    texts = []
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            parts = [o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in cell.outputs]
+            texts.append("".join(parts))
+    return texts
 
 
 def main() -> int:
@@ -1289,13 +1340,18 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail if a stored notebook differs from this file")
     ns = parser.parse_args()
     stale = []
+    kernel_dir = write_kernelspec(Path(tempfile.mkdtemp(prefix="predispatch-kernels-")))
     for name, cells in NOTEBOOKS.items():
-        path, text = HERE / name, render(cells)
+        path = HERE / name
         if ns.check:
-            if not path.exists() or path.read_text() != text:
+            if not path.exists() or sources(nbformat.read(path, as_version=4)) != sources(build(cells)):
                 stale.append(name)
         else:
-            path.write_text(text)
+            nb = execute(build(cells), kernel_dir)
+            for cell in nb.cells:  # nbclient's timestamps would make every run a diff
+                cell.metadata.pop("execution", None)
+            path.write_text(nbformat.writes(nb) + "\n")
+            print(f"wrote {path.name}, executed")
     if stale:
         print(f"out of date: {', '.join(stale)}; run python examples/make_notebooks.py", file=sys.stderr)
     return 1 if stale else 0

@@ -25,13 +25,11 @@ from torch.fx.node import _side_effectful_functions
 from torch.fx.proxy import _STACK_TRACE_ANCHORS
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch._functorch.aot_autograd import aot_export_module
 from torch._functorch._aot_autograd.functional_utils import (
     has_data_mutation as _has_data_mutation,
     has_metadata_mutation as _has_metadata_mutation,
 )
 from torch._higher_order_ops.effects import _EffectType
-from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
@@ -40,7 +38,6 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, S
 from torch._higher_order_ops.effects import with_effects
 from torch.export._remove_effect_tokens_pass import _replace_with_effects_node
 from torch._export.verifier import TrainingIRVerifier
-from torch._export.non_strict_utils import make_fake_inputs, produce_guards_and_solve_constraints
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch.nn.utils.stateless import _reparametrize_module
@@ -383,6 +380,8 @@ def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn
     with contextlib.ExitStack() as stack:
         stack.enter_context(enable_python_dispatcher())
         stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+        from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing  # see _LAZY
+
         stack.enter_context(_disable_saved_tensors_hooks_during_tracing())
         stack.enter_context(forward_frames_only())
         token = torch.empty(0)
@@ -871,3 +870,58 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
     ops refuse such a target (`assert_no_internal_overlap`); "too hard to tell" counts as no, as
     in eager."""
     return torch._debug_has_internal_overlap(t) == 1
+#: Names whose modules import torch._dynamo (about 1 s of CPU): imported on first use, so
+#: `import predispatch`, `load` and the CLI's help and `show` do not pay for them.
+_LAZY = {
+    "aot_export_module": "torch._functorch.aot_autograd",
+    "make_fake_inputs": "torch._export.non_strict_utils",
+    "produce_guards_and_solve_constraints": "torch._export.non_strict_utils",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a `_LAZY` name when first asked for (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def fx_reserved_names() -> frozenset[str]:
+    """Names FX's code generator will not give a node (Python keywords, builtins such as
+    `input`, and its own globals such as `torch`, `inf`): it renames such a node `input_1`."""
+    from torch.fx.graph import _illegal_names
+
+    return frozenset(_illegal_names)
+
+
+def declare_size_symbol(fake_mode: FakeTensorMode, name: str, low: int, high: int | None, hint: int) -> Any:
+    """A size symbol named `name` in `fake_mode`'s ShapeEnv, with its range and example value.
+
+    For a loaded program: its graph's fake tensors get the symbols the exporting trace had
+    (same names, same ranges), so printing, `to_torch()`'s range_constraints and the call
+    check see what the original saw.  torch's own symbols are integer and positive.
+    """
+    import sympy
+    from torch.utils._sympy.numbers import int_oo
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    env = fake_mode.shape_env
+    symbol = sympy.Symbol(name, integer=True, positive=True)
+    env.backed_var_to_val[symbol] = sympy.Integer(hint)
+    env.var_to_range[symbol] = ValueRanges(low, int_oo if high is None else high)
+    return symbol
+
+
+def size_symint(fake_mode: FakeTensorMode, expr: Any, hint: int) -> torch.SymInt:
+    """A SymInt for `expr` (over symbols from `declare_size_symbol`) in `fake_mode`."""
+    return fake_mode.shape_env.create_symintnode(expr, hint=hint)
+
+
+def symbol_ranges(fake_mode_or_env: Any, symbols: Any) -> dict:
+    """torch.export's `range_constraints` for `symbols`: each one's ValueRanges in the ShapeEnv."""
+    env = getattr(fake_mode_or_env, "shape_env", fake_mode_or_env)
+    return {s: env.var_to_range[s] for s in symbols}

@@ -182,7 +182,8 @@ class NotRepresentableError(PredispatchError):
     signature cannot hold (dtype, device, memory format).
     Example: `ep.to_torch()` on a program exported from a forward that calls
     `torch.set_grad_enabled(False)` and never restores it.
-    Fix: keep using the predispatch program (`ep.module()`, `predispatch.save`), or change the
+    Fix: keep using the predispatch program (`ep.module()`, `predispatch.save`), use
+    `ep.to_torch(for_inference=True)` for a consumer that only runs forward, or change the
     model so the named construct goes away.
     """
 

@@ -499,7 +499,7 @@ def test_save_and_load_keep_backward(case, tmp_path):
     torch.manual_seed(0)
     module_cls, make_args = CASES[case]
     module, args = module_cls(), make_args()
-    path = tmp_path / "program.pt2"
+    path = tmp_path / "program.pd"
     predispatch.save(predispatch.export(module, args), path)
     loaded = predispatch.load(path).module()
     grads = []

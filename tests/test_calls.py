@@ -271,7 +271,7 @@ Graph signature:
         self.assertExpectedInline(stable_message(info.value), """\
 torch.export.ExportedProgram cannot hold this program:
     output t changes the shape or strides of input 'x' in place: torch's signature has no output kind for a metadata mutation
-  fix: keep using the predispatch program (ep.module(), predispatch.save), or change the model so the named construct goes away; docs/format.md#torch-interop lists what converts.
+  fix: keep using the predispatch program (ep.module(), predispatch.save, which holds all of it), use ep.to_torch(for_inference=True) for a consumer that only runs forward, or change the model so the named construct goes away; docs/format.md#torch-interop lists what converts.
   see docs/errors.md#notrepresentableerror""")
 
     def test_storage_swap_is_refused(self):

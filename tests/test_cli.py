@@ -283,12 +283,12 @@ def test_export_failure_is_a_message_without_traceback(capsys):
         (["export", "test_cli:Tiny", "--inputs", "f32[2,4], scale=1.0", "--kwargs", "scale=2.0"], "given in both"),
         (["export", "test_cli:Tiny"], "the following arguments are required: --inputs"),
         (["export", "test_cli", "--inputs", "f32[1]"], "neither MODULE:ATTR nor an existing file"),
-        (["show", "no/such/file.pt2"], "no such file: 'no/such/file.pt2'"),
+        (["show", "no/such/file.pd"], "no such file: 'no/such/file.pd'"),
         (["draw", "test_cli:Tiny", "--inputs", "f32[2,4]", "-o", "out.png"], "cannot tell the picture format"),
         (["draw", "test_cli:Tiny", "-o", "out.html"], "--inputs is required"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["draw", "test_cli:Tiny", "--inputs", "f32[2,4]", "-o", "/no/such/dir/t.html"], "cannot write '/no/such/dir/t.html'"),
-        (["export", "test_cli:Tiny", "--inputs", "f32[2,4]", "-q", "--save", "/no/such/dir/t.pt2"], "cannot write '/no/such/dir/t.pt2'"),
+        (["export", "test_cli:Tiny", "--inputs", "f32[2,4]", "-q", "--save", "/no/such/dir/t.pd"], "cannot write '/no/such/dir/t.pd'"),
     ],
 )
 def test_usage_errors_exit_2(capsys, argv, message):
@@ -306,7 +306,7 @@ def test_no_command_prints_help(capsys):
 
 
 def test_save_then_show(tmp_path, capsys):
-    path = tmp_path / "tiny.pt2"
+    path = tmp_path / "tiny.pd"
     code, printed, err = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[2,4]", "--save", str(path))
     assert code == ExitCode.OK and path.exists() and f"saved the program to {path}" in err
     code, shown, _ = run(capsys, "show", str(path))
@@ -314,7 +314,7 @@ def test_save_then_show(tmp_path, capsys):
 
 
 def test_show_refuses_a_file_that_is_not_a_program(tmp_path, capsys):
-    path = tmp_path / "junk.pt2"
+    path = tmp_path / "junk.pd"
     path.write_bytes(b"not a zip")
     code, _, err = run(capsys, "show", str(path))
     assert code == ExitCode.REFUSED and "predispatch show: error:" in err and "Traceback" not in err
@@ -322,7 +322,7 @@ def test_show_refuses_a_file_that_is_not_a_program(tmp_path, capsys):
 
 def test_save_missing_from_the_library_is_exit_4(monkeypatch, capsys):
     monkeypatch.delattr(predispatch, "save", raising=False)
-    code, out, err = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[2,4]", "--save", "x.pt2")
+    code, out, err = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[2,4]", "--save", "x.pd")
     assert code == ExitCode.MISSING == 4
     assert out == ""  # checked before exporting
     assert "no predispatch.save()" in err
@@ -339,7 +339,7 @@ def test_draw_from_a_model(tmp_path, capsys, suffix, marker):
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` is not installed (apt-get install graphviz)")
 def test_draw_svg_from_a_saved_program(tmp_path, capsys):
-    saved, svg = tmp_path / "tiny.pt2", tmp_path / "tiny.svg"
+    saved, svg = tmp_path / "tiny.pd", tmp_path / "tiny.svg"
     assert run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[2,4]", "--save", str(saved), "-q")[0] == ExitCode.OK
     code, _, _ = run(capsys, "draw", str(saved), "-o", str(svg))
     assert code == ExitCode.OK and svg.read_text().lstrip().startswith("<?xml") and "p_lin_weight" in svg.read_text()
@@ -404,3 +404,44 @@ def test_python_dash_m_and_the_console_script():
         pytest.skip("the console script is not installed next to this interpreter (pip install -e .)")
     done = _subprocess(str(script), "--version")
     assert done.returncode == 0 and done.stdout.startswith(f"predispatch {predispatch.__version__}")
+
+
+# ---- a closed pipe
+
+
+def _read_one_line_and_close(*argv: str) -> subprocess.CompletedProcess:
+    """Run the CLI as `predispatch ARGS | head -1` does: the reader leaves after one line."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "predispatch", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    return subprocess.CompletedProcess(proc.args, proc.wait(), first, err)
+
+
+def test_audit_into_a_closed_pipe_ends_quietly():
+    result = _read_one_line_and_close("audit", "--markdown")  # ~150 KB: more than a pipe holds
+    assert result.stdout.startswith(b"<!--")
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_show_into_a_closed_pipe_ends_quietly(tmp_path):
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(400)])  # its listing is over 64 KB
+    path = tmp_path / "long.pd"
+    predispatch.save(predispatch.export(model, (torch.randn(1, 2),)), path)
+    result = _read_one_line_and_close("show", str(path))
+    assert result.stdout.startswith(b"ExportedProgram")
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_import_and_help_do_not_import_dynamo():
+    """torch._dynamo costs about 1 s of CPU: `import predispatch` and `--help` leave it unimported."""
+    code = (
+        "import sys, contextlib, io; import predispatch; from predispatch.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()): main(['--help'])\n"
+        "print('torch._dynamo' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.stdout.strip() == "False", done.stderr

@@ -553,8 +553,7 @@ class ModuleState(TestCase):
         ep = check_gradients(lin, (torch.randn(4, 3),))
         self.assertExpectedInline(graph(ep), """\
 class GraphModule(torch.nn.Module):
-    def forward(self, p_weight: "f32[2, 3]", p_bias: "f32[2]", input: "f32[4, 3]"):
-        input_1 = input
+    def forward(self, p_weight: "f32[2, 3]", p_bias: "f32[2]", input_1: "f32[4, 3]"):
         linear: "f32[4, 2]" = torch.ops.aten.linear.default(input_1, p_weight, p_bias);  input_1 = None
         backward_pre_hooks_fwd_0 = self.backward_pre_hooks_fwd_0
         backward_pre_hooks_bwd_0 = self.backward_pre_hooks_bwd_0

@@ -1,6 +1,6 @@
-"""The examples keep working: every notebook in examples/ executes without an error, the stored
-notebooks are the generator's output without outputs, and the example scripts print what they
-promise (docs/comparison.md's table included).
+"""The examples keep working: every notebook in examples/ executes without an error and prints
+what its stored outputs show, the stored notebooks are the generator's cells, executed, and the
+example scripts print what they promise (docs/comparison.md's table included).
 
 The notebooks run in a Jupyter kernel started with this interpreter (`sys.executable`), from a
 kernelspec written for the test, so they see the same environment as the tests whatever
@@ -75,31 +75,60 @@ def test_there_are_notebooks():
     ]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes(path: Path, kernel_dir: Path):
-    """Each notebook asserts the claims it prints (`check(...)`), so running it checks them."""
-    nb = execute(nbformat.read(path, as_version=4), kernel_dir)
-    assert f"predispatch {predispatch.__version__}" in printed(nb)  # the kernel imported this predispatch
-
-
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_is_stored_without_outputs(path: Path):
-    nb = nbformat.read(path, as_version=4)
-    nbformat.validate(nb)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: clear outputs before saving"
-
-
-def test_notebooks_match_their_generator():
+def _generator():
     spec = importlib.util.spec_from_file_location("make_notebooks", EXAMPLES / "make_notebooks.py")
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
+    return generator
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes_as_stored(path: Path, kernel_dir: Path):
+    """Each notebook asserts the claims it prints (`check(...)`), so running it checks them; and
+    what it prints now is what the stored outputs show, numbers and temporary paths aside."""
+    generator = _generator()
+    stored = nbformat.read(path, as_version=4)
+    fresh = nbformat.read(path, as_version=4)
+    for cell in fresh.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    execute(fresh, kernel_dir)
+    assert f"predispatch {predispatch.__version__}" in "".join(generator.printed(fresh))  # this predispatch
+    for i, (now, then) in enumerate(zip(generator.printed(fresh), generator.printed(stored))):
+        assert generator.comparable(now) == generator.comparable(then), (
+            f"{path.name}, code cell {i}: prints something else than its stored output; run examples/make_notebooks.py"
+        )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_stored_executed(path: Path):
+    """Stored with outputs, from one run top to bottom, with no error: what a reader browses."""
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert [cell.execution_count for cell in code_cells] == list(range(1, len(code_cells) + 1)), (
+        f"{path.name}: store it executed (python examples/make_notebooks.py)"
+    )
+    assert not [o for cell in code_cells for o in cell.outputs if o.output_type == "error"]
+    assert any(cell.outputs for cell in code_cells)
+
+
+def test_notebooks_match_their_generator():
+    generator = _generator()
     assert sorted(generator.NOTEBOOKS) == [p.name for p in NOTEBOOKS]
     for name, cells in generator.NOTEBOOKS.items():
-        assert (EXAMPLES / name).read_text() == generator.render(cells), (
+        assert generator.sources(nbformat.read(EXAMPLES / name, as_version=4)) == generator.sources(generator.build(cells)), (
             f"{name} differs from examples/make_notebooks.py: edit the generator and run it"
         )
+
+
+def test_notebooks_use_only_the_public_api():
+    """Users copy from the notebooks: only `predispatch`'s public names and subpackages."""
+    public = {"predispatch", "predispatch.audit", "predispatch.render", "predispatch.errors"}
+    for path in NOTEBOOKS:
+        for cell in nbformat.read(path, as_version=4).cells:
+            for module in re.findall(r"^\s*(?:from|import) (predispatch[\w.]*)", cell.source, re.M):
+                assert module in public, f"{path.name} imports {module}"
 
 
 # ---- scripts

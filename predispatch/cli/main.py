@@ -51,11 +51,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.USAGE
     try:
         with _quiet_torch_logs(unless=ns.traceback):
-            return ns.run(ns)
+            code = ns.run(ns)
+            sys.stdout.flush()  # here, so that a closed pipe is seen here and not at exit
+            return code
+    except BrokenPipeError:
+        return _closed_pipe()
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - every failure becomes a message and an exit code
         return _report(exc, ns)
+
+
+def _closed_pipe() -> int:
+    """The reader of our output went away (`predispatch show f | head -3`): a normal end.
+
+    Python's advice (docs of `signal`, "Note on SIGPIPE"): point stdout at devnull so that the
+    interpreter's final flush does not fail again, and stop quietly.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return ExitCode.OK
 
 
 # ---- commands
@@ -371,7 +387,7 @@ def _add_export(commands: Any, common: argparse.ArgumentParser) -> None:
         "Export MODULE:ATTR called with example inputs and print the program (graph and signature).",
         "examples:\n"
         '  predispatch export examples/quickstart.py:Block --inputs "f32[2,5,16]" --kwargs "mask=b8[5,5]"\n'
-        '  predispatch export mypkg.models:make_model --inputs "i64[2,128]" --eval --save model.pt2\n\n' + _SPEC_HELP,
+        '  predispatch export mypkg.models:make_model --inputs "i64[2,128]" --eval --save model.pd\n\n' + _SPEC_HELP,
         export_command,
     )
     _add_model_options(p, "MODULE:ATTR", "the model: an importable module and an attribute in it", True)
@@ -382,7 +398,7 @@ def _add_export(commands: Any, common: argparse.ArgumentParser) -> None:
 def _add_show(commands: Any, common: argparse.ArgumentParser) -> None:
     p = _subparser(commands, common, "show", "print a saved program",
                    "Print a program saved with `predispatch export --save` or predispatch.save().",
-                   "example:\n  predispatch show model.pt2", show_command)
+                   "example:\n  predispatch show model.pd", show_command)
     p.add_argument("file", metavar="FILE", help="a saved program")
 
 
@@ -398,7 +414,7 @@ def _add_draw(commands: Any, common: argparse.ArgumentParser) -> None:
         "  .dot   Graphviz source\n\n"
         "examples:\n"
         '  predispatch draw examples/quickstart.py:Block --inputs "f32[2,5,16]" -o block.html\n'
-        "  predispatch draw model.pt2 -o model.svg\n\n" + _SPEC_HELP,
+        "  predispatch draw model.pd -o model.svg\n\n" + _SPEC_HELP,
         draw_command,
     )
     _add_model_options(p, "MODULE:ATTR|FILE", "the model (MODULE:ATTR, exported first; needs --inputs) or a saved program (FILE)", False)

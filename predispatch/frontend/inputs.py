@@ -324,13 +324,20 @@ def _user_input_specs(leaves: tuple[Leaf, ...], taken: set[str]) -> tuple[InputS
     return tuple(specs)
 
 
+_FX_RESERVED = ti.fx_reserved_names()
+
+
 def unique_identifier(label: str, taken: set[str]) -> str:
-    """A Python identifier made from `label`, not in `taken` (which it is then added to)."""
+    """A Python identifier made from `label`, not in `taken` (which it is then added to).
+
+    Nor one FX reserves (`input`, `list`, `torch`): FX would rename the node (`input_1`), and
+    the name recorded here must stay the graph's (save/load checks they agree).
+    """
     base = re.sub(r"\W+", "_", label).strip("_") or "arg"
     if base[0].isdigit():
         base = "_" + base
     name, i = base, 1
-    while name in taken:
+    while name in taken or name in _FX_RESERVED:
         name, i = f"{base}_{i}", i + 1
     taken.add(name)
     return name

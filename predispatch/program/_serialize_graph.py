@@ -49,7 +49,11 @@ HIGHER_ORDER_OPS: dict[str, Callable[[], torch._ops.HigherOrderOperator]] = {
 
 
 #: Plain Python callables a graph may call, by `module.name`.
-PYTHON_CALLABLES: dict[str, Callable[..., Any]] = {"_operator.getitem": operator.getitem}
+PYTHON_CALLABLES: dict[str, Callable[..., Any]] = {
+    "_operator.getitem": operator.getitem,
+    # size arithmetic in dynamic-shape graphs (`y.size(0) * 2`): pure functions of ints
+    **{f"_operator.{name}": getattr(operator, name) for name in ("add", "sub", "mul", "floordiv", "mod", "neg")},
+}
 
 _NODE_OPS = ("placeholder", "get_attr", "call_function", "output")
 #: Node meta kept besides "val": informational, kept when it is plain data, else left out.
@@ -193,6 +197,7 @@ class GraphLoading:
     namespaces: tuple[str, ...]
     fake_mode: Any
     graph_tensors: Mapping[str, torch.Tensor]
+    symbols: Any = None  # the program's SymbolTable: symbolic sizes in node meta (_serialize_shapes.py)
 
 
 def decode_module(data: Any, path: str, loading: GraphLoading) -> fx.GraphModule:
@@ -281,7 +286,7 @@ def _decode_meta(meta: dict, where: str, loading: GraphLoading) -> dict:
         raise SerializationError(f"{where}: unknown node meta {sorted(unknown)}.")
     decoded = {}
     if "val" in meta:
-        decoded["val"] = decode(meta["val"], f"{where} meta['val']", Refs(fake_mode=loading.fake_mode))
+        decoded["val"] = decode(meta["val"], f"{where} meta['val']", Refs(fake_mode=loading.fake_mode, symbols=loading.symbols))
     for key in _INFORMATIONAL_META:
         if key in meta:
             decoded[key] = decode(meta[key], f"{where} meta[{key!r}]")

@@ -30,6 +30,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from predispatch.errors import SerializationError
+from predispatch.program._serialize_shapes import encode_size
 
 
 def _torch_names(kind: type) -> dict[str, Any]:
@@ -75,9 +76,11 @@ def encode(value: Any, where: str, *, classes: bool = False, tensors: bool = Fal
             return {tag: name_of(value)}
     if tensors and isinstance(value, torch.Tensor):
         return {"tensor": _tensor_meta(value, where)}
+    if tensors and isinstance(value, torch.SymInt):  # node meta of a size computed in the graph
+        return {"symint": encode_size(value, where)}
     if classes and isinstance(value, type):
         return {"class": class_name(value, where)}
-    hint = " Dynamic shapes are not part of format version 1." if isinstance(value, _SYMBOLIC) else ""
+    hint = " Symbolic floats and bools are not part of format version 1." if isinstance(value, _SYMBOLIC) else ""
     raise SerializationError(f"{where}: a {type(value).__name__} ({short(value)}) has no encoding in format version 1.{hint}")
 
 
@@ -102,15 +105,12 @@ def _encode_container(value: Any, where: str, **allow: bool) -> Any:
 
 def _tensor_meta(t: torch.Tensor, where: str) -> dict:
     """A tensor's metadata (node meta "val" is a fake tensor: there is no data to keep)."""
-    sizes = (*t.shape, *t.stride(), t.storage_offset())
-    if not all(type(s) is int for s in sizes):
-        raise SerializationError(f"{where}: a tensor of symbolic shape {tuple(t.shape)}; dynamic shapes are not part of format version 1.")
     if t.layout != torch.strided:
         raise SerializationError(f"{where}: a {t.layout} tensor; format version 1 holds strided tensors only.")
     return {
-        "shape": list(t.shape),
-        "stride": list(t.stride()),
-        "storage_offset": t.storage_offset(),
+        "shape": [encode_size(s, where) for s in t.shape],  # symbolic sizes: _serialize_shapes.py
+        "stride": [encode_size(s, where) for s in t.stride()],
+        "storage_offset": encode_size(t.storage_offset(), where),
         "dtype": TORCH_VALUES["dtype"][1](t.dtype),
         "device": str(t.device),
         "requires_grad": t.requires_grad,
@@ -134,6 +134,7 @@ class Refs:
     nodes: Mapping[str, fx.Node] | None = None
     class_check: Callable[[type], bool] | None = None
     fake_mode: Any = None
+    symbols: Any = None  # the program's SymbolTable (_serialize_shapes.py): symbolic sizes in node meta
 
 
 _PLAIN = Refs()
@@ -194,11 +195,11 @@ def _decode_tensor_meta(meta: Any, where: str, refs: Refs) -> torch.Tensor:
     if refs.fake_mode is None:
         raise SerializationError(f"{where}: tensor metadata is only valid in node meta.")
     meta = expect(meta, dict, where)
-    shape, stride = ints(meta.get("shape"), where), ints(meta.get("stride"), where)
-    offset = expect(meta.get("storage_offset"), int, where)
+    shape, stride = _sizes(meta.get("shape"), where, refs), _sizes(meta.get("stride"), where, refs)
+    (offset,) = _sizes([meta.get("storage_offset")], where, refs)
     dtype = decode_named("dtype", meta.get("dtype"), where)
     device = parse_device(meta.get("device"))
-    if len(shape) != len(stride) or offset < 0:
+    if len(shape) != len(stride) or (type(offset) is int and offset < 0):
         raise SerializationError(f"{where}: inconsistent tensor metadata {short(meta)}.")
     with refs.fake_mode:
         if offset == 0:
@@ -207,6 +208,14 @@ def _decode_tensor_meta(meta: Any, where: str, refs: Refs) -> torch.Tensor:
             extent = offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1 if all(shape) else offset
             fake = torch.empty(extent, dtype=dtype, device=device).as_strided(shape, stride, offset)
     return fake.requires_grad_(True) if expect(meta.get("requires_grad"), bool, where) else fake
+
+
+def _sizes(data: Any, where: str, refs: Refs) -> list[Any]:
+    """Sizes as ints, or SymInts where the file has symbolic ones and the program declares symbols."""
+    values = expect(data, list, where)
+    if refs.symbols is None or all(type(v) is int for v in values):
+        return ints(values, where)
+    return [refs.symbols.size(v, where) for v in values]
 
 
 def ints(data: Any, where: str) -> list[int]:
@@ -230,6 +239,7 @@ _DECODERS: dict[str, Callable[[Any, str, Refs], Any]] = {
     "float": _decode_float,
     "class": _decode_class,
     "tensor": _decode_tensor_meta,
+    "symint": lambda data, where, refs: _sizes([data], where, refs)[0],
     **{tag: (lambda name, where, refs, tag=tag: decode_named(tag, name, where)) for tag in TORCH_VALUES},
 }
 

@@ -12,7 +12,7 @@ from torch import fx, nn
 from predispatch.errors import HooksChangedError
 from predispatch.frontend.hooks import HookRecord, hook_changes, record_hooks
 from predispatch.passes import check_functional, name_placeholders, remove_copies, wrap_regions
-from predispatch.program.printing import format_program
+from predispatch.program.printing import format_graph, format_program
 from predispatch.program.signature import ExportSignature, InputKind, InputSpec, OutputKind, OutputSpec
 
 if TYPE_CHECKING:  # the program stage consumes the earlier stages' values, never their code
@@ -101,11 +101,20 @@ class ExportedProgram:
 
         return joint_program(self, loss)
 
-    def to_torch(self) -> torch.export.ExportedProgram:
-        """This program as a `torch.export.ExportedProgram`; see predispatch/program/interop.py."""
+    def to_torch(self, *, for_inference: bool = False) -> torch.export.ExportedProgram:
+        """This program as a `torch.export.ExportedProgram`; see predispatch/program/interop.py.
+
+        for_inference: for consumers that only run forward (ONNX, PT2E, ExecuTorch): custom
+        autograd.Function and backward-hook backwards are DROPPED (their forwards inlined, with
+        a warning), grad-mode and autocast regions inlined with autocast's casts explicit.
+        """
         from predispatch.program.interop import to_torch
 
-        return to_torch(self)
+        return to_torch(self, for_inference=for_inference)
+
+    def graph_code(self) -> str:
+        """The graph as Python code, subgraphs nested, as `print(ep)` shows it (without the signature)."""
+        return format_graph(self.graph_module)
 
     def __str__(self) -> str:
         return format_program(self)

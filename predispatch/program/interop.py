@@ -17,8 +17,28 @@ higher-order ops in `TORCH_HOPS` (torch's own grad-mode and autocast regions); p
 buffers (persistent or not), constants, tied weights, and mutations of buffers, parameters
 and user inputs.  What is refused with `NotRepresentableError`: any other higher-order op
 (`REFUSED_HOPS` says why for predispatch's own), a forward that leaves grad mode changed for its
-caller, dynamic shapes, and constant leaves whose type torch's `ConstantArgument` cannot hold.
+caller, and constant leaves whose type torch's `ConstantArgument` cannot hold.
 docs/format.md#torch-interop keeps the same list.
+
+Note [Custom backwards in torch's ExportedProgram]
+--------------------------------------------------
+A captured `autograd.Function` (or backward hook) is torch's own `autograd_function_apply` HOP
+with a forward and a backward subgraph.  `to_torch()` keeps it: torch's verifier accepts it,
+`module()` trains with the custom backward, and `run_decompositions()` inlines its forward.
+What torch 2.13 cannot do is read it back from a file: `torch.export.save` writes it, but
+`torch.export.load` fails in `GraphModuleDeserializer.deserialize_graph_output`
+(torch/_export/serde/serialize.py), which reads a subgraph's outputs one tensor each, while
+the forward subgraph returns two lists, `((*outputs), (*saved))`.  So for a file: a program
+with Functions is saved with `predispatch.save` (training) or as
+`to_torch(for_inference=True)` (forward only).
+
+`to_torch(for_inference=True)` is the lowering for consumers that only run forward (ONNX,
+PT2E quantization, ExecuTorch): each Function's forward is inlined and its backward dropped
+(passes/lower_for_inference.py), then torch's `run_decompositions({})` inlines grad-mode and
+autocast regions, making autocast's dtype casts explicit `_to_copy` nodes, and keeps every
+op whole (`aten.linear`, `aten.conv2d`, as quantizers match them).  The result is
+torch's inference IR: it runs forward like the program, but its gradients are not the
+program's wherever a custom backward was dropped (a `UserWarning` names them).
 """
 
 from __future__ import annotations
@@ -45,9 +65,13 @@ if TYPE_CHECKING:
 TORCH_HOPS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}
 
 #: Why the other HOPs predispatch emits are refused.
-REFUSED_HOPS = {
-    "autograd_function_apply": "torch.export.load cannot read the nested outputs of its forward "
-    "subgraph (torch 2.13), and torch.export itself inlines a custom autograd.Function, dropping its backward",
+REFUSED_HOPS: dict[str, str] = {}
+
+#: Higher-order ops `to_torch()` keeps as they are (no operands to lift into their subgraphs),
+#: with what torch can do with them; see Note [Custom backwards in torch's ExportedProgram].
+KEPT_HOPS = {
+    "autograd_function_apply": "module() and training keep the custom backward; torch.export.load "
+    "cannot read it back (torch 2.13 reads one tensor per subgraph output, the forward returns two lists)",
 }
 
 #: The constant leaf types torch's `ConstantArgument` holds.
@@ -65,14 +89,21 @@ _OUTPUT_KIND = {
 }
 
 
-def to_torch(ep: ExportedProgram) -> torch.export.ExportedProgram:
+def to_torch(ep: ExportedProgram, *, for_inference: bool = False) -> torch.export.ExportedProgram:
     """`ep` as a `torch.export.ExportedProgram` (see the module docstring for what converts).
 
-    The result passes torch's verifier and supports `torch.export.save`/`load`,
+    The result passes torch's verifier and supports `torch.export.save`/`load` (except a
+    program holding custom backwards: Note [Custom backwards in torch's ExportedProgram]),
     `run_decompositions()` and `module()`.  Everything in it is a copy: torch's `module()`
     writes buffer mutations into the program's own state tensors, and torch's passes rewrite
     graphs, and neither may reach `ep` or the model it was exported from.
+
+    for_inference: lower for consumers that only run forward (ONNX, PT2E, ExecuTorch): custom
+    backwards are DROPPED (forwards inlined), grad-mode and autocast regions inlined with
+    explicit casts.  Warns when a custom backward is dropped.
     """
+    if for_inference:
+        return _to_torch_for_inference(ep)
     _refuse_unrepresentable(ep)
     builder = _TorchGraph(ep)
     sig = ep.signature
@@ -84,11 +115,37 @@ def to_torch(ep: ExportedProgram) -> torch.export.ExportedProgram:
         graph=builder.graph,
         graph_signature=tsig.ExportGraphSignature(builder.input_specs, builder.output_specs),
         state_dict=builder.state_dict,
-        range_constraints={},
+        range_constraints=_range_constraints(builder.graph),
         module_call_graph=[ModuleCallEntry("", call)],
         constants=builder.constants,
         verifiers=[ti.TrainingIRVerifier],
     )
+
+
+def _to_torch_for_inference(ep: ExportedProgram) -> torch.export.ExportedProgram:
+    """See Note [Custom backwards in torch's ExportedProgram]: Function forwards inlined on a
+    copy, then torch's own inference lowering, which keeps ops whole."""
+    import dataclasses
+    import warnings
+
+    from predispatch.passes.lower_for_inference import drop_history, inline_function_forwards
+
+    gm = copy.deepcopy(ep.graph_module)
+    dropped = inline_function_forwards(gm)
+    drop_history(gm)
+    # a forward that leaves grad mode changed for its caller matters to training callers only
+    signature = dataclasses.replace(ep.signature, grad_mode_on_exit=None)
+    lowered = to_torch(dataclasses.replace(ep, graph_module=gm, signature=signature))
+    if dropped:
+        warnings.warn(
+            f"to_torch(for_inference=True) dropped {len(dropped)} custom backward(s) ({', '.join(dropped)}): "
+            "the result runs forward like the program, but differentiating it does not use them.",
+            UserWarning,
+            stacklevel=4,  # the caller of ExportedProgram.to_torch
+        )
+    with warnings.catch_warnings():  # torch's run_decompositions deep-copies the pytree specs
+        warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)", FutureWarning)
+        return lowered.run_decompositions({})
 
 
 def _refuse_unrepresentable(ep: ExportedProgram) -> None:
@@ -96,7 +153,8 @@ def _refuse_unrepresentable(ep: ExportedProgram) -> None:
     if problems:
         raise NotRepresentableError(
             "torch.export.ExportedProgram cannot hold this program:\n    " + "\n    ".join(problems),
-            fix="keep using the predispatch program (ep.module(), predispatch.save), or change the model "
+            fix="keep using the predispatch program (ep.module(), predispatch.save, which holds all of it), "
+            "use ep.to_torch(for_inference=True) for a consumer that only runs forward, or change the model "
             "so the named construct goes away; docs/format.md#torch-interop lists what converts.",
         )
 
@@ -106,8 +164,6 @@ def _unrepresentable(ep: ExportedProgram) -> list[str]:
     sig, problems = ep.signature, []
     if sig.grad_mode_on_exit is not None:
         problems.append(f"forward leaves grad mode {'en' if sig.grad_mode_on_exit else 'dis'}abled for its caller")
-    if sig.shapes.is_dynamic:
-        problems.append("dynamic shapes: to_torch does not carry symbol ranges into torch's range_constraints yet")
     for spec in sig.outputs_of(OutputKind.USER_INPUT_METADATA_MUTATION):
         problems.append(
             f"output {spec.name} changes the shape or strides of input {spec.target!r} in place: torch's "
@@ -119,10 +175,38 @@ def _unrepresentable(ep: ExportedProgram) -> list[str]:
     for path, module in ep.graph_module.named_modules():
         for node in module.graph.nodes if isinstance(module, fx.GraphModule) else ():
             target = node.target
-            if isinstance(target, torch._ops.HigherOrderOperator) and target.name() not in TORCH_HOPS:
-                why = REFUSED_HOPS.get(target.name(), "torch.export does not know it")
-                problems.append(f"node {node.name} in {path or 'the graph'} calls {target.name()}: {why}")
+            if not isinstance(target, torch._ops.HigherOrderOperator) or target.name() in TORCH_HOPS:
+                continue
+            where = f"node {node.name} in {path or 'the graph'} calls {target.name()}"
+            if target.name() not in KEPT_HOPS:
+                problems.append(f"{where}: {REFUSED_HOPS.get(target.name(), 'torch.export does not know it')}")
+            elif _holds_tensors(module, node):
+                problems.append(f"{where}: its subgraphs hold tensors, which to_torch cannot lift into them; "
+                                "to_torch(for_inference=True) inlines its forward")
     return problems
+
+
+def _holds_tensors(module: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether a subgraph argument of `node`, or a subgraph nested in it, reads a tensor attribute."""
+    subgraphs = [_attribute(module, a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+    return any(
+        isinstance(_attribute(inner, n.target), torch.Tensor)
+        for sub in subgraphs for inner in sub.modules() if isinstance(inner, fx.GraphModule)
+        for n in inner.graph.find_nodes(op="get_attr")
+    )
+
+
+def _range_constraints(graph: fx.Graph) -> dict:
+    """torch's `range_constraints`: every size symbol in the graph's values, with its range in
+    the ShapeEnv of the trace (or of `predispatch.load`, which declares the saved ranges)."""
+    constraints = {}
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        sizes = [*val.shape] if isinstance(val, torch.Tensor) else [val] if isinstance(val, torch.SymInt) else []
+        for size in sizes:
+            if isinstance(size, torch.SymInt):
+                constraints.update(ti.symbol_ranges(size.node.shape_env, ti.free_symbols(size)))
+    return constraints
 
 
 def _forward_arg_names(ep: ExportedProgram) -> list[str] | None:

@@ -58,6 +58,7 @@ from predispatch.program._serialize_graph import (
     decode_module,
     encode_module,
 )
+from predispatch.program._serialize_shapes import SymbolTable
 from predispatch.program._serialize_values import decode, decode_spec, encode, encode_spec, expect, pack, short, unpack
 from predispatch.program.exported_program import ExportedProgram
 from predispatch.program.signature import (
@@ -275,15 +276,6 @@ def _encode_leaf(leaf: Leaf, where: str) -> dict:
     return {"path": leaf.path, "is_tensor": leaf.is_tensor, "value": encode(leaf.value, where)}
 
 
-def _refuse_dynamic(shapes: ShapeRecord) -> None:
-    if shapes.is_dynamic:
-        symbols = ", ".join(f"{name} from {origin}" for name, origin in shapes.origins) or "symbolic sizes"
-        raise SerializationError(
-            f"the program has dynamic shapes ({symbols}); format version {VERSION} holds static shapes only.",
-            fix="export with static shapes to save the program.",
-        )
-
-
 def _encode_shapes(shapes: ShapeRecord) -> dict:
     """Every field as plain data (for a static program: the input sizes)."""
     return {f.name: encode(getattr(shapes, f.name), f"signature shapes.{f.name}") for f in dataclasses.fields(shapes)}
@@ -295,9 +287,19 @@ def _decode_shapes(data: Any, where: str) -> ShapeRecord:
     if not set(data) <= known:
         raise SerializationError(f"{where}: unknown fields {sorted(set(data) - known)}.")
     shapes = ShapeRecord(**{name: _deep_tuple(decode(value, f"{where}.{name}")) for name, value in data.items()})
-    if shapes.is_dynamic:
-        raise SerializationError(f"{where}: dynamic shapes in a format version {VERSION} file.")
+    _check_shape_types(shapes, where)
     return shapes
+
+
+def _check_shape_types(shapes: ShapeRecord, where: str) -> None:
+    """Each field holds what ShapeRecord documents (the expressions are checked by SymbolTable)."""
+    ok = all(isinstance(dims, tuple) and all(type(d) in (int, str) for d in dims) for dims in shapes.input_shapes)
+    ok = ok and all(isinstance(r, tuple) and len(r) == 3 and type(r[0]) is str and type(r[1]) is int
+                    and (r[2] is None or type(r[2]) is int) for r in shapes.ranges)
+    ok = ok and all(type(g) is str for g in shapes.guards)
+    ok = ok and all(isinstance(o, tuple) and len(o) == 2 and all(type(x) is str for x in o) for o in shapes.origins)
+    if not ok:
+        raise SerializationError(f"{where}: malformed shape record.")
 
 
 def _deep_tuple(value: Any) -> Any:
@@ -375,7 +377,6 @@ def _decode_leaf(data: Any, where: str) -> Leaf:
 
 def _encode_program(ep: ExportedProgram) -> dict[str, bytes]:
     """program.json and the tensor members, all in memory."""
-    _refuse_dynamic(ep.signature.shapes)
     graph_tensors: dict[str, torch.Tensor] = {}
     program = {
         "graph_module": encode_module(ep.graph_module, "", graph_tensors),
@@ -397,10 +398,13 @@ def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...]) -
         with _reading(member):
             tensors[group] = unpack(members[member], records.get(group), member)
     with _reading(_PROGRAM):
-        loading = GraphLoading(namespaces, ti.new_fake_mode(), tensors["graph"])
+        signature = _decode_signature(program.get("signature"))  # first: it declares the size symbols
+        fake_mode = ti.new_fake_mode()
+        symbols = SymbolTable(fake_mode, signature.shapes, "signature shapes")
+        loading = GraphLoading(namespaces, fake_mode, tensors["graph"], symbols)
         gm = decode_module(program.get("graph_module"), "", loading)
         ep = ExportedProgram(
-            gm, _decode_signature(program.get("signature")), tensors["state"], tensors["constants"],
+            gm, signature, tensors["state"], tensors["constants"],
             _decode_decompositions(program.get("decompositions")),
         )
         _check_consistent(ep)

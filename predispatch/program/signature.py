@@ -7,6 +7,8 @@ and leaf lists say how the user's `(args, kwargs)` and return value map onto the
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -167,6 +169,13 @@ class ExportSignature:
     arg_names: tuple[str, ...] = ()
     shapes: ShapeRecord = ShapeRecord()
     training_flags: tuple[tuple[str, bool], ...] = ()
+
+    def __deepcopy__(self, memo: dict) -> ExportSignature:
+        """A deep copy sharing the pytree specs, which are immutable: copying one makes a new
+        `LeafSpec` for each leaf, which torch 2.13 deprecates with a FutureWarning per copy."""
+        shared = ("in_spec", "out_spec")
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return ExportSignature(**{k: v if k in shared else copy.deepcopy(v, memo) for k, v in values.items()})
 
     def inputs_of(self, *kinds: InputKind) -> tuple[InputSpec, ...]:
         return tuple(s for s in self.inputs if s.kind in kinds)

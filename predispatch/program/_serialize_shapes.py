@@ -1,0 +1,117 @@
+"""Dynamic shapes in a file: symbolic sizes in node meta, and the symbols they are made of.
+
+A symbolic size is saved as its expression's text and its value at export:
+
+    "shape": [{"sym": "s31", "hint": 3}, 4]       "val": {"symint": {"sym": "2*s31", "hint": 6}}
+
+The symbols, their ranges and the guards live in the signature's `ShapeRecord`, which load
+reads first: each symbol is declared in the load's ShapeEnv under its saved name and range
+(`SymbolTable`), and each size is rebuilt as a SymInt over those symbols.  So the loaded
+program prints the same shapes, checks calls against the same ranges, and `to_torch()` gives
+torch the same `range_constraints`.
+
+Expression text is never given to `eval` or `sympify` (both run Python): `parse_expression`
+reads it with `ast` and accepts only integers, the declared symbols, `+ - * // %`, and
+`Max`/`Min`/`Mod` calls.  The record's input shapes, which the call check evaluates, are
+checked the same way.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+import torch
+
+from predispatch import _torch_internals as ti
+from predispatch.errors import SerializationError
+from predispatch.program.signature import ShapeRecord
+
+
+def encode_size(size: int | torch.SymInt, where: str) -> Any:
+    """An int as itself; a SymInt as its expression and its value at export."""
+    if type(size) is int:
+        return size
+    if isinstance(size, torch.SymInt):
+        return {"sym": str(size.node.expr), "hint": int(size.node.hint)}
+    raise SerializationError(f"{where}: a size {size!r} is neither an int nor a SymInt.")
+
+
+class SymbolTable:
+    """The symbols of a loaded program, declared in the load's fake mode (see the module docstring)."""
+
+    def __init__(self, fake_mode: Any, shapes: ShapeRecord, where: str):
+        self.fake_mode = fake_mode
+        self.symbols: dict[str, Any] = {}
+        for name, low, high in shapes.ranges:
+            if not name.isidentifier() or (high is not None and high < low) or low < 0:
+                raise SerializationError(f"{where}: symbol {name!r} with range [{low}, {high}] is not a size symbol.")
+            self.symbols[name] = None  # declared at the first size that names it (its hint is there)
+        self._low_high = {name: (low, high) for name, low, high in shapes.ranges}
+        self._hints: dict[str, int] = {}
+        for dims in shapes.input_shapes:
+            for dim in dims:
+                if isinstance(dim, str):
+                    parse_expression(dim, self._low_high, where)
+
+    def size(self, data: Any, where: str) -> int | torch.SymInt:
+        """A size saved by `encode_size`, as an int or a SymInt in the load's fake mode."""
+        if type(data) is int and data >= 0:
+            return data
+        if not isinstance(data, dict) or set(data) != {"sym", "hint"} or type(data["hint"]) is not int:
+            raise SerializationError(f"{where}: {data!r} is not a size.")
+        expr = parse_expression(data["sym"], self._low_high, where, self._declare(data))
+        return ti.size_symint(self.fake_mode, expr, data["hint"])
+
+    def _declare(self, data: dict) -> Any:
+        """A function from a symbol's name to the symbol, declaring it at first use."""
+
+        def symbol(name: str) -> Any:
+            if self.symbols.get(name) is None:
+                low, high = self._low_high[name]
+                hint = data["hint"] if data["sym"] == name else max(low, 2)
+                self.symbols[name] = ti.declare_size_symbol(self.fake_mode, name, low, high, hint)
+            return self.symbols[name]
+
+        return symbol
+
+
+def parse_expression(text: Any, known: Any, where: str, symbol: Any = None) -> Any:
+    """`text` as a sympy expression over the `known` symbol names, read without running code.
+
+    With `symbol` None only the check runs (returns None)."""
+    if not isinstance(text, str) or len(text) > 1000:
+        raise SerializationError(f"{where}: {text!r} is not a size expression.")
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError) as exc:
+        raise SerializationError(f"{where}: {text!r} is not a size expression.") from exc
+    return _build(tree, known, where, text, symbol)
+
+
+def _build(node: ast.AST, known: Any, where: str, text: str, symbol: Any) -> Any:
+    """One `ast` node as sympy (None when only checking); anything not in the grammar is refused."""
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv, Mod
+
+    def build(child: ast.AST) -> Any:
+        return _build(child, known, where, text, symbol)
+
+    check_only = symbol is None
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return None if check_only else sympy.Integer(node.value)
+    if isinstance(node, ast.Name) and node.id in known:
+        return None if check_only else symbol(node.id)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        operand = build(node.operand)
+        return None if check_only else -operand
+    binary = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+              ast.FloorDiv: FloorDiv, ast.Mod: Mod}
+    if isinstance(node, ast.BinOp) and type(node.op) in binary:
+        left, right = build(node.left), build(node.right)
+        return None if check_only else binary[type(node.op)](left, right)
+    calls = {"Max": sympy.Max, "Min": sympy.Min, "Mod": Mod, "FloorDiv": FloorDiv}
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in calls and not node.keywords:
+        args = [build(a) for a in node.args]
+        return None if check_only else calls[node.func.id](*args)
+    raise SerializationError(f"{where}: {text!r} is not a size expression over the program's symbols.")
