@@ -113,6 +113,8 @@ __all__ = [
     "new_fake_mode",
     "pop_modes_to",
     "reparametrize",
+    "dispatcher_op_names",
+    "jit_op_schemas",
 ]
 
 #: What torch raises when Python needs a value that only exists at run time.
@@ -524,3 +526,17 @@ def fake_of_meta(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.devic
     fakes are made on the device the real weights will live on (the inputs' device) instead.
     """
     return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, t, device)
+
+
+def dispatcher_op_names() -> frozenset[str]:
+    """`ns::name.overload` (`ns::name` for the default overload) of every op the dispatcher holds.
+
+    TorchScript's interpreter builtins (`aten::len.t`, `aten::save`) are JIT operators only and
+    are not listed, though `torch.ops.aten.<name>` resolves them too.
+    """
+    return frozenset(torch._C._dispatch_get_all_op_names())
+
+
+def jit_op_schemas() -> list[torch._C.FunctionSchema]:
+    """The schema of every op `torch.ops` can resolve: dispatcher ops and TorchScript builtins."""
+    return list(torch._C._jit_get_all_schemas())

@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import secrets
 import zipfile
@@ -58,8 +59,19 @@ from predispatch.program._serialize_graph import (
     decode_module,
     encode_module,
 )
-from predispatch.program._serialize_values import decode, decode_spec, encode, encode_spec, expect, pack, short, unpack
+from predispatch.program._serialize_values import (
+    decode,
+    decode_spec,
+    encode,
+    encode_spec,
+    expect,
+    pack,
+    register_dataclasses,
+    short,
+    unpack,
+)
 from predispatch.program.exported_program import ExportedProgram
+from predispatch.program.verify import verify_program
 from predispatch.program.signature import (
     ExportSignature,
     InputKind,
@@ -160,20 +172,57 @@ def _zip_into(out: BinaryIO, members: Mapping[str, bytes]) -> None:
 
 
 def _read_archive(f: BinaryIO) -> dict[str, bytes]:
-    """The members, after the version check and every checksum."""
+    """The members, after the layout and size checks, the version check and every checksum.
+
+    See Note [Bounded reading]: nothing is inflated, and no member is read before its name,
+    storage method and size have been checked against the format and the file's length.
+    """
     try:
         archive = zipfile.ZipFile(f)
+        length = f.seek(0, os.SEEK_END)
     except (zipfile.BadZipFile, EOFError, ValueError, OSError) as exc:
         raise SerializationError(
             "the file is not a predispatch program: not a zip archive, or truncated.",
             fix="pass a file written by predispatch.save; if it was, it was cut short or damaged.",
         ) from exc
     with archive:
-        names = archive.namelist()
-        if _MANIFEST not in names:
+        infos = archive.infolist()
+        if _MANIFEST not in [i.filename for i in infos]:
             raise SerializationError("the file is not a predispatch program: it has no manifest.json.")
+        _check_layout(infos, length)
         manifest = _check_manifest(archive.read(_MANIFEST))
-        return _checked_members(archive, names, manifest)
+        return _checked_members(archive, manifest)
+
+
+#: The most bytes a member may hold, besides the file's own length (tensor members: only that).
+MEMBER_LIMITS = {_MANIFEST: 64 * 1024, _PROGRAM: 256 * 1024 * 1024}
+
+
+def _check_layout(infos: list[zipfile.ZipInfo], length: int) -> None:
+    """Note [Bounded reading]
+    ------------------------
+    A zip's central directory states each member's method and sizes; `zipfile` would inflate
+    whatever it is told to.  Before any member is read: the names are exactly the format's
+    members (each once), each is stored (format version 1 compresses nothing, so there is
+    nothing to inflate), its stated size equals its stored size and fits in the file and in
+    `MEMBER_LIMITS` (the manifest is small).  Reading then costs at most the file's length.
+    """
+    names = [i.filename for i in infos]
+    if sorted(names) != sorted(_MEMBERS):
+        raise SerializationError(f"the file is corrupted: its members are {short(sorted(names))}, expected {sorted(_MEMBERS)}.")
+    for info in infos:
+        member = f"member {info.filename}"
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise SerializationError(
+                f"the file is corrupted: {member} is compressed (method {info.compress_type}); "
+                "format version 1 stores members as they are, so load inflates nothing."
+            )
+        limit = min(length, MEMBER_LIMITS.get(info.filename, length))
+        if info.file_size != info.compress_size or info.file_size > limit or info.header_offset + info.compress_size > length:
+            raise SerializationError(
+                f"the file is corrupted: {member} says it holds {info.file_size} bytes "
+                f"({info.compress_size} stored) in a file of {length}; the limit is {limit}."
+            )
 
 
 def _check_manifest(data: bytes) -> dict:
@@ -196,28 +245,55 @@ def _check_manifest(data: bytes) -> dict:
     return manifest
 
 
-def _checked_members(archive: zipfile.ZipFile, names: list[str], manifest: dict) -> dict[str, bytes]:
+def _checked_members(archive: zipfile.ZipFile, manifest: dict) -> dict[str, bytes]:
     digests = manifest.get("members")
     expected = set(_MEMBERS) - {_MANIFEST}
-    if sorted(names) != sorted(_MEMBERS) or not isinstance(digests, dict) or set(digests) != expected:
-        raise SerializationError(f"the file is corrupted: its members are {sorted(names)}, expected {sorted(_MEMBERS)}.")
+    if not isinstance(digests, dict) or set(digests) != expected:
+        raise SerializationError(f"manifest.json is corrupted: it lists members {short(digests)}, expected {sorted(expected)}.")
     members = {}
     for name in sorted(expected):
-        if archive.getinfo(name).compress_type != zipfile.ZIP_STORED:
-            raise SerializationError(f"the file is corrupted: member {name} is compressed; format version 1 stores members as they are.")
-        data = archive.read(name)  # zipfile checks the CRC-32 too
+        data = archive.read(name)  # stored and size-checked (_check_layout); zipfile checks the CRC-32 too
         if _digest(data) != digests[name]:
             raise SerializationError(f"the file is corrupted: member {name} does not match its checksum.")
         members[name] = data
     return members
 
 
+#: JSON integers a file may hold: what an int64 (or a uint64 size) can be.
+_INT_RANGE = (-(2**63), 2**64 - 1)
+
+
 def _parse_json(data: bytes, member: str) -> Any:
+    """Strict JSON: no duplicated keys, no NaN or Infinity, integers in the int64/uint64 range."""
+
     def no_constants(token: str) -> Any:
         raise ValueError(f"{token} is not JSON")
 
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+        result = dict(pairs)
+        if len(result) != len(pairs):
+            seen: set[str] = set()
+            duplicated = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise ValueError(f"the key {duplicated!r} appears twice in one object")
+        return result
+
+    def bounded_int(text: str) -> int:
+        value = int(text)
+        if not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+            raise ValueError(f"the integer {text[:30]} is out of range")
+        return value
+
+    def finite_float(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"the number {text[:30]} is out of range")
+        return value
+
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=no_constants)
+        return json.loads(
+            data.decode("utf-8"), parse_constant=no_constants, object_pairs_hook=unique_keys,
+            parse_int=bounded_int, parse_float=finite_float,
+        )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise SerializationError(f"{member} is corrupted: it is not valid JSON ({exc}).") from exc
 
@@ -303,7 +379,7 @@ def _deep_tuple(value: Any) -> Any:
     return tuple(map(_deep_tuple, value)) if isinstance(value, (list, tuple)) else value
 
 
-def _decode_signature(data: Any) -> ExportSignature:
+def _decode_signature(data: Any, unregistered: set[type]) -> ExportSignature:
     where = "signature"
     data = expect(data, dict, where)
     grad_mode = data.get("grad_mode_on_exit")
@@ -312,8 +388,8 @@ def _decode_signature(data: Any) -> ExportSignature:
     return ExportSignature(
         tuple(_decode_input(expect(s, dict, where), where) for s in expect(data.get("inputs"), list, where)),
         tuple(_decode_output(expect(s, dict, where), where) for s in expect(data.get("outputs"), list, where)),
-        decode_spec(data.get("in_spec"), f"{where} in_spec"),
-        decode_spec(data.get("out_spec"), f"{where} out_spec"),
+        decode_spec(data.get("in_spec"), f"{where} in_spec", unregistered),
+        decode_spec(data.get("out_spec"), f"{where} out_spec", unregistered),
         tuple(_decode_leaf(leaf, f"{where} input_leaves") for leaf in expect(data.get("input_leaves"), list, where)),
         tuple(_decode_leaf(leaf, f"{where} output_leaves") for leaf in expect(data.get("output_leaves"), list, where)),
         grad_mode,
@@ -382,14 +458,16 @@ def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...]) -
     for group, member in _TENSOR_MEMBERS.items():
         with _reading(member):
             tensors[group] = unpack(members[member], records.get(group), member)
+    unregistered: set[type] = set()
     with _reading(_PROGRAM):
         loading = GraphLoading(namespaces, ti.new_fake_mode(), tensors["graph"])
         gm = decode_module(program.get("graph_module"), "", loading)
         ep = ExportedProgram(
-            gm, _decode_signature(program.get("signature")), tensors["state"], tensors["constants"],
+            gm, _decode_signature(program.get("signature"), unregistered), tensors["state"], tensors["constants"],
             _decode_decompositions(program.get("decompositions")),
         )
-        _check_consistent(ep)
+        verify_program(ep, op_namespaces=namespaces, stored=True, context="the program breaks the IR contract (docs/ir.md): ")
+    register_dataclasses(unregistered)  # the first global change, once the whole file is verified
     return ep
 
 
@@ -400,25 +478,3 @@ def _decode_decompositions(data: Any) -> DecompositionLog:
         entry = expect(entry, dict, f"{where}[{name!r}]")
         log.decisions[name] = (expect(entry.get("kept_whole"), bool, where), expect(entry.get("why"), str, where))
     return log
-
-
-def _check_consistent(ep: ExportedProgram) -> None:
-    """The signature, the graph and the state describe one program (a crafted file may not)."""
-    sig, problems = ep.signature, []
-    placeholders = [n.name for n in ep.graph.find_nodes(op="placeholder")]
-    if placeholders != [s.name for s in sig.inputs]:
-        problems.append(f"placeholders {placeholders} differ from the signature's inputs")
-    outputs = ep.graph.output_node().args[0] if ep.graph.output_node().args else ()
-    if not isinstance(outputs, (tuple, list)) or len(outputs) != len(sig.outputs):
-        problems.append("the graph's outputs differ from the signature's outputs")
-    state = {s.target for s in sig.inputs_of(InputKind.PARAMETER, InputKind.BUFFER)}
-    constants = {s.target for s in sig.inputs_of(InputKind.CONSTANT_TENSOR)}
-    if set(ep.state_dict) != state or set(ep.constants) != constants:
-        problems.append("the stored tensors differ from the signature's parameters, buffers and constants")
-    tensor_leaves = sum(leaf.is_tensor for leaf in sig.input_leaves)
-    if sig.in_spec.num_leaves != len(sig.input_leaves) or tensor_leaves != len(sig.inputs_of(InputKind.USER_INPUT)):
-        problems.append("the input spec, input leaves and user inputs disagree")
-    if sig.out_spec.num_leaves != len(sig.output_leaves) or sum(leaf.is_tensor for leaf in sig.output_leaves) != len(sig.outputs_of(OutputKind.USER_OUTPUT)):
-        problems.append("the output spec, output leaves and user outputs disagree")
-    if problems:
-        raise SerializationError(f"program.json is inconsistent: {'; '.join(problems)}.")
