@@ -424,3 +424,48 @@ def verify_program(
         shown = "; ".join(map(str, problems[:3]))
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise error(f"{context}{shown}{more}.")
+
+
+def custom_namespaces(gm: fx.GraphModule) -> tuple[str, ...]:
+    """Op namespaces outside the allow list's that `gm` (or a subgraph) calls: the user's own
+    custom ops, which export keeps and `load` accepts only when the caller names them."""
+    from predispatch.program.op_allowlist import NAMESPACES
+
+    found = {
+        node.target.namespace
+        for module in gm.modules() if isinstance(module, fx.GraphModule)
+        for node in module.graph.nodes
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace not in NAMESPACES
+    }
+    return tuple(sorted(found))
+
+
+def verifying(export: Callable[..., ExportedProgram], tolerate: Callable[[Problem], bool] = lambda p: False) -> Callable[..., ExportedProgram]:
+    """`export` that checks every program it returns against the contract `load` checks.
+
+    The test suite wraps `predispatch.export` with it (tests/conftest.py), so that export and
+    load cannot drift apart.  Only the outermost call is checked (a nested export's program is
+    inlined into its caller's); the user's custom ops are allowed, as export allows them.
+    It lives in the package so that its frame is never taken for the user's code in an error.
+    `tolerate`: problems a known, tracked bug still causes (each with its issue).
+    """
+    from predispatch.errors import NonFunctionalGraphError
+
+    depth = [0]
+
+    def export_and_verify(*args: Any, **kwargs: Any) -> ExportedProgram:
+        depth[0] += 1
+        try:
+            ep = export(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+        if depth[0] == 0:
+            problems = [p for p in program_problems(ep, op_namespaces=custom_namespaces(ep.graph_module)) if not tolerate(p)]
+            if problems:
+                raise NonFunctionalGraphError(
+                    "the exported program breaks the IR contract that load checks: " + "; ".join(map(str, problems)),
+                    fix="a predispatch bug: report it with the model.",
+                )
+        return ep
+
+    return export_and_verify
