@@ -78,7 +78,7 @@ _GLOBAL_STATE = (
 _UNSAFE_LAYOUT = re.compile(
     r"(^|_)(sparse|nested|jagged|mkldnn|cslt|quantized|quantize_per|per_tensor_quantized|per_channel_quantized)"
     r"|^(_?indices|_?values|_indices_copy|_values_copy|crow_indices|col_indices|ccol_indices|row_indices)(_copy)?$"
-    r"|^(_reshape_alias|_reshape_alias_copy|_?coalesce|_coalesced_?|is_coalesced|to_padded_tensor|int_repr"
+    r"|^(set|_reshape_alias|_reshape_alias_copy|_?coalesce|_coalesced_?|is_coalesced|to_padded_tensor|int_repr"
     r"|_mkldnn_reshape|_mkldnn_transpose_?|to_dense|_to_dense|to_dense_backward|dense_dim|sparse_dim|_nnz"
     r"|fbgemm_\w+|_cudnn_rnn_flatten_weight|q_\w+|_make_per_\w+|_validate_\w+|resize_as_sparse_?|dequantize)$"
 )
@@ -103,7 +103,7 @@ FAMILIES: tuple[OpFamily, ...] = (
     OpFamily("unsafe_layout", False,
              "builds or reads sparse, nested, quantized or MKL-DNN tensors, or views memory through sizes, "
              "strides or indices it does not check against the storage (`_sparse_coo_tensor_with_dims_and_tensors`, "
-             "`_reshape_alias`); format version 1 holds strided tensors only",
+             "`_reshape_alias`, `set` onto a raw Storage); format version 1 holds strided tensors only",
              lambda p: p.name.startswith("aten.") and bool(_UNSAFE_LAYOUT.search(p.short))
              and not p.short.lstrip("_").startswith("fake_quantize")),  # dense in, dense out
     OpFamily("test_only", False, "torch's own test ops; no model calls them", _named(prefixes=("_test_",))),
@@ -190,6 +190,10 @@ TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_op_famil
 # --------------------------------------------------------------------------- decisions
 
 
+#: Tags torch puts on in-place and out= overloads (checked besides the schema).
+_MUTATING_TAGS = frozenset(getattr(torch.Tag, name) for name in ("inplace", "inplace_view", "out", "out_variant") if hasattr(torch.Tag, name))
+
+
 @functools.cache
 def _family_of_packet() -> dict[str, str]:
     from predispatch.program._op_families import PACKETS
@@ -221,7 +225,7 @@ def decide(op: torch._ops.OpOverload, extra_namespaces: tuple[str, ...] = ()) ->
         return Decision(False, "namespace", f"namespace {namespace!r} is not one a program may call")
     if namespace in ("aten", "prims") and key not in _registered():  # custom ops are always dispatcher ops
         return Decision(False, "torchscript_builtin", FAMILY_BY_NAME["torchscript_builtin"].reason)
-    if op._schema.is_mutable:
+    if op._schema.is_mutable or any(tag in _MUTATING_TAGS for tag in op.tags):
         return Decision(False, "mutable_schema", f"its schema {op._schema} mutates an argument (in place or out=)")
     return Decision(True, family.name, family.reason)
 
