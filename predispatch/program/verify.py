@@ -79,6 +79,7 @@ ARGUMENT_KINDS: dict[str, Callable[[Any, fx.GraphModule], bool]] = {
     "dtype": lambda v, gm: isinstance(v, torch.dtype),
     "ints": _is_ints,
     "op": lambda v, gm: isinstance(v, torch._ops.OpOverload),
+    "predicate": lambda v, gm: type(v) is bool or (isinstance(v, fx.Node) and v.op != "get_attr"),
     "none": lambda v, gm: v is None,
 }
 
@@ -99,8 +100,9 @@ class HopConvention:
     leading: the kinds of the fixed arguments (`ARGUMENT_KINDS`), subgraphs among them.
     operands: the kinds an operand may be.
     kwargs: the keyword arguments it takes, all required, by kind.
-    body: index in `leading` of the subgraph the operands are passed to (its placeholders
-        must match their count); None when operands go elsewhere.
+    bodies: indices in `leading` of the subgraphs the operands are passed to (their
+        placeholders must match the operands' count).
+    packed: the operands are one tuple argument after `leading` (`cond`), not spread.
     inner_op: index in `leading` of an op the HOP calls (`with_effects`), itself checked.
     reason: why programs hold this HOP.
     """
@@ -109,25 +111,29 @@ class HopConvention:
     operands: tuple[str, ...]
     reason: str
     kwargs: Mapping[str, str] = field(default_factory=dict)
-    body: int | None = None
+    bodies: tuple[int, ...] = ()
+    packed: bool = False
     inner_op: int | None = None
 
 
 #: The higher-order ops a program may call, by `hop.name()`, and their calling conventions.
 HOP_CONVENTIONS: dict[str, HopConvention] = {
     "wrap_with_set_grad_enabled": HopConvention(
-        ("bool", "subgraph"), ("node",), "a grad-mode region: runs its subgraph with grad mode set, for that scope only", body=1),
+        ("bool", "subgraph"), ("node",), "a grad-mode region: runs its subgraph with grad mode set, for that scope only", bodies=(1,)),
     "wrap_with_autocast": HopConvention(
         ("str", "dtype?", "bool", "bool?", "subgraph"), ("node",),
-        "an autocast region: runs its subgraph under torch.autocast, for that scope only", body=4),
+        "an autocast region: runs its subgraph under torch.autocast, for that scope only", bodies=(4,)),
     "autograd_function_apply": HopConvention(
         ("subgraph", "subgraph"), ("node",), "a custom autograd.Function: forward and backward subgraphs",
-        kwargs={"non_differentiable_idx": "ints", "saved_for_backward_idx": "ints"}, body=0),
+        kwargs={"non_differentiable_idx": "ints", "saved_for_backward_idx": "ints"}, bodies=(0,)),
     "invoke_subgraph": HopConvention(
-        ("subgraph", "str"), ("node", "int", "none"), "a repeated block: one subgraph called at each repetition", body=0),
+        ("subgraph", "str"), ("node", "int", "none"), "a repeated block: one subgraph called at each repetition", bodies=(0,)),
     "with_effects": HopConvention(
         ("node", "op"), ("node", "int", "none", "bool", "str"), "an effectful op ordered by a token; the op itself is checked",
         inner_op=1),
+    "cond": HopConvention(
+        ("predicate", "subgraph", "subgraph"), ("node",), "torch.cond in the user's code: both branches kept, one runs",
+        bodies=(1, 2), packed=True),
 }
 
 
@@ -140,6 +146,11 @@ def _hop_problems(node: fx.Node, gm: fx.GraphModule, convention: HopConvention, 
         if not _kind_ok(kind, value, gm):
             yield f"{name} argument {i} must be a {_kind_text(kind)}, not {_describe(value)}"
     operands = args[len(convention.leading):]
+    if convention.packed:
+        if len(operands) != 1 or not isinstance(operands[0], (tuple, list)):
+            yield f"{name} takes its operands as one tuple after {len(convention.leading)} arguments, given {_describe(operands)}"
+            return
+        operands = operands[0]
     for i, value in enumerate(operands):
         if not any(_kind_ok(kind, value, gm) for kind in convention.operands):
             yield f"{name} operand {i} is {_describe(value)}; operands are {' or '.join(convention.operands)}"
@@ -148,11 +159,11 @@ def _hop_problems(node: fx.Node, gm: fx.GraphModule, convention: HopConvention, 
     for key, kind in convention.kwargs.items():
         if key in node.kwargs and not _kind_ok(kind, node.kwargs[key], gm):
             yield f"{name} keyword {key!r} must be {_kind_text(kind)}, not {_describe(node.kwargs[key])}"
-    if convention.body is not None and _is_subgraph(args[convention.body], gm):
-        body = _held(gm, args[convention.body].target)
-        arity = len(body.graph.find_nodes(op="placeholder"))
-        if arity != len(operands):
-            yield f"{name} passes {len(operands)} operands to subgraph {args[convention.body].target!r}, which takes {arity}"
+    for index in convention.bodies:
+        if _is_subgraph(args[index], gm):
+            arity = len(_held(gm, args[index].target).graph.find_nodes(op="placeholder"))
+            if arity != len(operands):
+                yield f"{name} passes {len(operands)} operands to subgraph {args[index].target!r}, which takes {arity}"
     if convention.inner_op is not None and isinstance(args[convention.inner_op], torch._ops.OpOverload):
         decision = decide(args[convention.inner_op], namespaces)
         if not decision.allowed:
