@@ -12,9 +12,11 @@ Layout of format version 1 (docs/format.md states the guarantees and the version
     graph.safetensors      tensors graph modules hold themselves (`_tensor_constant0`), by path
 
 Members are stored uncompressed with a fixed timestamp, so a program always saves to the same
-bytes.  `load` reads the manifest, refuses a version it does not read, and checks every
-member's SHA-256 before parsing it.  Graphs are encoded by `_serialize_graph.py`, values,
-pytree specs and tensors by `_serialize_values.py`.
+bytes.  `load` checks the archive's layout and sizes before reading a byte (Note [Bounded
+reading]), reads the manifest, refuses a version it does not read, checks every member's
+SHA-256 before parsing it, and verifies the decoded program against the IR contract
+(`verify.py`) before it registers anything or returns.  Graphs are encoded by
+`_serialize_graph.py`, values, pytree specs and tensors by `_serialize_values.py`.
 
 Note [What load trusts]
 -----------------------
@@ -30,7 +32,9 @@ A file may come from a stranger, so nothing in it chooses code to run:
   names, placeholder and attribute targets, keyword names) must be an identifier, and text
   FX may print as a comment (stack traces) holds no carriage return.
 Running the loaded program calls those ops and those pytree types' (un)flatten functions: code
-the user's own process registered, never code from the file.
+the user's own process registered, never code from the file.  Which of torch's ops a program
+may call at all is the verifier's allow list (`op_allowlist.py`): no I/O, no global state, no
+mutation, no op that trusts sizes or indices it does not check; see docs/format.md's threat model.
 """
 
 from __future__ import annotations

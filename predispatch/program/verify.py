@@ -7,6 +7,7 @@ the test suite runs it on every program it exports (tests/conftest.py, tests/hel
     problems = program_problems(ep)          # [] for a good program; data, for tests and tools
     verify_program(ep, error=SerializationError, stored=True)   # load: raise on the first ones
     graph_problems(gm)                        # one graph module and its subgraphs
+    verifying(predispatch._export._export_with_policy)   # export, checked (the tests' hook)
 
 What it checks, each from a table so that a new op family, HOP or output kind is one entry:
 - ops: `op_allowlist.decide` for every OpOverload (the allow list, then the schema);
@@ -43,7 +44,10 @@ from predispatch.program.signature import InputKind
 if TYPE_CHECKING:
     from predispatch.program.exported_program import ExportedProgram
 
-__all__ = ["HOP_CONVENTIONS", "OUTPUT_RULES", "PYTHON_CALLABLES", "HopConvention", "Problem", "graph_problems", "program_problems", "verify_program"]
+__all__ = [
+    "HOP_CONVENTIONS", "OUTPUT_RULES", "PYTHON_CALLABLES", "HopConvention", "Problem", "custom_namespaces",
+    "graph_problems", "program_problems", "stored_tensor_problems", "verify_program", "verifying",
+]
 
 
 @dataclass(frozen=True)
