@@ -76,6 +76,7 @@ def zip_of(members: dict[str, bytes], methods: dict[str, int] | None = None) -> 
 def checksummed(members: dict[str, bytes], manifest: dict | None = None) -> dict[str, bytes]:
     manifest = manifest or json.loads(members["manifest.json"])
     manifest["members"] = {n: hashlib.sha256(d).hexdigest() for n, d in members.items() if n != "manifest.json"}
+    manifest["sizes"] = {n: len(d) for n, d in members.items() if n != "manifest.json"}
     return {**members, "manifest.json": json.dumps(manifest).encode()}
 
 
@@ -342,6 +343,10 @@ def compression_bomb_attacks(bases: dict[str, bytes], rng: random.Random) -> Ite
     lying = bytearray(zip_of(members))
     yield Attack("compression_bomb", "a central directory that lies about a size", bytes(_lie_about_size(lying, "state.safetensors", 1 << 40)),
                  ("member state.safetensors says it holds",))
+    manifest = json.loads(members["manifest.json"])
+    manifest["sizes"]["program.json"] -= 1
+    yield Attack("compression_bomb", "a member larger than the manifest says", zip_of({**members, "manifest.json": json.dumps(manifest).encode()}),
+                 ("members' sizes differ from the manifest's",))
     extra = {**members, "extra.bin": b"x"}
     yield Attack("compression_bomb", "an extra member", zip_of(extra), ("its members are",))
 

@@ -241,6 +241,7 @@ def rewrite(data: bytes, edit) -> bytes:
     edit(program, manifest)
     members["program.json"] = json.dumps(program).encode()
     manifest["members"] = {n: hashlib.sha256(d).hexdigest() for n, d in members.items() if n != "manifest.json"}
+    manifest["sizes"] = {n: len(d) for n, d in members.items() if n != "manifest.json"}
     members["manifest.json"] = json.dumps(manifest).encode()
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as zf:
@@ -664,3 +665,19 @@ def test_dataclass_is_registered_only_once_the_file_is_verified():
     finally:
         if FreshOutput not in pytree.SUPPORTED_NODES:
             pytree.register_dataclass(FreshOutput)
+
+
+def test_files_of_the_first_version_1_writers_still_load():
+    """Their manifest has no `sizes` (optional in version 1): the zip's own sizes still bound reading."""
+    ep, args, kwargs = export_case("buffer_mutation")
+
+    def without_sizes(program, manifest):
+        manifest.pop("sizes")
+
+    data = rewrite(saved(ep), without_sizes)
+    import load_attacks
+
+    members = load_attacks.members_of(data)
+    members["manifest.json"] = json.dumps({k: v for k, v in json.loads(members["manifest.json"]).items() if k != "sizes"}).encode()
+    loaded = predispatch.load(io.BytesIO(load_attacks.zip_of(members)))
+    assert_same_behaviour(ep, loaded, args, kwargs)

@@ -4,7 +4,8 @@ Layout of format version 1 (docs/format.md states the guarantees and the version
 
     manifest.json          {"format": "predispatch.program", "version": 1,
                             "writer": {"predispatch": "0.1.0", "torch": "2.13.0"},
-                            "members": {"program.json": "<sha256>", ...}}
+                            "members": {"program.json": "<sha256>", ...},
+                            "sizes": {"program.json": <bytes>, ...}}     (optional)
     program.json           {"graph_module": ..., "signature": ..., "decompositions": ...,
                             "tensors": {"state": {name: record}, "constants": ..., "graph": ...}}
     state.safetensors      parameters and buffers, by fully qualified name
@@ -115,7 +116,10 @@ def save(ep: ExportedProgram, f: str | os.PathLike | BinaryIO) -> None:
     loaded program's `module()` always holds copies of the state.
     """
     members = _encode_program(ep)
-    manifest = {"format": FORMAT, "version": VERSION, "writer": _writer(), "members": {n: _digest(d) for n, d in members.items()}}
+    manifest = {
+        "format": FORMAT, "version": VERSION, "writer": _writer(), "members": {n: _digest(d) for n, d in members.items()},
+        "sizes": {n: len(d) for n, d in members.items()},  # checked before a member is read
+    }
     _write_zip(f, {_MANIFEST: _json_bytes(manifest), **members})
 
 
@@ -254,6 +258,9 @@ def _checked_members(archive: zipfile.ZipFile, manifest: dict) -> dict[str, byte
     expected = set(_MEMBERS) - {_MANIFEST}
     if not isinstance(digests, dict) or set(digests) != expected:
         raise SerializationError(f"manifest.json is corrupted: it lists members {short(digests)}, expected {sorted(expected)}.")
+    sizes = manifest.get("sizes")  # optional in version 1: files of the first writers lack it
+    if sizes is not None and sizes != {name: archive.getinfo(name).file_size for name in expected}:
+        raise SerializationError(f"the file is corrupted: its members' sizes differ from the manifest's {short(sizes)}.")
     members = {}
     for name in sorted(expected):
         data = archive.read(name)  # stored and size-checked (_check_layout); zipfile checks the CRC-32 too
