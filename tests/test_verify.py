@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -228,3 +229,19 @@ graph output 0 (BUFFER_MUTATION 'steps'): its value is torch.float32[0 dims], it
         ep = dataclasses.replace(self.ep, state_dict=state)
         self.assertEqual(program_problems(ep), [])  # export of a model built on the meta device
         self.assertIn("on device meta, which has no data to hold", str(program_problems(ep, stored=True)[0]))
+
+
+def test_sparse_ops_are_the_users_own_in_export_but_never_in_a_file():
+    """Export keeps the user's own sparse code (the `files_only` family); a file may not hold it."""
+    assert decide(aten._to_sparse.default, stored=False).allowed
+    assert decide(aten._to_sparse.default).family == "unsafe_layout"
+    assert not decide(aten.from_file.default, stored=False).allowed  # other refusals hold everywhere
+
+    class Sparse(nn.Module):
+        def forward(self, x):
+            return x.to_sparse().to_dense() * 2
+
+    ep = predispatch.export(Sparse(), (torch.randn(2, 3),))
+    assert program_problems(ep) == []
+    with pytest.raises(predispatch.errors.SerializationError, match=r"format version 1 cannot hold this program: graph module <root>, node _to_sparse: calls aten._to_sparse.default"):
+        predispatch.save(ep, io.BytesIO())

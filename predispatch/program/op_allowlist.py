@@ -53,13 +53,16 @@ class OpFamily:
     """One row of the allow list: which packets, allowed or not, and why.
 
     `matches` is the rule that generates the family's membership from torch's registry; the
-    rules are tried in table order and the first that matches decides.
+    rules are tried in table order and the first that matches decides.  `files_only`: refused
+    in a file, but export may emit it when the user's own code calls it (a sparse op); such a
+    program cannot be saved.
     """
 
     name: str
     allowed: bool
     reason: str
     matches: Callable[[PacketInfo], bool]
+    files_only: bool = False
 
 
 def _named(*names: str, prefixes: tuple[str, ...] = ()) -> Callable[[PacketInfo], bool]:
@@ -105,7 +108,8 @@ FAMILIES: tuple[OpFamily, ...] = (
              "strides or indices it does not check against the storage (`_sparse_coo_tensor_with_dims_and_tensors`, "
              "`_reshape_alias`, `set` onto a raw Storage); format version 1 holds strided tensors only",
              lambda p: p.name.startswith("aten.") and bool(_UNSAFE_LAYOUT.search(p.short))
-             and not p.short.lstrip("_").startswith("fake_quantize")),  # dense in, dense out
+             and not p.short.lstrip("_").startswith("fake_quantize"),  # dense in, dense out
+             files_only=True),
     OpFamily("test_only", False, "torch's own test ops; no model calls them", _named(prefixes=("_test_",))),
     OpFamily("torchscript_builtin", False,
              "TorchScript interpreter ops on Python values (str, list, dict), not dispatcher ops; export never emits them",
@@ -206,8 +210,12 @@ def _registered() -> frozenset[str]:
     return ti.dispatcher_op_names()
 
 
-def decide(op: torch._ops.OpOverload, extra_namespaces: tuple[str, ...] = ()) -> Decision:
-    """May `op` appear in a program?  Its packet's family first, then its own schema."""
+def decide(op: torch._ops.OpOverload, extra_namespaces: tuple[str, ...] = (), *, stored: bool = True) -> Decision:
+    """May `op` appear in a program?  Its packet's family first, then its own schema.
+
+    `stored`: in a program read from (or written to) a file; False for what export may emit,
+    which also allows the `files_only` families (the user's own sparse code, say).
+    """
     namespace, packet = op.namespace, op._schema.name.split("::")[1]
     overload = op._overloadname
     key = f"{op._schema.name}.{overload}" if overload != "default" else op._schema.name
@@ -217,7 +225,7 @@ def decide(op: torch._ops.OpOverload, extra_namespaces: tuple[str, ...] = ()) ->
             return Decision(False, "undecided", f"this torch's {namespace}.{packet} is not in the allow list "
                             "(a newer torch's op: regenerate predispatch/program/_op_families.py and review it)")
         family = FAMILY_BY_NAME[family_name]
-        if not family.allowed:
+        if not family.allowed and (stored or not family.files_only):
             return Decision(False, family.name, family.reason)
     elif namespace in extra_namespaces:
         family = OpFamily("caller_namespace", True, "a namespace the caller trusts (load(..., op_namespaces=...))", bool)

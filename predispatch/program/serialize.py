@@ -76,7 +76,7 @@ from predispatch.program._serialize_values import (
     unpack,
 )
 from predispatch.program.exported_program import ExportedProgram
-from predispatch.program.verify import verify_program
+from predispatch.program.verify import custom_namespaces, verify_program
 from predispatch.program.signature import (
     ExportSignature,
     InputKind,
@@ -110,11 +110,13 @@ _ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 def save(ep: ExportedProgram, f: str | os.PathLike | BinaryIO) -> None:
     """Write `ep` to `f` (a path or a binary file object) in the newest format version.
 
-    Everything is encoded before the first byte is written: a program the format cannot hold
-    raises `SerializationError` and leaves no file behind; a path is replaced atomically.
+    Everything is verified (the contract `load` checks) and encoded before the first byte is
+    written: a program the format cannot hold raises `SerializationError` and leaves no file
+    behind; a path is replaced atomically.
     What is not saved: `live_root`, `hooks` and `state_dict_owner` (live Python objects), so a
     loaded program's `module()` always holds copies of the state.
     """
+    verify_program(ep, op_namespaces=custom_namespaces(ep.graph_module), stored=True, context="format version 1 cannot hold this program: ")
     members = _encode_program(ep)
     manifest = {
         "format": FORMAT, "version": VERSION, "writer": _writer(), "members": {n: _digest(d) for n, d in members.items()},

@@ -20,9 +20,10 @@ What it checks, each from a table so that a new op family, HOP or output kind is
   stored tensor's dtype and shape, and every output is a node whose value is what its
   `OutputKind` says (`OUTPUT_RULES`): a tensor where a tensor is promised, a mutation with
   its target's dtype and shape;
-- with `stored=True` (a program read from a file): every tensor is a dense strided tensor
-  with data, inside its storage, never on the `meta` device, and node metadata holds no
-  meta, sparse or quantized tensor (format version 1 holds none).
+- with `stored=True` (a program read from or written to a file): no op of a `files_only`
+  family (sparse, nested, quantized; export emits them for the user's own code), every tensor
+  is a dense strided tensor with data, inside its storage, never on the `meta` device, and
+  node metadata holds no meta, sparse or quantized tensor (format version 1 holds none).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ HOP_CONVENTIONS: dict[str, HopConvention] = {
 }
 
 
-def _hop_problems(node: fx.Node, gm: fx.GraphModule, convention: HopConvention, namespaces: tuple[str, ...]) -> Iterator[str]:
+def _hop_problems(node: fx.Node, gm: fx.GraphModule, convention: HopConvention, namespaces: tuple[str, ...], stored: bool) -> Iterator[str]:
     args, name = node.args, node.target.name()
     if len(args) < len(convention.leading):
         yield f"{name} takes {len(convention.leading)} leading arguments ({', '.join(convention.leading)}), given {len(args)}"
@@ -169,7 +170,7 @@ def _hop_problems(node: fx.Node, gm: fx.GraphModule, convention: HopConvention, 
             if arity != len(operands):
                 yield f"{name} passes {len(operands)} operands to subgraph {args[index].target!r}, which takes {arity}"
     if convention.inner_op is not None and isinstance(args[convention.inner_op], torch._ops.OpOverload):
-        decision = decide(args[convention.inner_op], namespaces)
+        decision = decide(args[convention.inner_op], namespaces, stored=stored)
         if not decision.allowed:
             yield f"{name} calls {args[convention.inner_op]}, which a program may not call ({decision.family}: {decision.reason})"
 
@@ -255,15 +256,15 @@ def _node_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...
     elif node.op == "get_attr" and _held(gm, node.target) is None:
         yield f"get_attr {node.target!r} names nothing the module holds"
     elif node.op == "call_function":
-        yield from _call_problems(node, gm, namespaces)
+        yield from _call_problems(node, gm, namespaces, stored)
     if stored and "val" in node.meta:
         yield from _meta_problems(node.meta["val"])
 
 
-def _call_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...]) -> Iterator[str]:
+def _call_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool) -> Iterator[str]:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        decision = decide(target, namespaces)
+        decision = decide(target, namespaces, stored=stored)
         if not decision.allowed:
             yield f"calls {target}, which a program may not call ({decision.family}: {decision.reason})"
     elif isinstance(target, torch._ops.HigherOrderOperator):
@@ -271,7 +272,7 @@ def _call_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...
         if convention is None:
             yield f"calls the higher-order op {target.name()}, which programs do not hold (known: {', '.join(sorted(HOP_CONVENTIONS))})"
         else:
-            yield from _hop_problems(node, gm, convention, namespaces)
+            yield from _hop_problems(node, gm, convention, namespaces, stored)
     elif _hashable(target) and target in PYTHON_CALLABLES:
         check, _ = PYTHON_CALLABLES[target]
         if not check(node):
