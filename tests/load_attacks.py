@@ -352,7 +352,7 @@ def compression_bomb_attacks(bases: dict[str, bytes], rng: random.Random) -> Ite
 
 
 def _lie_about_size(data: bytearray, name: str, size: int) -> bytearray:
-    """Set `name`'s uncompressed size in the central directory (a zip64 field is not needed: < 4 GiB is not a lie enough)."""
+    """Set `name`'s uncompressed size in the central directory (capped below zip64's marker)."""
     import struct
 
     position = 0
