@@ -116,8 +116,8 @@ def save(ep: ExportedProgram, f: str | os.PathLike | BinaryIO) -> None:
     What is not saved: `live_root`, `hooks` and `state_dict_owner` (live Python objects), so a
     loaded program's `module()` always holds copies of the state.
     """
+    members = _encode_program(ep)  # first: its refusals (dynamic shapes, unnamed targets) are the more precise
     verify_program(ep, op_namespaces=custom_namespaces(ep.graph_module), stored=True, context="format version 1 cannot hold this program: ")
-    members = _encode_program(ep)
     manifest = {
         "format": FORMAT, "version": VERSION, "writer": _writer(), "members": {n: _digest(d) for n, d in members.items()},
         "sizes": {n: len(d) for n, d in members.items()},  # checked before a member is read
