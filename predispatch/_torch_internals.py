@@ -124,6 +124,8 @@ __all__ = [
     "reparametrize",
     "has_internal_overlap",
     "functional_rewrites",
+    "dispatcher_op_names",
+    "jit_op_schemas",
 ]
 
 #: What torch raises when Python needs a value that only exists at run time.
@@ -925,3 +927,15 @@ def symbol_ranges(fake_mode_or_env: Any, symbols: Any) -> dict:
     """torch.export's `range_constraints` for `symbols`: each one's ValueRanges in the ShapeEnv."""
     env = getattr(fake_mode_or_env, "shape_env", fake_mode_or_env)
     return {s: env.var_to_range[s] for s in symbols}
+def dispatcher_op_names() -> frozenset[str]:
+    """`ns::name.overload` (`ns::name` for the default overload) of every op the dispatcher holds.
+
+    TorchScript's interpreter builtins (`aten::len.t`, `aten::save`) are JIT operators only and
+    are not listed, though `torch.ops.aten.<name>` resolves them too.
+    """
+    return frozenset(torch._C._dispatch_get_all_op_names())
+
+
+def jit_op_schemas() -> list[torch._C.FunctionSchema]:
+    """The schema of every op `torch.ops` can resolve: dispatcher ops and TorchScript builtins."""
+    return list(torch._C._jit_get_all_schemas())

@@ -165,7 +165,9 @@ class SerializationError(PredispatchError):
     Cause (load): the file is not a predispatch program, is truncated or corrupted (every
     member is checksummed), has a format version this release does not read, names an op that
     is not allowed or does not exist in this torch, or names a class from a module that is not
-    imported.  Load never returns a partial program and never runs code the file chooses.
+    imported, or breaks the IR contract export keeps (program/verify.py: an op outside the
+    allow list, a HOP operand or output that lies, a meta tensor record), or is a compressed or
+    oversized archive.  Load never returns a partial program and never runs code the file chooses.
     Cause (save): the program holds something format version 1 cannot describe (a tensor
     subclass, a sparse tensor, a symbolic shape, a class defined inside a function).
     Fix: the message names the file member and the node or input; see docs/format.md.

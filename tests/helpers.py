@@ -40,7 +40,7 @@ def assert_same_tree(actual: Any, expected: Any, exact: bool = True) -> None:
 def export_and_check(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, exact: bool = True, **options):
     """Export, then check what every test of a module must hold; returns the program.
 
-    - the graph (and its subgraphs) holds no mutable op;
+    - the graph (and its subgraphs) holds no mutable op, and the program keeps the IR contract `load` checks;
     - the module's state_dict is bit-identical after export and its parameters are the same objects;
     - `ep.module()` on clones of the inputs gives eager's outputs, mutated inputs and buffers.
     """
@@ -49,6 +49,7 @@ def export_and_check(module: torch.nn.Module, args: tuple, kwargs: dict | None =
     params_before = dict(module.named_parameters())
     ep = predispatch.export(module, args, kwargs, **options)
     assert mutable_ops(ep.graph_module) == []
+    assert_verified(ep)
     after = module.state_dict(keep_vars=True)
     assert before.keys() == after.keys()
     for k, v in before.items():
@@ -81,6 +82,7 @@ def check_gradients(module: torch.nn.Module, args: tuple, kwargs: dict | None = 
     kwargs = kwargs or {}
     ep = predispatch.export(module, args, kwargs)
     assert mutable_ops(ep.graph_module) == []
+    assert_verified(ep)
     eager, program = copy.deepcopy(module), ep.module()
 
     def fresh():
@@ -124,3 +126,12 @@ def stable_message(exc: BaseException) -> str:
     """An error's text with test files' paths and line numbers made stable (`test_x.py:N`)."""
     text = str(exc).replace(TESTS_DIR + os.sep, "")
     return re.sub(r"(test_\w+\.py):\d+", r"\1:N", text)
+
+
+def assert_verified(ep: predispatch.ExportedProgram) -> None:
+    """The program keeps the IR contract `load` checks (predispatch/program/verify.py)."""
+    from predispatch.program.verify import custom_namespaces, program_problems
+
+    problems = program_problems(ep, op_namespaces=custom_namespaces(ep.graph_module))
+    assert not problems, "\n".join(map(str, problems))
+

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import io
 import json
+import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import time
 import zipfile
@@ -241,6 +244,7 @@ def rewrite(data: bytes, edit) -> bytes:
     edit(program, manifest)
     members["program.json"] = json.dumps(program).encode()
     manifest["members"] = {n: hashlib.sha256(d).hexdigest() for n, d in members.items() if n != "manifest.json"}
+    manifest["sizes"] = {n: len(d) for n, d in members.items() if n != "manifest.json"}
     members["manifest.json"] = json.dumps(manifest).encode()
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as zf:
@@ -558,3 +562,162 @@ def test_tables_name_every_hop_we_emit():
     for name, hop in serialize.HIGHER_ORDER_OPS.items():
         assert hop().name() == name
 
+
+
+# --------------------------------------------------------------------------- structural attacks
+
+
+def _run_attacks_subprocess(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """tests/load_attacks.py in a fresh interpreter: a crash fails the test, not the test run."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, os.path.join(TESTS, "load_attacks.py"), *argv], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+ATTACK_CLASSES = (
+    "io", "unsafe_constructor", "mutable", "global_state", "uninitialised", "output_type_lie",
+    "hop_operand_lie", "duplicate_key", "compression_bomb", "registration",
+)
+
+
+def test_structural_attacks_are_refused():
+    """Every attack class of issue 13, hand-written cases and random variants (~100 files),
+    in one subprocess: each is refused with SerializationError naming the node or member and
+    why, and no load changes what is registered globally (pytree nodes, op namespaces)."""
+    result = _run_attacks_subprocess()
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    started = [r for r in rows if r["outcome"] == "started"]
+    done = [r for r in rows if r["outcome"] != "started"]
+    assert result.returncode == 0 and len(started) == len(done), (
+        f"the attack subprocess died (rc {result.returncode}) during {started[-1] if started else None}:\n{result.stderr[-3000:]}"
+    )
+    counts = {klass: sum(r["class"] == klass for r in done) for klass in ATTACK_CLASSES}
+    assert all(counts.values()) and set(counts) == {r["class"] for r in done}, counts
+    wrong = [r for r in done if r["outcome"] != "refused" or r["missing"] or r["registered"]]
+    assert wrong == [], wrong
+
+
+def test_a_refused_compression_bomb_costs_no_memory(tmp_path):
+    """The issue's file: manifest.json deflated with 256 MiB of whitespace.  It is refused
+    before a byte is inflated; the loading process's peak RSS grows < 10 MB (measured in a
+    fresh process, after a warm-up load)."""
+    import load_attacks
+
+    ep, _, _ = export_case("autograd_functions")
+    good, bomb = tmp_path / "good.pdp", tmp_path / "bomb.pdp"
+    good.write_bytes(saved(ep))
+    compressed = load_attacks.write_bomb(str(bomb), good.read_bytes())
+    assert compressed < 2 << 20  # 256 MiB inflated
+    result = _run_attacks_subprocess("--measure", str(bomb), str(good))
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.splitlines()[-1])
+    assert measured["outcome"] == "refused" and "member manifest.json is compressed" in measured["message"], measured
+    assert measured["rss_peak_growth_bytes"] < 10 << 20 and measured["tracemalloc_peak_bytes"] < 10 << 20, measured
+
+
+class RefusedAttacks(TestCase):
+    """The messages of the attacks of issue 13, pinned (the subprocess test checks them all)."""
+
+    maxDiff = None
+
+    @classmethod
+    def setUpClass(cls):
+        cls.data = saved(export_case("autograd_functions")[0])
+
+    def refusal(self, edit) -> str:
+        return load_error(rewrite(self.data, lambda program, manifest: edit(program)))
+
+    def test_file_access(self):
+        def from_file(program):
+            node(program, "add_2").update(target="aten.from_file.default", args=["/etc/passwd", True, 4096])
+
+        self.assertExpectedInline(self.refusal(from_file), """\
+the program breaks the IR contract (docs/ir.md): graph module <root>, node add_2: calls aten.from_file.default, which a program may not call (io: reads or writes files, streams or the console; a program computes values only).
+  see docs/errors.md#serializationerror""")
+
+    def test_parameter_mutation(self):
+        def zero(program):
+            node(program, "add_2").update(target="aten.zero_.default", args=[{"node": "p_weight"}])
+
+        self.assertIn("node add_2: calls aten.zero_.default, which a program may not call (mutable_only:", self.refusal(zero))
+
+    def test_string_output(self):
+        def lie(program):
+            node(program, "output")["args"] = [{"tuple": ["pwned"]}]
+
+        self.assertExpectedInline(self.refusal(lie), """\
+the program breaks the IR contract (docs/ir.md): graph output 0 (USER_OUTPUT 'output'): is str 'pwned', not a node: the signature says it is computed.
+  see docs/errors.md#serializationerror""")
+
+    def test_tensor_as_subgraph(self):
+        def lie(program):
+            node(program, "wrap_with_set_grad_enabled")["args"][1] = {"node": "x"}
+
+        self.assertExpectedInline(self.refusal(lie), """\
+the program breaks the IR contract (docs/ir.md): graph module <root>, node wrap_with_set_grad_enabled: wrap_with_set_grad_enabled argument 1 must be a subgraph, not node x (placeholder).
+  see docs/errors.md#serializationerror""")
+
+    def test_meta_record(self):
+        def meta(program):
+            program["tensors"]["state"]["weight"]["device"] = "meta"
+
+        self.assertExpectedInline(self.refusal(meta), """\
+state.safetensors['weight']: a tensor on device meta; format version 1 holds tensors with data (cpu, cuda, ...).
+  see docs/errors.md#serializationerror""")
+
+    def test_duplicate_key(self):
+        with zipfile.ZipFile(io.BytesIO(self.data)) as zf:
+            members = {name: zf.read(name) for name in zf.namelist()}
+        members["program.json"] = members["program.json"].replace(
+            b'"target":"aten.add.Tensor"', b'"target":"aten.add.Tensor","target":"aten.from_file.default"', 1
+        )
+        import load_attacks
+
+        self.assertExpectedInline(load_error(load_attacks.zip_of(load_attacks.checksummed(members))), """\
+program.json is corrupted: it is not valid JSON (the key 'target' appears twice in one object).
+  see docs/errors.md#serializationerror""")
+
+
+@dataclasses.dataclass
+class FreshOutput:
+    """Returned by `ReturnsFresh`; the test unregisters it to play a process that never saw it."""
+
+    value: torch.Tensor
+
+
+pytree.register_dataclass(FreshOutput)
+
+
+class ReturnsFresh(nn.Module):
+    def forward(self, x):
+        return FreshOutput(x * 2)
+
+
+def test_dataclass_is_registered_only_once_the_file_is_verified():
+    x = torch.randn(3)
+    data = saved(predispatch.export(ReturnsFresh(), (x,)))
+    pytree._deregister_pytree_node(FreshOutput)
+    try:
+        def io_op(program, manifest):
+            node(program, "mul").update(target="aten.from_file.default", args=["/etc/passwd", True, 4096])
+
+        assert "(io:" in load_error(rewrite(data, io_op))
+        assert FreshOutput not in pytree.SUPPORTED_NODES  # a refused file registered nothing
+        loaded = predispatch.load(io.BytesIO(data))
+        assert FreshOutput in pytree.SUPPORTED_NODES  # a verified one registers it, as export does
+        assert_same_tree(loaded.module()(x), FreshOutput(x * 2))
+    finally:
+        if FreshOutput not in pytree.SUPPORTED_NODES:
+            pytree.register_dataclass(FreshOutput)
+
+
+def test_files_of_the_first_version_1_writers_still_load():
+    """Their manifest has no `sizes` (optional in version 1): the zip's own sizes still bound reading."""
+    import load_attacks
+
+    ep, args, kwargs = export_case("buffer_mutation")
+    members = load_attacks.members_of(saved(ep))
+    members["manifest.json"] = json.dumps({k: v for k, v in json.loads(members["manifest.json"]).items() if k != "sizes"}).encode()
+    loaded = predispatch.load(io.BytesIO(load_attacks.zip_of(members)))
+    assert_same_behaviour(ep, loaded, args, kwargs)

@@ -32,6 +32,10 @@ from torch import fx, nn
 from predispatch.errors import SerializationError
 from predispatch.program._serialize_shapes import encode_size
 
+#: Device types a stored tensor or tensor metadata may name: `meta` has no data, and a
+#: file has no business naming others.
+STORED_DEVICE_TYPES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "privateuseone"})
+
 
 def _torch_names(kind: type) -> dict[str, Any]:
     """torch's public values of one kind by name (`float32`, `strided`, `channels_last`)."""
@@ -199,6 +203,8 @@ def _decode_tensor_meta(meta: Any, where: str, refs: Refs) -> torch.Tensor:
     (offset,) = _sizes([meta.get("storage_offset")], where, refs)
     dtype = decode_named("dtype", meta.get("dtype"), where)
     device = parse_device(meta.get("device"))
+    if device.type not in STORED_DEVICE_TYPES:
+        raise SerializationError(f"{where}: tensor metadata on device {device}; format version 1 holds tensors with data (cpu, cuda, ...).")
     if len(shape) != len(stride) or (type(offset) is int and offset < 0):
         raise SerializationError(f"{where}: inconsistent tensor metadata {short(meta)}.")
     with refs.fake_mode:
@@ -295,23 +301,35 @@ def encode_spec(spec: pytree.TreeSpec, where: str) -> Any:
     }
 
 
-def decode_spec(data: Any, where: str) -> pytree.TreeSpec:
+def decode_spec(data: Any, where: str, unregistered: set[type]) -> pytree.TreeSpec:
+    """A pytree spec; dataclasses it names that are not registered yet go to `unregistered`.
+
+    Registering is a global change, so it waits until the whole file is verified: see
+    `register_dataclasses`.
+    """
     if data is None:
         return pytree.treespec_leaf()
     data = expect(data, dict, where)
-    node_type = _pytree_node_type(expect(data.get("type"), str, where), where)
+    node_type = _pytree_node_type(expect(data.get("type"), str, where), where, unregistered)
     context = decode(data.get("context"), f"{where} context", Refs(class_check=_CONTEXT_CLASSES.get(node_type)))
-    children = [decode_spec(c, f"{where}[{i}]") for i, c in enumerate(expect(data.get("children"), list, where))]
+    children = [decode_spec(c, f"{where}[{i}]", unregistered) for i, c in enumerate(expect(data.get("children"), list, where))]
     return pytree.TreeSpec(node_type, context, children)
 
 
-def _pytree_node_type(name: str, where: str) -> Any:
-    """A registered pytree node type; a dataclass is registered as `export` registers it."""
+def register_dataclasses(classes: set[type]) -> None:
+    """Register the dataclasses a verified file's specs name, as `export` registers them."""
+    for cls in sorted(classes, key=lambda c: f"{c.__module__}:{c.__qualname__}"):
+        if cls not in pytree.SUPPORTED_NODES:
+            pytree.register_dataclass(cls)
+
+
+def _pytree_node_type(name: str, where: str, unregistered: set[type]) -> Any:
+    """A registered pytree node type, or a dataclass to register once the file is verified."""
     node_type = find_class(name, where)
     if node_type in pytree.SUPPORTED_NODES:
         return node_type
     if isinstance(node_type, type) and dataclasses.is_dataclass(node_type):
-        pytree.register_dataclass(node_type)
+        unregistered.add(node_type)
         return node_type
     raise SerializationError(
         f"{where}: {name} is not a pytree node type in this process.",
@@ -395,8 +413,10 @@ def _restore(raw: torch.Tensor, record: dict, where: str) -> torch.Tensor:
     values = raw.view(dtype) if expect(record.get("as_bytes"), bool, where) else raw
     if values.dtype != dtype or values.numel() != math.prod(shape) or len(stride) != len(shape) or not _is_dense(shape, stride):
         raise SerializationError(f"{where}: the stored data ({values.dtype}, {values.numel()} elements) does not match its record {short(record)}.")
-    tensor = torch.empty_strided(shape, stride, dtype=dtype).copy_(values.reshape(shape))
     device = parse_device(record.get("device"))
+    if device.type not in STORED_DEVICE_TYPES:
+        raise SerializationError(f"{where}: a tensor on device {device}; format version 1 holds tensors with data (cpu, cuda, ...).")
+    tensor = torch.empty_strided(shape, stride, dtype=dtype).copy_(values.reshape(shape))
     if device.type != "cpu":
         tensor = tensor.to(device)
     requires_grad = expect(record.get("requires_grad"), bool, where)

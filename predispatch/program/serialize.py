@@ -4,7 +4,8 @@ Layout of format version 1 (docs/format.md states the guarantees and the version
 
     manifest.json          {"format": "predispatch.program", "version": 1,
                             "writer": {"predispatch": "0.1.0", "torch": "2.13.0"},
-                            "members": {"program.json": "<sha256>", ...}}
+                            "members": {"program.json": "<sha256>", ...},
+                            "sizes": {"program.json": <bytes>, ...}}     (optional)
     program.json           {"graph_module": ..., "signature": ..., "decompositions": ...,
                             "tensors": {"state": {name: record}, "constants": ..., "graph": ...}}
     state.safetensors      parameters and buffers, by fully qualified name
@@ -12,9 +13,11 @@ Layout of format version 1 (docs/format.md states the guarantees and the version
     graph.safetensors      tensors graph modules hold themselves (`_tensor_constant0`), by path
 
 Members are stored uncompressed with a fixed timestamp, so a program always saves to the same
-bytes.  `load` reads the manifest, refuses a version it does not read, and checks every
-member's SHA-256 before parsing it.  Graphs are encoded by `_serialize_graph.py`, values,
-pytree specs and tensors by `_serialize_values.py`.
+bytes.  `load` checks the archive's layout and sizes before reading a byte (Note [Bounded
+reading]), reads the manifest, refuses a version it does not read, checks every member's
+SHA-256 before parsing it, and verifies the decoded program against the IR contract
+(`verify.py`) before it registers anything or returns.  Graphs are encoded by
+`_serialize_graph.py`, values, pytree specs and tensors by `_serialize_values.py`.
 
 Note [What load trusts]
 -----------------------
@@ -30,7 +33,9 @@ A file may come from a stranger, so nothing in it chooses code to run:
   names, placeholder and attribute targets, keyword names) must be an identifier, and text
   FX may print as a comment (stack traces) holds no carriage return.
 Running the loaded program calls those ops and those pytree types' (un)flatten functions: code
-the user's own process registered, never code from the file.
+the user's own process registered, never code from the file.  Which of torch's ops a program
+may call at all is the verifier's allow list (`op_allowlist.py`): no I/O, no global state, no
+mutation, no op that trusts sizes or indices it does not check; see docs/format.md's threat model.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import secrets
 import zipfile
@@ -59,8 +65,19 @@ from predispatch.program._serialize_graph import (
     encode_module,
 )
 from predispatch.program._serialize_shapes import SymbolTable
-from predispatch.program._serialize_values import decode, decode_spec, encode, encode_spec, expect, pack, short, unpack
+from predispatch.program._serialize_values import (
+    decode,
+    decode_spec,
+    encode,
+    encode_spec,
+    expect,
+    pack,
+    register_dataclasses,
+    short,
+    unpack,
+)
 from predispatch.program.exported_program import ExportedProgram
+from predispatch.program.verify import custom_namespaces, verify_program
 from predispatch.program.signature import (
     ExportSignature,
     InputKind,
@@ -94,13 +111,18 @@ _ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 def save(ep: ExportedProgram, f: str | os.PathLike | BinaryIO) -> None:
     """Write `ep` to `f` (a path or a binary file object) in the newest format version.
 
-    Everything is encoded before the first byte is written: a program the format cannot hold
-    raises `SerializationError` and leaves no file behind; a path is replaced atomically.
+    Everything is verified (the contract `load` checks) and encoded before the first byte is
+    written: a program the format cannot hold raises `SerializationError` and leaves no file
+    behind; a path is replaced atomically.
     What is not saved: `live_root`, `hooks` and `state_dict_owner` (live Python objects), so a
     loaded program's `module()` always holds copies of the state.
     """
-    members = _encode_program(ep)
-    manifest = {"format": FORMAT, "version": VERSION, "writer": _writer(), "members": {n: _digest(d) for n, d in members.items()}}
+    members = _encode_program(ep)  # first: its refusals (dynamic shapes, unnamed targets) are the more precise
+    verify_program(ep, op_namespaces=custom_namespaces(ep.graph_module), stored=True, context="format version 1 cannot hold this program: ")
+    manifest = {
+        "format": FORMAT, "version": VERSION, "writer": _writer(), "members": {n: _digest(d) for n, d in members.items()},
+        "sizes": {n: len(d) for n, d in members.items()},  # checked before a member is read
+    }
     _write_zip(f, {_MANIFEST: _json_bytes(manifest), **members})
 
 
@@ -161,20 +183,57 @@ def _zip_into(out: BinaryIO, members: Mapping[str, bytes]) -> None:
 
 
 def _read_archive(f: BinaryIO) -> dict[str, bytes]:
-    """The members, after the version check and every checksum."""
+    """The members, after the layout and size checks, the version check and every checksum.
+
+    See Note [Bounded reading]: nothing is inflated, and no member is read before its name,
+    storage method and size have been checked against the format and the file's length.
+    """
     try:
         archive = zipfile.ZipFile(f)
+        length = f.seek(0, os.SEEK_END)
     except (zipfile.BadZipFile, EOFError, ValueError, OSError) as exc:
         raise SerializationError(
             "the file is not a predispatch program: not a zip archive, or truncated.",
             fix="pass a file written by predispatch.save; if it was, it was cut short or damaged.",
         ) from exc
     with archive:
-        names = archive.namelist()
-        if _MANIFEST not in names:
+        infos = archive.infolist()
+        if _MANIFEST not in [i.filename for i in infos]:
             raise SerializationError("the file is not a predispatch program: it has no manifest.json.")
+        _check_layout(infos, length)
         manifest = _check_manifest(archive.read(_MANIFEST))
-        return _checked_members(archive, names, manifest)
+        return _checked_members(archive, manifest)
+
+
+#: The most bytes a member may hold, besides the file's own length (tensor members: only that).
+MEMBER_LIMITS = {_MANIFEST: 64 * 1024, _PROGRAM: 256 * 1024 * 1024}
+
+
+def _check_layout(infos: list[zipfile.ZipInfo], length: int) -> None:
+    """Note [Bounded reading]
+    ------------------------
+    A zip's central directory states each member's method and sizes; `zipfile` would inflate
+    whatever it is told to.  Before any member is read: the names are exactly the format's
+    members (each once), each is stored (format version 1 compresses nothing, so there is
+    nothing to inflate), its stated size equals its stored size and fits in the file and in
+    `MEMBER_LIMITS` (the manifest is small).  Reading then costs at most the file's length.
+    """
+    names = [i.filename for i in infos]
+    if sorted(names) != sorted(_MEMBERS):
+        raise SerializationError(f"the file is corrupted: its members are {short(sorted(names))}, expected {sorted(_MEMBERS)}.")
+    for info in infos:
+        member = f"member {info.filename}"
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise SerializationError(
+                f"the file is corrupted: {member} is compressed (method {info.compress_type}); "
+                "format version 1 stores members as they are, so load inflates nothing."
+            )
+        limit = min(length, MEMBER_LIMITS.get(info.filename, length))
+        if info.file_size != info.compress_size or info.file_size > limit or info.header_offset + info.compress_size > length:
+            raise SerializationError(
+                f"the file is corrupted: {member} says it holds {info.file_size} bytes "
+                f"({info.compress_size} stored) in a file of {length}; the limit is {limit}."
+            )
 
 
 def _check_manifest(data: bytes) -> dict:
@@ -197,28 +256,58 @@ def _check_manifest(data: bytes) -> dict:
     return manifest
 
 
-def _checked_members(archive: zipfile.ZipFile, names: list[str], manifest: dict) -> dict[str, bytes]:
+def _checked_members(archive: zipfile.ZipFile, manifest: dict) -> dict[str, bytes]:
     digests = manifest.get("members")
     expected = set(_MEMBERS) - {_MANIFEST}
-    if sorted(names) != sorted(_MEMBERS) or not isinstance(digests, dict) or set(digests) != expected:
-        raise SerializationError(f"the file is corrupted: its members are {sorted(names)}, expected {sorted(_MEMBERS)}.")
+    if not isinstance(digests, dict) or set(digests) != expected:
+        raise SerializationError(f"manifest.json is corrupted: it lists members {short(digests)}, expected {sorted(expected)}.")
+    sizes = manifest.get("sizes")  # optional in version 1: files of the first writers lack it
+    if sizes is not None and sizes != {name: archive.getinfo(name).file_size for name in expected}:
+        raise SerializationError(f"the file is corrupted: its members' sizes differ from the manifest's {short(sizes)}.")
     members = {}
     for name in sorted(expected):
-        if archive.getinfo(name).compress_type != zipfile.ZIP_STORED:
-            raise SerializationError(f"the file is corrupted: member {name} is compressed; format version 1 stores members as they are.")
-        data = archive.read(name)  # zipfile checks the CRC-32 too
+        data = archive.read(name)  # stored and size-checked (_check_layout); zipfile checks the CRC-32 too
         if _digest(data) != digests[name]:
             raise SerializationError(f"the file is corrupted: member {name} does not match its checksum.")
         members[name] = data
     return members
 
 
+#: JSON integers a file may hold: what an int64 (or a uint64 size) can be.
+_INT_RANGE = (-(2**63), 2**64 - 1)
+
+
 def _parse_json(data: bytes, member: str) -> Any:
+    """Strict JSON: no duplicated keys, no NaN or Infinity, integers in the int64/uint64 range."""
+
     def no_constants(token: str) -> Any:
         raise ValueError(f"{token} is not JSON")
 
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+        result = dict(pairs)
+        if len(result) != len(pairs):
+            seen: set[str] = set()
+            duplicated = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise ValueError(f"the key {duplicated!r} appears twice in one object")
+        return result
+
+    def bounded_int(text: str) -> int:
+        value = int(text)
+        if not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+            raise ValueError(f"the integer {text[:30]} is out of range")
+        return value
+
+    def finite_float(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"the number {text[:30]} is out of range")
+        return value
+
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=no_constants)
+        return json.loads(
+            data.decode("utf-8"), parse_constant=no_constants, object_pairs_hook=unique_keys,
+            parse_int=bounded_int, parse_float=finite_float,
+        )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise SerializationError(f"{member} is corrupted: it is not valid JSON ({exc}).") from exc
 
@@ -306,7 +395,7 @@ def _deep_tuple(value: Any) -> Any:
     return tuple(map(_deep_tuple, value)) if isinstance(value, (list, tuple)) else value
 
 
-def _decode_signature(data: Any) -> ExportSignature:
+def _decode_signature(data: Any, unregistered: set[type]) -> ExportSignature:
     where = "signature"
     data = expect(data, dict, where)
     grad_mode = data.get("grad_mode_on_exit")
@@ -315,8 +404,8 @@ def _decode_signature(data: Any) -> ExportSignature:
     return ExportSignature(
         tuple(_decode_input(expect(s, dict, where), where) for s in expect(data.get("inputs"), list, where)),
         tuple(_decode_output(expect(s, dict, where), where) for s in expect(data.get("outputs"), list, where)),
-        decode_spec(data.get("in_spec"), f"{where} in_spec"),
-        decode_spec(data.get("out_spec"), f"{where} out_spec"),
+        decode_spec(data.get("in_spec"), f"{where} in_spec", unregistered),
+        decode_spec(data.get("out_spec"), f"{where} out_spec", unregistered),
         tuple(_decode_leaf(leaf, f"{where} input_leaves") for leaf in expect(data.get("input_leaves"), list, where)),
         tuple(_decode_leaf(leaf, f"{where} output_leaves") for leaf in expect(data.get("output_leaves"), list, where)),
         grad_mode,
@@ -326,8 +415,6 @@ def _decode_signature(data: Any) -> ExportSignature:
     )
 
 
-#: The outputs that are leaves of the program's result (a joint program's gradients too).
-_LEAF_KINDS = (OutputKind.USER_OUTPUT, OutputKind.GRADIENT_TO_PARAMETER, OutputKind.GRADIENT_TO_USER_INPUT)
 
 
 def _decode_training_flags(data: Any, where: str) -> tuple[tuple[str, bool], ...]:
@@ -397,8 +484,9 @@ def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...]) -
     for group, member in _TENSOR_MEMBERS.items():
         with _reading(member):
             tensors[group] = unpack(members[member], records.get(group), member)
+    unregistered: set[type] = set()
     with _reading(_PROGRAM):
-        signature = _decode_signature(program.get("signature"))  # first: it declares the size symbols
+        signature = _decode_signature(program.get("signature"), unregistered)  # first: it declares the size symbols
         fake_mode = ti.new_fake_mode()
         symbols = SymbolTable(fake_mode, signature.shapes, "signature shapes")
         loading = GraphLoading(namespaces, fake_mode, tensors["graph"], symbols)
@@ -407,7 +495,8 @@ def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...]) -
             gm, signature, tensors["state"], tensors["constants"],
             _decode_decompositions(program.get("decompositions")),
         )
-        _check_consistent(ep)
+        verify_program(ep, op_namespaces=namespaces, stored=True, context="the program breaks the IR contract (docs/ir.md): ")
+    register_dataclasses(unregistered)  # the first global change, once the whole file is verified
     return ep
 
 
@@ -418,25 +507,3 @@ def _decode_decompositions(data: Any) -> DecompositionLog:
         entry = expect(entry, dict, f"{where}[{name!r}]")
         log.decisions[name] = (expect(entry.get("kept_whole"), bool, where), expect(entry.get("why"), str, where))
     return log
-
-
-def _check_consistent(ep: ExportedProgram) -> None:
-    """The signature, the graph and the state describe one program (a crafted file may not)."""
-    sig, problems = ep.signature, []
-    placeholders = [n.name for n in ep.graph.find_nodes(op="placeholder")]
-    if placeholders != [s.name for s in sig.inputs]:
-        problems.append(f"placeholders {placeholders} differ from the signature's inputs")
-    outputs = ep.graph.output_node().args[0] if ep.graph.output_node().args else ()
-    if not isinstance(outputs, (tuple, list)) or len(outputs) != len(sig.outputs):
-        problems.append("the graph's outputs differ from the signature's outputs")
-    state = {s.target for s in sig.inputs_of(InputKind.PARAMETER, InputKind.BUFFER)}
-    constants = {s.target for s in sig.inputs_of(InputKind.CONSTANT_TENSOR)}
-    if set(ep.state_dict) != state or set(ep.constants) != constants:
-        problems.append("the stored tensors differ from the signature's parameters, buffers and constants")
-    tensor_leaves = sum(leaf.is_tensor for leaf in sig.input_leaves)
-    if sig.in_spec.num_leaves != len(sig.input_leaves) or tensor_leaves != len(sig.inputs_of(InputKind.USER_INPUT)):
-        problems.append("the input spec, input leaves and user inputs disagree")
-    if sig.out_spec.num_leaves != len(sig.output_leaves) or sum(leaf.is_tensor for leaf in sig.output_leaves) != len(sig.outputs_of(*_LEAF_KINDS)):
-        problems.append("the output spec, output leaves and user outputs disagree")
-    if problems:
-        raise SerializationError(f"program.json is inconsistent: {'; '.join(problems)}.")

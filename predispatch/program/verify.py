@@ -1,0 +1,523 @@
+"""The IR contract of docs/ir.md, checked: what `export` guarantees is what `load` requires.
+
+One verifier for both directions, so the two cannot drift: `load` runs it on every file
+before it returns a program (a crafted file must not run what export could never emit), and
+the test suite runs it on every program it exports (tests/conftest.py, tests/helpers.py).
+
+    problems = program_problems(ep)          # [] for a good program; data, for tests and tools
+    verify_program(ep, error=SerializationError, stored=True)   # load: raise on the first ones
+    graph_problems(gm)                        # one graph module and its subgraphs
+    verifying(predispatch._export._export_with_policy)   # export, checked (the tests' hook)
+
+What it checks, each from a table so that a new op family, HOP or output kind is one entry:
+- ops: `op_allowlist.decide` for every OpOverload (the allow list, then the schema);
+  `HOP_CONVENTIONS` for higher-order ops (argument kinds, subgraphs that are subgraphs of
+  this module, operand counts that match the subgraph's placeholders); `PYTHON_CALLABLES`
+  for the few plain functions a graph may call;
+- structure: placeholders first, one output last, `get_attr` naming what the module holds,
+  no `call_module` / `call_method`;
+- the signature: placeholders are the signature's inputs, state placeholders carry their
+  stored tensor's dtype and shape, and every output is a node whose value is what its
+  `OutputKind` says (`OUTPUT_RULES`): a tensor where a tensor is promised, a mutation with
+  its target's dtype and shape;
+- with `stored=True` (a program read from or written to a file): no op of a `files_only`
+  family (sparse, nested, quantized; export emits them for the user's own code), every tensor
+  is a dense strided tensor with data, inside its storage, never on the `meta` device, and
+  node metadata holds no meta, sparse or quantized tensor (format version 1 holds none).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx, nn
+
+from predispatch.errors import SerializationError
+from predispatch.program._serialize_values import STORED_DEVICE_TYPES
+from predispatch.program.op_allowlist import decide
+from predispatch.program.signature import InputKind
+
+if TYPE_CHECKING:
+    from predispatch.program.exported_program import ExportedProgram
+
+__all__ = [
+    "HOP_CONVENTIONS", "OUTPUT_RULES", "PYTHON_CALLABLES", "HopConvention", "Problem", "custom_namespaces",
+    "graph_problems", "program_problems", "stored_tensor_problems", "verify_program", "verifying",
+]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One broken promise: where (graph module and node, signature entry, tensor) and why."""
+
+    where: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.why}"
+
+
+# --------------------------------------------------------------------------- argument kinds
+
+
+def _is_subgraph(value: Any, gm: fx.GraphModule) -> bool:
+    """A `get_attr` node of this graph naming a GraphModule this module holds."""
+    return isinstance(value, fx.Node) and value.op == "get_attr" and isinstance(_held(gm, value.target), fx.GraphModule)
+
+
+def _is_ints(value: Any, gm: fx.GraphModule) -> bool:
+    return isinstance(value, (list, tuple)) and all(type(v) is int and v >= 0 for v in value)
+
+
+#: What an argument of a given kind may be.  A kind ending in `?` may also be None.
+ARGUMENT_KINDS: dict[str, Callable[[Any, fx.GraphModule], bool]] = {
+    "subgraph": _is_subgraph,
+    "node": lambda v, gm: isinstance(v, fx.Node) and v.op != "get_attr",
+    "bool": lambda v, gm: type(v) is bool,
+    "str": lambda v, gm: type(v) is str,
+    "int": lambda v, gm: type(v) is int,
+    "dtype": lambda v, gm: isinstance(v, torch.dtype),
+    "ints": _is_ints,
+    "op": lambda v, gm: isinstance(v, torch._ops.OpOverload),
+    "predicate": lambda v, gm: type(v) is bool or (isinstance(v, fx.Node) and v.op != "get_attr"),
+    "none": lambda v, gm: v is None,
+}
+
+
+def _kind_ok(kind: str, value: Any, gm: fx.GraphModule) -> bool:
+    if kind.endswith("?"):
+        return value is None or ARGUMENT_KINDS[kind[:-1]](value, gm)
+    return ARGUMENT_KINDS[kind](value, gm)
+
+
+# --------------------------------------------------------------------------- higher-order ops
+
+
+@dataclass(frozen=True)
+class HopConvention:
+    """How a higher-order op is called: `hop(*leading, *operands, **kwargs)`.
+
+    leading: the kinds of the fixed arguments (`ARGUMENT_KINDS`), subgraphs among them.
+    operands: the kinds an operand may be.
+    kwargs: the keyword arguments it takes, all required, by kind.
+    bodies: indices in `leading` of the subgraphs the operands are passed to (their
+        placeholders must match the operands' count).
+    packed: the operands are one tuple argument after `leading` (`cond`), not spread.
+    inner_op: index in `leading` of an op the HOP calls (`with_effects`), itself checked.
+    reason: why programs hold this HOP.
+    """
+
+    leading: tuple[str, ...]
+    operands: tuple[str, ...]
+    reason: str
+    kwargs: Mapping[str, str] = field(default_factory=dict)
+    bodies: tuple[int, ...] = ()
+    packed: bool = False
+    inner_op: int | None = None
+
+
+#: The higher-order ops a program may call, by `hop.name()`, and their calling conventions.
+HOP_CONVENTIONS: dict[str, HopConvention] = {
+    "wrap_with_set_grad_enabled": HopConvention(
+        ("bool", "subgraph"), ("node",), "a grad-mode region: runs its subgraph with grad mode set, for that scope only", bodies=(1,)),
+    "wrap_with_autocast": HopConvention(
+        ("str", "dtype?", "bool", "bool?", "subgraph"), ("node",),
+        "an autocast region: runs its subgraph under torch.autocast, for that scope only", bodies=(4,)),
+    "autograd_function_apply": HopConvention(
+        ("subgraph", "subgraph"), ("node",), "a custom autograd.Function: forward and backward subgraphs",
+        kwargs={"non_differentiable_idx": "ints", "saved_for_backward_idx": "ints"}, bodies=(0,)),
+    "invoke_subgraph": HopConvention(
+        ("subgraph", "str"), ("node", "int", "none"), "a repeated block: one subgraph called at each repetition", bodies=(0,)),
+    "with_effects": HopConvention(
+        ("node", "op"), ("node", "int", "none", "bool", "str"), "an effectful op ordered by a token; the op itself is checked",
+        inner_op=1),
+    "cond": HopConvention(
+        ("predicate", "subgraph", "subgraph"), ("node",), "torch.cond in the user's code: both branches kept, one runs",
+        bodies=(1, 2), packed=True),
+}
+
+
+def _hop_problems(node: fx.Node, gm: fx.GraphModule, convention: HopConvention, namespaces: tuple[str, ...], stored: bool) -> Iterator[str]:
+    args, name = node.args, node.target.name()
+    if len(args) < len(convention.leading):
+        yield f"{name} takes {len(convention.leading)} leading arguments ({', '.join(convention.leading)}), given {len(args)}"
+        return
+    for i, (kind, value) in enumerate(zip(convention.leading, args)):
+        if not _kind_ok(kind, value, gm):
+            yield f"{name} argument {i} must be a {_kind_text(kind)}, not {_describe(value)}"
+    operands = args[len(convention.leading):]
+    if convention.packed:
+        if len(operands) != 1 or not isinstance(operands[0], (tuple, list)):
+            yield f"{name} takes its operands as one tuple after {len(convention.leading)} arguments, given {_describe(operands)}"
+            return
+        operands = operands[0]
+    for i, value in enumerate(operands):
+        if not any(_kind_ok(kind, value, gm) for kind in convention.operands):
+            yield f"{name} operand {i} is {_describe(value)}; operands are {' or '.join(convention.operands)}"
+    if set(node.kwargs) != set(convention.kwargs):
+        yield f"{name} takes keyword arguments {sorted(convention.kwargs)}, given {sorted(node.kwargs)}"
+    for key, kind in convention.kwargs.items():
+        if key in node.kwargs and not _kind_ok(kind, node.kwargs[key], gm):
+            yield f"{name} keyword {key!r} must be {_kind_text(kind)}, not {_describe(node.kwargs[key])}"
+    for index in convention.bodies:
+        if _is_subgraph(args[index], gm):
+            arity = len(_held(gm, args[index].target).graph.find_nodes(op="placeholder"))
+            if arity != len(operands):
+                yield f"{name} passes {len(operands)} operands to subgraph {args[index].target!r}, which takes {arity}"
+    if convention.inner_op is not None and isinstance(args[convention.inner_op], torch._ops.OpOverload):
+        decision = decide(args[convention.inner_op], namespaces, stored=stored)
+        if not decision.allowed:
+            yield f"{name} calls {args[convention.inner_op]}, which a program may not call ({decision.family}: {decision.reason})"
+
+
+def _kind_text(kind: str) -> str:
+    return f"{kind[:-1]} or None" if kind.endswith("?") else kind
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, fx.Node):
+        return f"node {value.name} ({value.op})"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+# --------------------------------------------------------------------------- Python callables
+
+
+def _getitem_args(node: fx.Node) -> bool:
+    return len(node.args) == 2 and not node.kwargs and isinstance(node.args[0], fx.Node) and type(node.args[1]) is int
+
+
+def _scalar_args(node: fx.Node) -> bool:
+    return not node.kwargs and all(isinstance(a, (fx.Node, int, float, bool)) for a in node.args)
+
+
+_SYMBOLIC_REASON = "arithmetic on symbolic sizes (dynamic shapes), as torch.export emits it"
+
+#: Plain Python functions a graph may call, with the argument check each must pass and why.
+PYTHON_CALLABLES: dict[Callable[..., Any], tuple[Callable[[fx.Node], bool], str]] = {
+    operator.getitem: (_getitem_args, "unpacks a multi-output op's or a HOP's result by index"),
+    **{fn: (_scalar_args, _SYMBOLIC_REASON) for fn in (
+        operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod, operator.pow,
+        operator.neg, operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
+        operator.and_, operator.or_, operator.not_, torch.sym_float, torch.sym_int, torch.sym_max, torch.sym_min,
+        torch.sym_not, torch.sym_ite, math.ceil, math.floor, math.trunc,
+    )},
+}
+
+
+# --------------------------------------------------------------------------- graphs
+
+
+_NODE_OPS = ("placeholder", "get_attr", "call_function", "output")
+
+
+def _held(gm: nn.Module, target: str) -> Any:
+    """What a `get_attr` target names in `gm` (a submodule, parameter or buffer), or None."""
+    *path, last = target.split(".")
+    for part in path:
+        gm = gm._modules.get(part)
+        if gm is None:
+            return None
+    for table in (gm._modules, gm._parameters, gm._buffers):
+        if last in table:
+            return table[last]
+    return None
+
+
+def graph_problems(gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), stored: bool = False, path: str = "") -> list[Problem]:
+    """Problems of one graph module and of every module it holds (its subgraphs)."""
+    where = f"graph module {path or '<root>'}"
+    problems = [Problem(f"{where}, node {node.name}", why) for node in gm.graph.nodes for why in _node_problems(node, gm, op_namespaces, stored)]
+    kinds = [node.op for node in gm.graph.nodes]
+    placeholders = kinds.count("placeholder")
+    if kinds[:placeholders] != ["placeholder"] * placeholders or kinds.count("output") != 1 or kinds[-1:] != ["output"]:
+        problems.append(Problem(where, "the graph must be placeholders, then computations, then one output"))
+    for name, child in gm.named_children():
+        child_path = f"{path}.{name}".lstrip(".")
+        if not isinstance(child, fx.GraphModule):
+            problems.append(Problem(where, f"holds {name!r}, a {type(child).__name__}; a program holds only graph modules"))
+        else:
+            problems += graph_problems(child, op_namespaces=op_namespaces, stored=stored, path=child_path)
+    if stored:
+        for name, tensor in (*gm._parameters.items(), *gm._buffers.items()):
+            problems += [Problem(f"{where}, tensor {name}", why) for why in stored_tensor_problems(tensor)]
+    return problems
+
+
+def _node_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool) -> Iterator[str]:
+    if node.op not in _NODE_OPS:
+        yield f"a {node.op} node; programs hold only {', '.join(_NODE_OPS)}"
+    elif node.op == "get_attr" and _held(gm, node.target) is None:
+        yield f"get_attr {node.target!r} names nothing the module holds"
+    elif node.op == "call_function":
+        yield from _call_problems(node, gm, namespaces, stored)
+    if stored and "val" in node.meta:
+        yield from _meta_problems(node.meta["val"])
+
+
+def _call_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool) -> Iterator[str]:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        decision = decide(target, namespaces, stored=stored)
+        if not decision.allowed:
+            yield f"calls {target}, which a program may not call ({decision.family}: {decision.reason})"
+    elif isinstance(target, torch._ops.HigherOrderOperator):
+        convention = HOP_CONVENTIONS.get(target.name())
+        if convention is None:
+            yield f"calls the higher-order op {target.name()}, which programs do not hold (known: {', '.join(sorted(HOP_CONVENTIONS))})"
+        else:
+            yield from _hop_problems(node, gm, convention, namespaces, stored)
+    elif _hashable(target) and target in PYTHON_CALLABLES:
+        check, _ = PYTHON_CALLABLES[target]
+        if not check(node):
+            yield f"calls {getattr(target, '__name__', target)} with arguments {_describe(node.args)}"
+    else:
+        yield f"calls {getattr(target, '__qualname__', target)!s}, which is neither an allowed op, a known HOP nor an allowed Python function"
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _meta_problems(value: Any) -> Iterator[str]:
+    """A stored program's node metadata: format version 1's tensors only."""
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _meta_problems(item)
+    elif isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_quantized:
+            yield f"its value is a {value.layout} tensor; format version 1 holds strided tensors only"
+        if value.device.type == "meta":
+            yield "its value is on the meta device (no data); format version 1 holds tensors with data"
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def stored_tensor_problems(t: Any) -> list[str]:
+    """Why `t` is not a tensor format version 1 holds: dense, strided, with data in bounds."""
+    if type(t) not in (torch.Tensor, nn.Parameter):
+        return [f"a {type(t).__name__}, not a tensor"]
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        return [f"a {t.layout} tensor; format version 1 holds strided tensors only"]
+    if t.device.type not in STORED_DEVICE_TYPES:
+        return [f"on device {t.device}, which has no data to hold" if t.device.type == "meta" else f"on device {t.device}"]
+    if t.numel():
+        extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        if min(t.stride(), default=0) < 0 or (extent + 1) * t.element_size() > t.untyped_storage().nbytes():
+            return [f"its shape {list(t.shape)} and stride {list(t.stride())} reach outside its storage"]
+    return []
+
+
+# --------------------------------------------------------------------------- the program
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _same_metadata(value: Any, expected: torch.Tensor) -> str | None:
+    """Why a node's value cannot stand for `expected`, or None (dtype, rank, static sizes)."""
+    if not isinstance(value, torch.Tensor):
+        return f"its value is {_describe(value)}, not a tensor"
+    if value.dtype != expected.dtype or value.dim() != expected.dim():
+        return f"its value is {value.dtype}[{value.dim()} dims], its target {expected.dtype}[{expected.dim()} dims]"
+    sizes = [(a, b) for a, b in zip(value.shape, expected.shape) if type(a) is int and type(b) is int]
+    if any(a != b for a, b in sizes):
+        return f"its shape {list(value.shape)} differs from its target's {list(expected.shape)}"
+    return None
+
+
+def _is_value(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def _user_output(ep: ExportedProgram, node: Any, target: str) -> str | None:
+    value = _val(node)
+    return None if _is_value(value) else f"a user output must be a tensor (or a scalar computed from data); its value is {_describe(value)}"
+
+
+def _state_mutation(ep: ExportedProgram, node: Any, target: str) -> str | None:
+    stored = {**ep.state_dict, **ep.constants}.get(target)
+    if stored is None:
+        return f"mutates {target!r}, which is not a parameter, buffer or constant of the program"
+    return _same_metadata(_val(node), stored)
+
+
+def _input_mutation(ep: ExportedProgram, node: Any, target: str) -> str | None:
+    inputs = {s.name for s in ep.signature.inputs_of(InputKind.USER_INPUT)}
+    if target not in inputs:
+        return f"mutates {target!r}, which is not a user input placeholder"
+    placeholder = next(n for n in ep.graph.find_nodes(op="placeholder") if n.name == target)
+    return _same_metadata(_val(node), _val(placeholder)) if isinstance(_val(placeholder), torch.Tensor) else None
+
+
+def _input_metadata_mutation(ep: ExportedProgram, node: Any, target: str) -> str | None:
+    """A user input's new view (`x.t_()`): its dtype, any shape (`resize_` changes it)."""
+    inputs = {s.name for s in ep.signature.inputs_of(InputKind.USER_INPUT)}
+    if target not in inputs:
+        return f"changes the metadata of {target!r}, which is not a user input placeholder"
+    value = _val(node)
+    placeholder = _val(next(n for n in ep.graph.find_nodes(op="placeholder") if n.name == target))
+    if not isinstance(value, torch.Tensor):
+        return f"its value is {_describe(value)}, not a tensor"
+    if isinstance(placeholder, torch.Tensor) and value.dtype != placeholder.dtype:
+        return f"its value is {value.dtype}, its target {placeholder.dtype}"
+    return None
+
+
+def _parameter_gradient(ep: ExportedProgram, node: Any, target: str) -> str | None:
+    """A joint program's gradient of a parameter: the parameter's dtype and shape."""
+    parameters = {s.target for s in ep.signature.inputs_of(InputKind.PARAMETER)}
+    parameters |= {a for s in ep.signature.inputs_of(InputKind.PARAMETER) for a in s.aliases}
+    if target not in parameters:
+        return f"is the gradient of {target!r}, which is not a parameter of the program"
+    stored = ep.state_dict.get(target)
+    return _same_metadata(_val(node), stored) if stored is not None else None
+
+
+def _input_gradient(ep: ExportedProgram, node: Any, target: str) -> str | None:
+    """A joint program's gradient of a user input: a tensor."""
+    value = _val(node)
+    return None if isinstance(value, torch.Tensor) else f"its value is {_describe(value)}, not a tensor"
+
+
+#: What each output kind's node must be, by `OutputKind` name: a check returning why not.
+OUTPUT_RULES: dict[str, Callable[[Any, Any, str], str | None]] = {
+    "USER_OUTPUT": _user_output,
+    "BUFFER_MUTATION": _state_mutation,
+    "PARAMETER_MUTATION": _state_mutation,
+    "USER_INPUT_MUTATION": _input_mutation,
+    "USER_INPUT_METADATA_MUTATION": _input_metadata_mutation,
+    "GRADIENT_TO_PARAMETER": _parameter_gradient,
+    "GRADIENT_TO_USER_INPUT": _input_gradient,
+}
+
+#: The outputs that are leaves of the program's result (a joint program's gradients too).
+_LEAF_KINDS = frozenset({"USER_OUTPUT", "GRADIENT_TO_PARAMETER", "GRADIENT_TO_USER_INPUT"})
+
+
+def _signature_problems(ep: ExportedProgram) -> Iterator[Problem]:
+    """The signature, the graph and the state describe one program."""
+    sig = ep.signature
+    placeholders = list(ep.graph.find_nodes(op="placeholder"))
+    if [n.name for n in placeholders] != [s.name for s in sig.inputs]:
+        yield Problem("signature inputs", f"placeholders {[n.name for n in placeholders]} differ from the signature's inputs {[s.name for s in sig.inputs]}")
+    state = {s.target for s in sig.inputs_of(InputKind.PARAMETER, InputKind.BUFFER)}
+    constants = {s.target for s in sig.inputs_of(InputKind.CONSTANT_TENSOR)}
+    if set(ep.state_dict) != state or set(ep.constants) != constants:
+        yield Problem("signature inputs", "the stored tensors differ from the signature's parameters, buffers and constants")
+    stored = {**ep.state_dict, **ep.constants}
+    for node, spec in zip(placeholders, sig.inputs):
+        if spec.target in stored and spec.kind != InputKind.USER_INPUT and node.name == spec.name:
+            why = _same_metadata(_val(node), stored[spec.target])
+            if why:
+                yield Problem(f"signature input {spec.name} ({spec.kind.name} {spec.target!r})", why)
+    tensor_leaves = sum(leaf.is_tensor for leaf in sig.input_leaves)
+    if sig.in_spec.num_leaves != len(sig.input_leaves) or tensor_leaves != len(sig.inputs_of(InputKind.USER_INPUT)):
+        yield Problem("signature input_leaves", "the input spec, input leaves and user inputs disagree")
+    yield from _output_problems(ep)
+
+
+def _output_problems(ep: ExportedProgram) -> Iterator[Problem]:
+    sig, output = ep.signature, ep.graph.output_node()
+    values = output.args[0] if output.args else None
+    if not isinstance(values, (tuple, list)) or len(values) != len(sig.outputs):
+        yield Problem("signature outputs", f"the graph returns {_describe(values)}, the signature {len(sig.outputs)} outputs")
+        return
+    user_outputs = 0
+    for i, (value, spec) in enumerate(zip(values, sig.outputs)):
+        where = f"graph output {i} ({spec.kind.name} {spec.target!r})"
+        user_outputs += spec.kind.name in _LEAF_KINDS
+        rule = OUTPUT_RULES.get(spec.kind.name)
+        if not isinstance(value, fx.Node):
+            yield Problem(where, f"is {_describe(value)}, not a node: the signature says it is computed")
+        elif value.name != spec.name:
+            yield Problem(where, f"returns node {value.name}, the signature names {spec.name}")
+        elif rule is None:
+            yield Problem(where, f"no rule checks output kind {spec.kind.name}; add one to OUTPUT_RULES in predispatch/program/verify.py")
+        elif (why := rule(ep, value, spec.target)) is not None:
+            yield Problem(where, why)
+    if sig.out_spec.num_leaves != len(sig.output_leaves) or sum(leaf.is_tensor for leaf in sig.output_leaves) != user_outputs:
+        yield Problem("signature output_leaves", "the output spec, output leaves and user outputs disagree")
+
+
+def program_problems(ep: ExportedProgram, *, op_namespaces: tuple[str, ...] = (), stored: bool = False) -> list[Problem]:
+    """Every way `ep` breaks the IR contract ([] for a good program).
+
+    `op_namespaces`: further op namespaces whose functional ops are allowed (custom ops the
+    caller trusts).  `stored`: also check what a file may hold (see the module docstring).
+    """
+    problems = graph_problems(ep.graph_module, op_namespaces=op_namespaces, stored=stored)
+    problems += list(_signature_problems(ep))
+    if stored:
+        for group, tensors in (("state_dict", ep.state_dict), ("constants", ep.constants)):
+            problems += [Problem(f"{group}[{name!r}]", why) for name, t in tensors.items() for why in stored_tensor_problems(t)]
+    return problems
+
+
+def verify_program(
+    ep: ExportedProgram, *, op_namespaces: tuple[str, ...] = (), stored: bool = False,
+    error: type[Exception] = SerializationError, context: str = "",
+) -> None:
+    """Raise `error` naming the first problems of `ep`, if any (see `program_problems`)."""
+    problems = program_problems(ep, op_namespaces=op_namespaces, stored=stored)
+    if problems:
+        shown = "; ".join(map(str, problems[:3]))
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise error(f"{context}{shown}{more}.")
+
+
+def custom_namespaces(gm: fx.GraphModule) -> tuple[str, ...]:
+    """Op namespaces outside the allow list's that `gm` (or a subgraph) calls: the user's own
+    custom ops, which export keeps and `load` accepts only when the caller names them."""
+    from predispatch.program.op_allowlist import NAMESPACES
+
+    found = {
+        node.target.namespace
+        for module in gm.modules() if isinstance(module, fx.GraphModule)
+        for node in module.graph.nodes
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace not in NAMESPACES
+    }
+    return tuple(sorted(found))
+
+
+def verifying(export: Callable[..., ExportedProgram], tolerate: Callable[[Problem], bool] = lambda p: False) -> Callable[..., ExportedProgram]:
+    """`export` that checks every program it returns against the contract `load` checks.
+
+    The test suite wraps `predispatch.export` with it (tests/conftest.py), so that export and
+    load cannot drift apart.  Only the outermost call is checked (a nested export's program is
+    inlined into its caller's); the user's custom ops are allowed, as export allows them.
+    It lives in the package so that its frame is never taken for the user's code in an error.
+    `tolerate`: problems a known, tracked bug still causes (each with its issue).
+    """
+    from predispatch.errors import NonFunctionalGraphError
+
+    depth = [0]
+
+    def export_and_verify(*args: Any, **kwargs: Any) -> ExportedProgram:
+        depth[0] += 1
+        try:
+            ep = export(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+        if depth[0] == 0:
+            problems = [p for p in program_problems(ep, op_namespaces=custom_namespaces(ep.graph_module)) if not tolerate(p)]
+            if problems:
+                raise NonFunctionalGraphError(
+                    "the exported program breaks the IR contract that load checks: " + "; ".join(map(str, problems)),
+                    fix="a predispatch bug: report it with the model.",
+                )
+        return ep
+
+    return export_and_verify

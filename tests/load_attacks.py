@@ -1,0 +1,497 @@
+"""Structural attacks on `predispatch.load`: crafted, correctly checksummed files, one class each.
+
+Each attack is a file and what the refusal must say (the node or member, and why).  The
+cases run in a subprocess (`python tests/load_attacks.py`), because a file that got past the
+verifier could crash the process when its program runs: a segfault then fails the test that
+started the subprocess instead of killing the test run.  The subprocess prints one JSON line
+per case, `{"case", "class", "outcome", "message"}`, flushed before the next case starts.
+
+Classes (the issue's list): io, unsafe_constructor, mutable, global_state, uninitialised,
+output_type_lie, hop_operand_lie, duplicate_key, compression_bomb, registration.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import random
+import sys
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+import torch.utils._pytree as pytree  # noqa: E402
+
+import predispatch  # noqa: E402
+from predispatch.errors import SerializationError  # noqa: E402
+
+#: Random variants per op-family attack class (on top of the hand-written cases).
+VARIANTS = 12
+
+
+@dataclass(frozen=True)
+class Attack:
+    """A crafted file and the text its refusal must contain."""
+
+    klass: str
+    name: str
+    data: bytes
+    expect: tuple[str, ...]
+    run_after: bool = True  # if it loads anyway, run the program (a crash must show)
+
+
+@dataclass
+class Unregistered:
+    """A dataclass no one registered as a pytree node: a file naming it must not register it
+    unless the whole file is good."""
+
+    a: torch.Tensor
+
+
+# --------------------------------------------------------------------------- crafting
+
+
+def members_of(data: bytes) -> dict[str, bytes]:
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        return {name: zf.read(name) for name in zf.namelist()}
+
+
+def zip_of(members: dict[str, bytes], methods: dict[str, int] | None = None) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        for name, member in members.items():
+            zf.writestr(zipfile.ZipInfo(name, (1980, 1, 1, 0, 0, 0)), member, compress_type=(methods or {}).get(name, zipfile.ZIP_STORED))
+    return out.getvalue()
+
+
+def checksummed(members: dict[str, bytes], manifest: dict | None = None) -> dict[str, bytes]:
+    manifest = manifest or json.loads(members["manifest.json"])
+    manifest["members"] = {n: hashlib.sha256(d).hexdigest() for n, d in members.items() if n != "manifest.json"}
+    manifest["sizes"] = {n: len(d) for n, d in members.items() if n != "manifest.json"}
+    return {**members, "manifest.json": json.dumps(manifest).encode()}
+
+
+def edited(data: bytes, edit: Callable[[dict], None], *, raw: Callable[[bytes], bytes] | None = None) -> bytes:
+    """`data` with program.json edited (and/or its bytes rewritten), every checksum recomputed."""
+    members = members_of(data)
+    program = json.loads(members["program.json"])
+    edit(program)
+    text = json.dumps(program).encode()
+    members["program.json"] = raw(text) if raw else text
+    return zip_of(checksummed(members))
+
+
+def module_of(program: dict, path: str = "") -> dict:
+    module = program["graph_module"]
+    for part in filter(None, path.split(".")):
+        module = next(s["module"] for s in module["submodules"] if s["name"] == part)
+    return module
+
+
+def node(program: dict, name: str, path: str = "") -> dict:
+    return next(n for n in module_of(program, path)["nodes"] if n["name"] == name)
+
+
+def call(program: dict, name: str, target: str, args: list, path: str = "", kwargs: dict | None = None) -> None:
+    """Make node `name` call `target` with `args` (its meta kept: a value it claims to have)."""
+    record = node(program, name, path)
+    record.update(target=target, args=args)
+    record.pop("kwargs", None)
+    if kwargs:
+        record["kwargs"] = kwargs
+
+
+def _op(op_name: str) -> torch._ops.OpOverload:
+    namespace, packet, overload = op_name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+
+
+def _dispatcher_name(op_name: str) -> str:
+    namespace, packet, overload = op_name.split(".")
+    return f"{namespace}::{packet}" + (f".{overload}" if overload != "default" else "")
+
+
+def _binding(op_name: str, value: dict) -> tuple[list, dict]:
+    """Arguments that bind `op_name`'s schema: `value` for every required argument."""
+    arguments = _op(op_name)._schema.arguments
+    required = [a for a in arguments if not a.has_default_value()]
+    return [value for a in required if not a.kwarg_only], {a.name: value for a in required if a.kwarg_only}
+
+
+def _overloads(packet: str) -> list[str]:
+    namespace, name = packet.split(".")
+    try:
+        return [f"{packet}.{o}" for o in getattr(getattr(torch.ops, namespace), name).overloads()]
+    except (AttributeError, RuntimeError):
+        return []
+
+
+# --------------------------------------------------------------------------- base programs
+
+
+def base_programs() -> dict[str, bytes]:
+    from test_serialize import export_case, saved
+
+    return {name: saved(export_case(name)[0]) for name in ("autograd_functions", "buffer_mutation", "graph_tensors")}
+
+
+# --------------------------------------------------------------------------- attack classes
+
+
+def _op_attacks(klass: str, family_ops: list[str], why: str, data: bytes, rng: random.Random) -> Iterator[Attack]:
+    """Random ops of one refused family, called from a random place: the root graph or a subgraph."""
+    places = [("add_2", ""), ("add", "grad_region_0"), ("matmul", "setup_context_linear_fwd_0")]
+    # dunder packets (`__iand__`) are refused before the verifier, by name: no family to name
+    bindable = [op for op in family_ops if not op.split(".")[1].startswith("__")]
+    for op in rng.sample(bindable, min(VARIANTS, len(bindable))):
+        name, path = rng.choice(places)
+        args, kwargs = _binding(op, {"node": "x" if not path else node_arg(path)})
+        yield Attack(klass, f"{op} in {path or '<root>'}", edited(data, lambda p, op=op, name=name, path=path, a=args, k=kwargs: call(p, name, op, a, path, k)),
+                     (f"graph module {path or '<root>'}, node {name}", f"calls {op},", why))
+
+
+def node_arg(path: str) -> str:
+    return {"grad_region_0": "round_1", "setup_context_linear_fwd_0": "x"}[path]
+
+
+def _family_ops(*families: str) -> list[str]:
+    from predispatch.program._op_families import PACKETS
+
+    return sorted(o for f in families for p in PACKETS[f] for o in _overloads(p))
+
+
+def io_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    data = bases["autograd_functions"]
+    yield Attack("io", "from_file then fill_ (the issue's file)", edited(data, lambda p: call(
+        p, "add_2", "aten.from_file.default", ["/etc/passwd", True, 4096])), ("node add_2", "aten.from_file.default", "(io: reads or writes files"))
+    yield Attack("io", "save", edited(data, lambda p: call(p, "add_2", "aten.save.default", [{"node": "x"}, "/tmp/pwned"])), ("node add_2", "(io:",))
+    yield Attack("io", "_print in a region", edited(data, lambda p: call(p, "add", "aten._print.default", ["hi"], "grad_region_0")),
+                 ("graph module grad_region_0, node add", "(io:"))
+    yield from _op_attacks("io", _family_ops("io"), "(io:", data, rng)
+
+
+def unsafe_constructor_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    data = bases["autograd_functions"]
+
+    def sparse(p):
+        # indices far outside the size: `_to_dense` would write out of bounds
+        nodes = module_of(p)["nodes"]
+        at = next(i for i, n in enumerate(nodes) if n["name"] == "add_2")
+        nodes[at:at] = [
+            {"op": "call_function", "name": "big", "target": "aten.mul.Scalar", "args": [{"node": "x"}, 1e9]},
+            {"op": "call_function", "name": "idx", "target": "aten._to_copy.default", "args": [{"node": "big"}], "kwargs": {"dtype": {"dtype": "int64"}}},
+            {"op": "call_function", "name": "sp", "target": "aten._sparse_coo_tensor_with_dims_and_tensors.default",
+             "args": [2, 0, [4, 3], {"node": "idx"}, {"node": "x"}]},
+        ]
+        call(p, "add_2", "aten._to_dense.default", [{"node": "sp"}])
+
+    yield Attack("unsafe_constructor", "sparse COO from unchecked indices, then _to_dense", edited(data, sparse),
+                 ("node sp", "_sparse_coo_tensor_with_dims_and_tensors", "(unsafe_layout:"))
+    yield Attack("unsafe_constructor", "_reshape_alias past the storage", edited(data, lambda p: call(
+        p, "add_2", "aten._reshape_alias.default", [{"node": "x"}, [1 << 20], [1]])), ("node add_2", "_reshape_alias", "(unsafe_layout:"))
+    yield Attack("unsafe_constructor", "_nested_view_from_buffer", edited(data, lambda p: call(
+        p, "add_2", "aten._nested_view_from_buffer.default", [{"node": "x"}, {"node": "x"}, {"node": "x"}, {"node": "x"}])),
+        ("node add_2", "(unsafe_layout:"))
+    yield from _op_attacks("unsafe_constructor", _family_ops("unsafe_layout"), "(unsafe_layout:", data, rng)
+
+
+def mutable_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    data = bases["autograd_functions"]
+    for op, args in (("aten.add_.Tensor", [{"node": "p_weight"}, {"node": "p_weight"}]), ("aten.copy_.default", [{"node": "p_weight"}, {"node": "x"}]),
+                     ("aten.zero_.default", [{"node": "p_weight"}]), ("aten.add.out", [{"node": "x"}, {"node": "x"}])):
+        kwargs = {"out": {"node": "p_weight"}} if op.endswith(".out") else None
+        yield Attack("mutable", f"{op} on the parameter", edited(data, lambda p, op=op, args=args, kwargs=kwargs: call(p, "add_2", op, args, kwargs=kwargs)),
+                     ("node add_2", f"calls {op}", "mutate"))
+    registered = torch._C._dispatch_get_all_op_names()
+    mutable_overloads = [o for o in _family_ops("aten_functional") if _op(o)._schema.is_mutable and _dispatcher_name(o) in registered]
+    yield from _op_attacks("mutable", mutable_overloads, "(mutable_schema:", data, rng)
+    yield from _op_attacks("mutable", _family_ops("mutable_only"), "(mutable_only:", data, rng)
+
+
+def global_state_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    data = bases["autograd_functions"]
+    yield Attack("global_state", "manual_seed", edited(data, lambda p: call(p, "add_2", "aten.manual_seed.default", [0])), ("node add_2", "(global_state:"))
+    yield Attack("global_state", "set_grad_enabled in a region", edited(data, lambda p: call(p, "add", "aten.set_grad_enabled.default", [False], "grad_region_0")),
+                 ("graph module grad_region_0, node add", "(global_state:"))
+    yield Attack("global_state", "a raw grad-mode toggle", edited(data, lambda p: call(p, "add_2", "torch._C._set_grad_enabled", [False])),
+                 ("(add_2)", "torch._C._set_grad_enabled", "which a program may not call"))
+    yield from _op_attacks("global_state", _family_ops("global_state"), "(global_state:", data, rng)
+
+
+def uninitialised_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    data, held = bases["autograd_functions"], bases["graph_tensors"]
+
+    def record(p, group, name, **fields):
+        p["tensors"][group][name].update(fields)
+
+    yield Attack("uninitialised", "parameter record on the meta device", edited(data, lambda p: record(p, "state", "weight", device="meta")),
+                 ("state.safetensors['weight']", "device meta"))
+    yield Attack("uninitialised", "graph tensor on the meta device", edited(held, lambda p: record(p, "graph", "_tensor_constant1", device="meta")),
+                 ("graph.safetensors['_tensor_constant1']", "device meta"))
+    yield Attack("uninitialised", "node value on the meta device", edited(data, lambda p: node(p, "add_2")["meta"]["val"]["tensor"].update(device="meta")),
+                 ("(add_2) meta['val']", "device meta"))
+    yield Attack("uninitialised", "record with strides outside the data", edited(data, lambda p: record(p, "state", "weight", stride=[30, 1])),
+                 ("state.safetensors['weight']", "does not match its record"))
+    yield Attack("uninitialised", "record larger than its data", edited(data, lambda p: record(p, "state", "weight", shape=[3, 300], stride=[300, 1])),
+                 ("state.safetensors['weight']", "does not match its record"))
+    yield Attack("uninitialised", "node value with a negative size", edited(data, lambda p: node(p, "add_2")["meta"]["val"]["tensor"].update(shape=[-4, 3])),
+                 ("(add_2) meta['val']", "is not a list of sizes"))
+
+
+def output_type_lie_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    data, mutation = bases["autograd_functions"], bases["buffer_mutation"]
+
+    def output(p, value, path=""):
+        node(p, "output", path)["args"] = [{"tuple": [value]}]
+
+    yield Attack("output_type_lie", "a string where the signature says tensor", edited(data, lambda p: output(p, "pwned")),
+                 ("graph output 0 (USER_OUTPUT 'output')", "is str 'pwned', not a node"))
+    yield Attack("output_type_lie", "an int output", edited(data, lambda p: output(p, 7)), ("graph output 0", "not a node"))
+    yield Attack("output_type_lie", "an output node whose value is a string", edited(data, lambda p: node(p, "add_2")["meta"].update(val="pwned")),
+                 ("graph output 0", "its value is str 'pwned'"))
+    yield Attack("output_type_lie", "an output that is another node than the signature's", edited(data, lambda p: output(p, {"node": "mul"})),
+                 ("graph output 0", "returns node mul, the signature names add_2"))
+    yield Attack("output_type_lie", "a buffer mutation of another dtype", edited(mutation, lambda p: node(p, "add")["meta"]["val"]["tensor"].update(dtype="float64")),
+                 ("graph output 0 (BUFFER_MUTATION 'count')", "torch.float64"))
+    yield Attack("output_type_lie", "a buffer mutation of another shape", edited(mutation, lambda p: node(p, "add_1")["meta"]["val"]["tensor"].update(shape=[4])),
+                 ("graph output 1 (BUFFER_MUTATION 'total')", "shape [4]"))
+    yield Attack("output_type_lie", "a mutation of a buffer the program does not have", edited(mutation, lambda p: p["signature"]["outputs"][0].update(target="nothing")),
+                 ("graph output 0", "mutates 'nothing'"))
+    yield Attack("output_type_lie", "a parameter placeholder of another dtype", edited(data, lambda p: node(p, "p_weight")["meta"]["val"]["tensor"].update(dtype="float16")),
+                 ("signature input p_weight", "torch.float16"))
+
+
+def hop_operand_lie_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    data, held = bases["autograd_functions"], bases["graph_tensors"]
+
+    def args(p, name, new):
+        node(p, name)["args"] = new
+
+    region = "wrap_with_set_grad_enabled"
+    yield Attack("hop_operand_lie", "a tensor as the subgraph", edited(data, lambda p: args(p, region, [False, {"node": "x"}, {"node": "round_1"}])),
+                 (f"node {region}", "argument 1 must be a subgraph, not node x (placeholder)"))
+    def held_tensor(p):
+        module_of(p)["nodes"].insert(1, {"op": "get_attr", "name": "held", "target": "_tensor_constant1"})
+        args(p, region, [False, {"node": "held"}, {"node": "x"}])
+
+    yield Attack("hop_operand_lie", "a held tensor as the subgraph", edited(held, held_tensor),
+                 (f"node {region}", "argument 1 must be a subgraph"))
+    yield Attack("hop_operand_lie", "a string as grad mode", edited(data, lambda p: node(p, region)["args"].__setitem__(0, "no")),
+                 (f"node {region}", "argument 0 must be a bool"))
+    yield Attack("hop_operand_lie", "one operand too many", edited(data, lambda p: node(p, region)["args"].append({"node": "x"})),
+                 (f"node {region}", "passes 2 operands to subgraph 'grad_region_0', which takes 1"))
+    yield Attack("hop_operand_lie", "no operands", edited(data, lambda p: args(p, region, [False, {"node": "grad_region_0"}])),
+                 (f"node {region}", "passes 0 operands"))
+    yield Attack("hop_operand_lie", "no arguments", edited(data, lambda p: args(p, region, [])), (f"node {region}", "takes 2 leading arguments"))
+    yield Attack("hop_operand_lie", "a constant operand", edited(data, lambda p: node(p, region)["args"].__setitem__(2, 3.5)),
+                 (f"node {region}", "operand 0 is float 3.5"))
+    yield Attack("hop_operand_lie", "autograd_function_apply without its indices", edited(data, lambda p: node(p, "autograd_function_apply").pop("kwargs")),
+                 ("node autograd_function_apply", "takes keyword arguments ['non_differentiable_idx', 'saved_for_backward_idx']"))
+    yield Attack("hop_operand_lie", "a backward that is a tensor", edited(data, lambda p: node(p, "autograd_function_apply")["args"].__setitem__(1, {"node": "p_weight"})),
+                 ("node autograd_function_apply", "argument 1 must be a subgraph"))
+
+
+def _inject_duplicate(text: bytes, needle: bytes, duplicate: bytes) -> bytes:
+    assert needle in text, needle
+    return text.replace(needle, needle + duplicate, 1)
+
+
+def duplicate_key_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    data = bases["autograd_functions"]
+    # the second "target" would win in plain json.loads: the node would call from_file
+    yield Attack("duplicate_key", "a node target given twice", edited(data, lambda p: None, raw=lambda t: _inject_duplicate(
+        t, b'"target": "aten.add.Tensor"', b', "target": "aten.from_file.default"')), ("program.json", "the key 'target' appears twice"))
+    yield Attack("duplicate_key", "a signature kind given twice", edited(data, lambda p: None, raw=lambda t: _inject_duplicate(
+        t, b'"kind": "user_output"', b', "kind": "buffer_mutation"')), ("program.json", "the key 'kind' appears twice"))
+    members = members_of(data)
+    manifest = members["manifest.json"].replace(b'"version":1', b'"version":1,"version":2')
+    yield Attack("duplicate_key", "a manifest version given twice", zip_of({**members, "manifest.json": manifest}), ("manifest.json", "the key 'version' appears twice"))
+    yield Attack("duplicate_key", "an integer out of range", edited(data, lambda p: None, raw=lambda t: t.replace(b'"args": [2,', b'"args": [99999999999999999999999,', 1)
+                                                                   if b'"args": [2,' in t else t.replace(b'"shape": [3, 3]', b'"shape": [3, 99999999999999999999999]', 1)),
+                 ("program.json", "out of range"))
+    yield Attack("duplicate_key", "a float out of range", edited(data, lambda p: None, raw=lambda t: t.replace(b'"shape": [3, 3]', b'"shape": [3, 1e999]', 1)),
+                 ("program.json", "out of range"))
+
+
+def bomb_members(data: bytes, member: str, size: int) -> dict:
+    """The members, `member` padded with `size` bytes of whitespace (JSON) or zeros."""
+    members = members_of(data)
+    members[member] += (b" " if member.endswith(".json") else b"\0") * size
+    return members
+
+
+def compression_bomb_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    data = bases["autograd_functions"]
+    for member in ("manifest.json", "program.json", "state.safetensors"):
+        members = bomb_members(data, member, 16 << 20)
+        yield Attack("compression_bomb", f"{member} deflated, 16 MiB", zip_of(checksummed(members) if member != "manifest.json" else members,
+                                                                              {member: zipfile.ZIP_DEFLATED}),
+                     (f"member {member} is compressed",))
+    members = members_of(data)
+    yield Attack("compression_bomb", "a manifest over the limit, stored", zip_of({**members, "manifest.json": members["manifest.json"] + b" " * (1 << 20)}),
+                 ("member manifest.json says it holds", "the limit is 65536"))
+    yield Attack("compression_bomb", "a member named twice", _with_duplicate(members, "program.json"), ("its members are",))
+    lying = bytearray(zip_of(members))
+    yield Attack("compression_bomb", "a central directory that lies about a size", bytes(_lie_about_size(lying, "state.safetensors", 1 << 40)),
+                 ("member state.safetensors says it holds",))
+    manifest = json.loads(members["manifest.json"])
+    manifest["sizes"]["program.json"] -= 1
+    yield Attack("compression_bomb", "a member larger than the manifest says", zip_of({**members, "manifest.json": json.dumps(manifest).encode()}),
+                 ("members' sizes differ from the manifest's",))
+    extra = {**members, "extra.bin": b"x"}
+    yield Attack("compression_bomb", "an extra member", zip_of(extra), ("its members are",))
+
+
+def _lie_about_size(data: bytearray, name: str, size: int) -> bytearray:
+    """Set `name`'s uncompressed size in the central directory (capped below zip64's marker)."""
+    import struct
+
+    position = 0
+    while True:
+        position = data.find(b"PK\x01\x02", position)
+        if position < 0:
+            raise ValueError(name)
+        name_length = struct.unpack_from("<H", data, position + 28)[0]
+        if data[position + 46:position + 46 + name_length] == name.encode():
+            struct.pack_into("<I", data, position + 24, min(size, 0xFFFFFFFE))
+            return data
+        position += 4
+
+
+def _with_duplicate(members: dict[str, bytes], name: str) -> bytes:
+    import warnings
+
+    out = io.BytesIO()
+    with warnings.catch_warnings(), zipfile.ZipFile(out, "w") as zf:
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicated name it writes
+        for member, data in [*members.items(), (name, members[name])]:
+            zf.writestr(zipfile.ZipInfo(member, (1980, 1, 1, 0, 0, 0)), data)
+    return out.getvalue()
+
+
+def registration_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    data = bases["autograd_functions"]
+    spec = {"type": f"{__name__}:Unregistered", "context": ["a"], "children": [None]}
+
+    def lie(p):
+        p["signature"]["out_spec"] = spec
+        call(p, "add_2", "aten.from_file.default", ["/etc/passwd", True, 4096])
+
+    yield Attack("registration", "an unregistered dataclass in a file refused later", edited(data, lie), ("node add_2", "(io:"))
+
+    def bad_spec_only(p):
+        p["signature"]["out_spec"] = {**spec, "children": [None, None]}
+
+    yield Attack("registration", "an unregistered dataclass in an inconsistent signature", edited(data, bad_spec_only),
+                 ("the output spec, output leaves and user outputs disagree",))
+
+
+ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[Attack]]] = {
+    "io": io_attacks,
+    "unsafe_constructor": unsafe_constructor_attacks,
+    "mutable": mutable_attacks,
+    "global_state": global_state_attacks,
+    "uninitialised": uninitialised_attacks,
+    "output_type_lie": output_type_lie_attacks,
+    "hop_operand_lie": hop_operand_lie_attacks,
+    "duplicate_key": duplicate_key_attacks,
+    "compression_bomb": compression_bomb_attacks,
+    "registration": registration_attacks,
+}
+
+
+def all_attacks(seed: int = 0) -> list[Attack]:
+    bases, rng = base_programs(), random.Random(seed)
+    return [a for klass in ATTACK_CLASSES.values() for a in klass(bases, rng) if a is not None]
+
+
+# --------------------------------------------------------------------------- running
+
+
+def global_registrations() -> tuple:
+    """What a load must not change: pytree node types, torch.ops namespaces, custom op names."""
+    return (frozenset(pytree.SUPPORTED_NODES), frozenset(vars(torch.ops)), len(torch._C._dispatch_get_all_op_names()))
+
+
+def run_attack(attack: Attack) -> dict:
+    before = global_registrations()
+    try:
+        loaded = predispatch.load(io.BytesIO(attack.data))
+    except SerializationError as exc:
+        outcome, message = "refused", str(exc)
+    except BaseException as exc:  # noqa: BLE001 - reported, the test fails on it
+        outcome, message = "other", f"{type(exc).__name__}: {exc}"
+    else:
+        outcome, message = "loaded", ""
+        if attack.run_after:
+            x = torch.randn(4, 3)
+            with torch.no_grad():
+                loaded.module()(x)
+    changed = global_registrations() != before
+    return {"class": attack.klass, "case": attack.name, "outcome": outcome, "message": message,
+            "missing": [e for e in attack.expect if e not in message], "registered": changed}
+
+
+BOMB_SIZE = 256 << 20
+
+
+def write_bomb(path: str, data: bytes, member: str = "manifest.json", size: int = BOMB_SIZE) -> int:
+    """A program whose `member` is deflated with `size` bytes of trailing whitespace appended
+    (the issue's file), written in chunks so the writer never holds it; returns the file size."""
+    members, chunk = members_of(data), b" " * (1 << 20)
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, body in members.items():
+            info = zipfile.ZipInfo(name, (1980, 1, 1, 0, 0, 0))
+            if name != member:
+                zf.writestr(info, body)
+                continue
+            info.compress_type = zipfile.ZIP_DEFLATED
+            with zf.open(info, "w", force_zip64=True) as out:
+                out.write(body)
+                for _ in range(size // len(chunk)):
+                    out.write(chunk)
+    return os.path.getsize(path)
+
+
+def measure_load(path: str, warm_up: bytes) -> dict:
+    """Peak memory of one load of `path` beyond the process's peak so far (after a warm-up
+    load, so that lazy imports and caches do not count): ru_maxrss and tracemalloc's peak."""
+    import resource
+    import tracemalloc
+
+    predispatch.load(io.BytesIO(warm_up))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tracemalloc.start()
+    try:
+        predispatch.load(path)
+        outcome, message = "loaded", ""
+    except SerializationError as exc:
+        outcome, message = "refused", str(exc)
+    _, traced_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"outcome": outcome, "message": message, "file_bytes": os.path.getsize(path),
+            "rss_peak_growth_bytes": (after - before) * 1024, "tracemalloc_peak_bytes": traced_peak}
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--measure"]:  # --measure BOMB_PATH WARM_UP_PATH
+        with open(sys.argv[3], "rb") as f:
+            print(json.dumps(measure_load(sys.argv[2], f.read())), flush=True)
+        return
+    for attack in all_attacks():
+        print(json.dumps({"class": attack.klass, "case": attack.name, "outcome": "started"}), flush=True)
+        print(json.dumps(run_attack(attack)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
