@@ -121,6 +121,7 @@ __all__ = [
     "SingleLevelFunction",
     "inside_op_call",
     "generator_identity",
+    "import_dynamo",
     "reparametrize",
     "has_internal_overlap",
     "functional_rewrites",
@@ -939,3 +940,14 @@ def dispatcher_op_names() -> frozenset[str]:
 def jit_op_schemas() -> list[torch._C.FunctionSchema]:
     """The schema of every op `torch.ops` can resolve: dispatcher ops and TorchScript builtins."""
     return list(torch._C._jit_get_all_schemas())
+
+
+def import_dynamo() -> None:
+    """Import `torch._dynamo` now, before export patches torch's seeding functions.
+
+    Importing it replaces `torch.manual_seed` by a Dynamo-disabled copy.  Export patches that
+    function while forward runs (trace/rng.py) and the trace imports Dynamo lazily; imported
+    inside that window, Dynamo would wrap the patch and the restore would drop its wrapper.
+    `import predispatch` stays free of Dynamo: only an export pays for it.
+    """
+    import torch._dynamo  # noqa: F401

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (importing it rewraps torch.manual_seed; export imports it, so snapshots come after)
 import torch.nn.functional as F
 from helpers import stable_message as message
 from torch import nn

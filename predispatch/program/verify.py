@@ -230,6 +230,19 @@ def _held(gm: nn.Module, target: str) -> Any:
     return None
 
 
+#: Python objects (not tensors or modules) a program's graph may read with `get_attr`, in memory
+#: only: a file holds none of them.
+_OPAQUE_ATTRIBUTES = {
+    torch.Generator: "a generator of the user's module that random ops draw from (torch.rand(..., generator=g)), "
+    "shared with the module as eager shares it",
+}
+
+
+def _opaque(gm: nn.Module, target: str, stored: bool) -> bool:
+    """Whether a `get_attr` reads an object of `_OPAQUE_ATTRIBUTES` (never in a stored program)."""
+    return not stored and "." not in target and type(gm.__dict__.get(target)) in _OPAQUE_ATTRIBUTES
+
+
 def graph_problems(gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), stored: bool = False, path: str = "") -> list[Problem]:
     """Problems of one graph module and of every module it holds (its subgraphs)."""
     where = f"graph module {path or '<root>'}"
@@ -253,7 +266,7 @@ def graph_problems(gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), s
 def _node_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool) -> Iterator[str]:
     if node.op not in _NODE_OPS:
         yield f"a {node.op} node; programs hold only {', '.join(_NODE_OPS)}"
-    elif node.op == "get_attr" and _held(gm, node.target) is None:
+    elif node.op == "get_attr" and _held(gm, node.target) is None and not _opaque(gm, node.target, stored):
         yield f"get_attr {node.target!r} names nothing the module holds"
     elif node.op == "call_function":
         yield from _call_problems(node, gm, namespaces, stored)

@@ -89,6 +89,7 @@ def refusing_rng_changes(module: nn.Module) -> Iterator[frozenset[int]]:
     Yields the identities (`ti.generator_identity`) of the generators export could see before
     forward ran, for `refuse_generators_made_in_forward`.
     """
+    ti.import_dynamo()  # it rewraps torch.manual_seed on import: before the patch, not inside it
     generators = _visible_generators(module)
     before = [(g, g.get_state()) for g in generators]
     refusals: list[RngStateError] = []
