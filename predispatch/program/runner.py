@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from predispatch import _torch_internals as ti
+from predispatch.passes import inlined_copy
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
 from predispatch.program.signature import InputKind, OutputKind, ShapeRecord
 
@@ -54,6 +55,8 @@ class ProgramModule(nn.Module):
             for s in sig.mutations
         ]
         object.__setattr__(self, "_state_owners", owners)
+        # shared bodies inlined: torch's eager invoke_subgraph differentiates only under a fake mode
+        object.__setattr__(self, "_graph", inlined_copy(self._program.graph_module))
         object.__setattr__(self, "_writes", writes)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -64,7 +67,7 @@ class ProgramModule(nn.Module):
         targets = [user[attr] if owner is None else getattr(owner, attr) for owner, attr in self._writes]
         mutations = sig.mutations
         with _snapshot_saved(targets):
-            outs = ep.graph_module(*state, *user)
+            outs = self._graph(*state, *user)
         for target, value in zip(targets, outs):
             _write_back(target, value)
         if sig.grad_mode_on_exit is not None:

@@ -25,6 +25,7 @@ from predispatch.frontend.inputs import CONSTANT_TYPES
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
 from predispatch.trace.decompose import DecompositionLog, DecompositionPolicy
+from predispatch.trace.dedup import BlockReport, Dedup, share_repeated_blocks
 from predispatch.trace.grad_history import GradHistoryKeeper
 from predispatch.trace.hooks import backward_hooks
 
@@ -61,8 +62,10 @@ class _Program:
     traces keep only `forward` frames, and this frame is not the user's.
     """
 
-    def __init__(self, prepared: PreparedInputs):
+    def __init__(self, prepared: PreparedInputs, dedup: Dedup = Dedup.OFF):
         self._prepared = prepared
+        self._dedup = dedup
+        self.blocks: list[BlockReport] = []
         self.outputs: tuple[tuple[Leaf, ...], pytree.TreeSpec] | None = None
         self.grad_mode_on_exit: bool | None = None
         self.input_metadata_write: str | None = None
@@ -89,6 +92,7 @@ class _Program:
             stack.enter_context(keeper.observer())
             stack.enter_context(backward_hooks(prepared.module, keeper))
             stack.enter_context(capture_autograd_functions())
+            self.blocks = stack.enter_context(share_repeated_blocks(prepared.module, self._dedup))
             out = prepared.module(*args, **kwargs)
         self.grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
         self.input_metadata_write = keeper.input_metadata_write
@@ -114,9 +118,10 @@ def _counted():
         _active_traces -= 1
 
 
-def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
-    """Capture `prepared.module` once as a functional graph (see the package docstring)."""
-    program = _Program(prepared)
+def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = Dedup.OFF) -> TracedGraph:
+    """Capture `prepared.module` once as a functional graph (see the package docstring);
+    `dedup`: how repeated blocks are shared (Note [Sharing repeated blocks])."""
+    program = _Program(prepared, dedup)
     log = DecompositionLog()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_no_garbage_collection())
@@ -138,6 +143,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
     gm = captured.graph_module
     _remove_effect_tokens(gm)
     gm.graph.eliminate_dead_code()  # what the trace computed and nothing used, as AOTAutograd drops it
+    gm.meta["dedup"] = program.blocks  # which blocks were shared, replayed, or why not
     if prepared.dynamic is not None:
         check_constraints(prepared.dynamic, gm)
     output_leaves, out_spec = program.outputs
