@@ -28,15 +28,26 @@ from predispatch import _torch_internals as ti
 
 
 def shared_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
-    """The distinct bodies `gm`'s `invoke_subgraph` calls run, in first-call order."""
-    bodies: dict[str, fx.GraphModule] = {}
-    for node in gm.graph.find_nodes(op="call_function", target=ti.invoke_subgraph):
-        bodies.setdefault(node.args[0].target, getattr(gm, node.args[0].target))
+    """The distinct bodies the `invoke_subgraph` calls of `gm` and of its subgraphs (a call inside
+    a grad region) run, in first-call order."""
+    bodies: dict[int, fx.GraphModule] = {}
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.find_nodes(op="call_function", target=ti.invoke_subgraph):
+                body = getattr(module, node.args[0].target)
+                bodies.setdefault(id(body), body)
     return list(bodies.values())
 
 
 def inline_subgraphs(gm: fx.GraphModule) -> None:
-    """Replace each `invoke_subgraph` call of `gm` by its body's nodes (in place; recompiles)."""
+    """Replace each `invoke_subgraph` call of `gm` and of its subgraphs by its body's nodes
+    (in place; recompiles what changed)."""
+    for module in list(gm.modules()):
+        if isinstance(module, fx.GraphModule):
+            _inline_calls(module)
+
+
+def _inline_calls(gm: fx.GraphModule) -> None:
     calls = list(gm.graph.find_nodes(op="call_function", target=ti.invoke_subgraph))
     if not calls:
         return
@@ -76,7 +87,7 @@ def _fresh(gm: fx.GraphModule, base: str) -> str:
 
 def inlined_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """`gm` itself if it calls no shared body, else a copy with every body inlined."""
-    if not gm.graph.find_nodes(op="call_function", target=ti.invoke_subgraph):
+    if not shared_bodies(gm):
         return gm
     flat = copy.deepcopy(gm)
     inline_subgraphs(flat)

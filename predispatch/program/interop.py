@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 #: Higher-order ops torch.export knows as its own (its verifier, serializer,
 #: `run_decompositions` and `module()` handle them), with the position of the subgraph among
 #: their arguments; the subgraph's operands follow it.  Any other HOP is refused.
-TORCH_HOPS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}
+TORCH_HOPS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4, "invoke_subgraph": 0}
 
 #: Why the other HOPs predispatch emits are refused.
 REFUSED_HOPS = {

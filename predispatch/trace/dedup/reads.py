@@ -120,7 +120,7 @@ def _log_read(obj: Any, name: str, value: Any) -> Any:
     if _follows(value):
         if id(value) not in log.paths:
             _instrument(value, path)
-        log.reads.setdefault(path, _ObjectAt(path))
+        log.reads.setdefault(path, _object_at(path, value))
         return value
     log.reads.setdefault(path, snapshot(value))
     return value
@@ -129,9 +129,25 @@ def _log_read(obj: Any, name: str, value: Any) -> Any:
 @dataclass(frozen=True)
 class _ObjectAt:
     """A module or plain object read: keyed by being one at that path (its own reads are keyed
-    separately), so layers holding equal but distinct config objects still share."""
+    separately), so layers holding equal but distinct config objects still share.
+
+    contents: for an object whose reads cannot be observed (a `types.SimpleNamespace`, whose
+        class cannot be swapped), a snapshot of all its attributes instead: more than the forward
+        reads, so two calls share only when the whole object is the same.
+    """
 
     path: tuple[str, ...]
+    contents: Any = None
+
+
+#: Classes whose instances refused the class swap; their objects are keyed by their contents.
+_unswappable: set[type] = set()
+
+
+def _object_at(path: tuple[str, ...], value: Any) -> _ObjectAt:
+    if type(value) in _unswappable:
+        return _ObjectAt(path, snapshot(dict(vars(value))))
+    return _ObjectAt(path)
 
 
 _subclasses: dict[type, type] = {}
@@ -178,10 +194,15 @@ def _instrument(obj: Any, path: tuple[str, ...]) -> None:
     cls = type(obj)
     if cls in _subclasses.values():
         return
+    if cls in _unswappable:
+        return
     try:
         object.__setattr__(obj, "__class__", _recording_class(cls))
-    except TypeError as exc:
-        log.unkeyable = log.unkeyable or f"reads on {'.'.join(path) or 'the block'} cannot be observed ({exc})"
+    except TypeError:
+        if isinstance(obj, nn.Module) or not hasattr(obj, "__dict__"):
+            log.unkeyable = log.unkeyable or f"reads on {'.'.join(path) or 'the block'} cannot be observed"
+        else:
+            _unswappable.add(cls)  # keyed by its whole contents (`_ObjectAt.contents`)
         return
     _swapped.append((obj, cls))
 
@@ -211,7 +232,7 @@ def read_path(module: nn.Module, path: tuple[str, ...]) -> Any:
             obj = getattr(obj, name)
         except AttributeError:
             return MISSING
-    return _ObjectAt(path) if _follows(obj) else snapshot(obj)
+    return _object_at(path, obj) if _follows(obj) else snapshot(obj)
 
 
 def matches(reads: dict[tuple[str, ...], Any], module: nn.Module) -> bool:

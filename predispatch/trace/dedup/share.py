@@ -238,7 +238,8 @@ def _recorded(module, tracer, log, out, operands, operand_nodes, counts, labels,
     if sum(1 for n in body.graph.nodes if n.op == "call_function") < MIN_BODY_OPS:
         raise _NoShare(f"its body has fewer than {MIN_BODY_OPS} ops")
     metadata = tuple(
-        (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad) for t in tensors
+        (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
+        for t in (*tensors, *(operands[i] for i in mutated))
     )
     constants = tuple(None if isinstance(x, torch.Tensor) else snapshot(x) for x in leaves)
     return _Recorded(body, region.used, metadata, constants, spec, mutated)
@@ -256,7 +257,7 @@ def _describe(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[t
     for path, value in flat:
         if isinstance(value, torch.Tensor):
             operands.append(value)
-            labels.append("arg" + "".join(c if c.isalnum() else "_" for c in pytree.keystr(path)).rstrip("_"))
+            labels.append(_input_label(path))
         elif isinstance(value, _PLAIN):
             constants.append(snapshot(value))
         else:
@@ -279,6 +280,15 @@ def _describe(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[t
         tuple(constants),
     )
     return static, operands, labels
+
+
+def _input_label(path: tuple) -> str:
+    """A body placeholder's name for an input leaf: `x_0` for `args[0]`, `mask` for
+    `kwargs["mask"]`, with the rest of the leaf's pytree path appended (`pos_1`)."""
+    head, *rest = path[1:]
+    name = f"x_{head.idx}" if path[0].idx == 0 else str(head.key)
+    tail = "".join(c if c.isalnum() else "_" for c in pytree.keystr(tuple(rest)))
+    return "_".join(part for part in (name, *tail.split("_")) if part)
 
 
 def _state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
