@@ -130,9 +130,31 @@ def replay_call(shared: SharedBody, recorded: Any, operands: Sequence[torch.Tens
     for value, i in zip(outputs[n_user:], recorded.mutated):
         operands[i].copy_(value)
     tensors = iter(outputs[:n_user])
-    leaves = [next(tensors) if constant is None else _constant(constant) for constant in recorded.out_leaves]
+    leaves = [_leaf(leaf, tensors, operands) for leaf in recorded.out_leaves]
     return pytree.tree_unflatten(leaves, recorded.out_spec)
 
 
-def _constant(snapshot: Any) -> Any:
-    return snapshot
+@dataclass(frozen=True)
+class PassThrough:
+    """An output that is one of the block's operands itself (T5 hands `position_bias` on):
+    the replay returns that very tensor, as eager does."""
+
+    operand: int
+
+
+class _BodyOutput:
+    """Where the next output of the body goes in the rebuilt result."""
+
+    def __repr__(self) -> str:
+        return "BODY_OUTPUT"
+
+
+BODY_OUTPUT = _BodyOutput()
+
+
+def _leaf(leaf: Any, tensors: Any, operands: Sequence[torch.Tensor]) -> Any:
+    if leaf is BODY_OUTPUT:
+        return next(tensors)
+    if isinstance(leaf, PassThrough):
+        return operands[leaf.operand]
+    return leaf  # a constant (plain values are their own snapshot)

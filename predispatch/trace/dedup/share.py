@@ -55,7 +55,8 @@ from predispatch import _torch_internals as ti
 from predispatch.errors import DedupVerificationError, user_frame
 from predispatch.trace.dedup.body import NotClosed, extract, find_region, first_difference
 from predispatch.trace.dedup.reads import _PLAIN, matches, recording_reads, snapshot
-from predispatch.trace.dedup.replay import SharedBody, replay_call
+from predispatch.trace.hooks.inspection import side_effect
+from predispatch.trace.dedup.replay import BODY_OUTPUT, PassThrough, SharedBody, replay_call
 
 #: Bodies with fewer ops than this are inlined: a node per call saves nothing there.
 MIN_BODY_OPS = 4
@@ -98,7 +99,7 @@ class _Recorded:
     body: fx.GraphModule
     used: tuple[int, ...]
     outputs: tuple[tuple, ...]
-    out_leaves: tuple[Any, ...]  # None where a tensor output goes, else the constant
+    out_leaves: tuple[Any, ...]  # BODY_OUTPUT where a body output goes, a PassThrough for an operand returned, else the constant
     out_spec: pytree.TreeSpec
     mutated: tuple[int, ...]
 
@@ -124,14 +125,16 @@ class _Sharing:
         self.entries: dict[Any, list[_Entry]] = {}
         self.recording = 0
         self.reports: list[BlockReport] = []
-        self.names = Counter()
+        self.refused: dict[tuple[type, str], BlockReport] = {}
+        self.paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
 
     def call(self, module: nn.Module, run, args: tuple, kwargs: dict) -> Any:
         if self.recording or not self._candidate(module):
             return run(*args, **kwargs)
         try:
             static, operands, labels = _describe(module, args, kwargs)
-        except _NoShare:
+        except _NoShare as exc:
+            self._refused(module, str(exc))
             return run(*args, **kwargs)
         entry = next((e for e in self.entries.get(static, ()) if matches(e.reads, module)), None)
         path = self._path(module)
@@ -153,6 +156,14 @@ class _Sharing:
         self._compare(entry, recorded, reads, reason, path)
         return out
 
+    def _refused(self, module: nn.Module, reason: str) -> None:
+        """Report a call that could not even be keyed, once per class and reason."""
+        key = (type(module), reason)
+        if key not in self.refused:
+            self.refused[key] = BlockReport(type(module).__qualname__, not_shared=reason)
+            self.reports.append(self.refused[key])
+        self.refused[key].calls.append(self._path(module))
+
     def _candidate(self, module: nn.Module) -> bool:
         if module is self.root or not any(True for _ in module.children()):
             return False
@@ -161,10 +172,7 @@ class _Sharing:
         return seen or id(module) in self.repeated
 
     def _path(self, module: nn.Module) -> str:
-        for name, m in self.root.named_modules():
-            if m is module:
-                return name
-        return type(module).__qualname__
+        return self.paths.get(id(module), type(module).__qualname__)
 
     def _record(self, module, run, args, kwargs, operands, labels):
         """Trace one call in full, recording its reads and its run of nodes."""
@@ -221,7 +229,8 @@ def _recorded(module, tracer, log, out, operands, operand_nodes, counts, labels,
     if any(operands[i].requires_grad for i in mutated):
         raise _NoShare("the forward changes a tensor that requires grad in place")
     leaves, spec = pytree.tree_flatten(out)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    operand_at = {id(t): i for i, t in reversed(list(enumerate(operands)))}
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor) and id(x) not in operand_at]
     for x in leaves:
         if not isinstance(x, torch.Tensor) and not isinstance(x, _PLAIN):
             raise _NoShare(f"the forward returns a {type(x).__name__}")
@@ -241,7 +250,10 @@ def _recorded(module, tracer, log, out, operands, operand_nodes, counts, labels,
         (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
         for t in (*tensors, *(operands[i] for i in mutated))
     )
-    constants = tuple(None if isinstance(x, torch.Tensor) else snapshot(x) for x in leaves)
+    constants = tuple(
+        (PassThrough(operand_at[id(x)]) if id(x) in operand_at else BODY_OUTPUT) if isinstance(x, torch.Tensor) else snapshot(x)
+        for x in leaves
+    )
     return _Recorded(body, region.used, metadata, constants, spec, mutated)
 
 
@@ -317,12 +329,37 @@ def _hooks(module: nn.Module) -> tuple:
     for m in module.modules():
         if m._backward_hooks or m._backward_pre_hooks:
             raise _NoShare("a module inside has backward hooks")
-        found.append(tuple(m._forward_pre_hooks.values()) + tuple(m._forward_hooks.values()))
+        found.append(tuple(_hook_key(h) for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())))
         found.append((tuple(m._forward_hooks_with_kwargs), tuple(m._forward_pre_hooks_with_kwargs), tuple(m._forward_hooks_always_called)))
     if module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks:
         raise _NoShare("global backward hooks are registered")
-    found.append(tuple(module_globals._global_forward_pre_hooks.values()) + tuple(module_globals._global_forward_hooks.values()))
+    global_hooks = (*module_globals._global_forward_pre_hooks.values(), *module_globals._global_forward_hooks.values())
+    found.append(tuple(_hook_key(h) for h in global_hooks))
     return tuple(found)
+
+
+def _hook_key(hook: Any) -> Any:
+    """A forward hook as part of a key: its code, defaults and closure values (Hugging Face
+    installs one closure per module, alike but distinct).  A hook whose code visibly has a
+    Python side effect (appending to a collector) is never shared: a replay would not run it."""
+    effect = side_effect(hook)
+    if effect is not None:
+        raise _NoShare(f"a forward hook inside ({getattr(hook, '__qualname__', hook)}) has a Python side effect ({effect})")
+    fn = getattr(hook, "__func__", hook)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return snapshot(hook)  # a callable object: by identity
+    cells = tuple(snapshot(cell.cell_contents) if _filled(cell) else None for cell in fn.__closure__ or ())
+    bound = snapshot(getattr(hook, "__self__", None))
+    return (code, cells, snapshot(fn.__defaults__), snapshot(fn.__kwdefaults__), bound)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
 
 
 def _ambient() -> tuple:
