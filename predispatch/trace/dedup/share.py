@@ -261,7 +261,8 @@ def _describe(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[t
     """The static key of a call, its operands (state, then tensor inputs) and their names."""
     if "forward" in module.__dict__:
         raise _NoShare("the module's forward is set on the instance")
-    state = _state(module)
+    modules = list(module.named_modules(remove_duplicate=False))
+    state = _state(modules)
     flat, in_spec = pytree.tree_flatten_with_path((args, kwargs))
     operands = [t for _, t in state]
     labels = [name.replace(".", "_") for name, _ in state]
@@ -281,13 +282,13 @@ def _describe(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[t
     metadata = tuple(_tensor_key(t) for t in operands)
     static = (
         type(module),
-        tuple((name, type(m), type(m).forward.__code__) for name, m in module.named_modules(remove_duplicate=False)),
+        tuple((name, type(m), type(m).forward.__code__) for name, m in modules),
         tuple(name for name, _ in state),
         metadata,
         aliases,
-        _hooks(module),
+        _hooks(modules),
         _ambient(),
-        tuple(m.training for m in module.modules()),
+        tuple(m.training for _, m in modules),
         repr(in_spec),
         tuple(constants),
     )
@@ -303,10 +304,10 @@ def _input_label(path: tuple) -> str:
     return "_".join(part for part in (name, *tail.split("_")) if part)
 
 
-def _state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def _state(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, torch.Tensor]]:
     """Parameters, buffers and tensor attributes by name (every name of a shared one)."""
     found = []
-    for prefix, m in module.named_modules(remove_duplicate=False):
+    for prefix, m in modules:
         dot = f"{prefix}." if prefix else ""
         for name, value in (*m._parameters.items(), *m._buffers.items()):
             if value is not None:
@@ -318,15 +319,18 @@ def _state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
-    return (tuple(map(str, t.shape)), tuple(map(str, t.stride())), t.dtype, t.device, t.requires_grad, type(t))
+    shape, stride = t.shape, t.stride()
+    if not all(type(s) is int for s in (*shape, *stride)):  # symbolic sizes: by their expressions
+        shape, stride = tuple(map(str, shape)), tuple(map(str, stride))
+    return (tuple(shape), tuple(stride), t.dtype, t.device, t.requires_grad, type(t))
 
 
-def _hooks(module: nn.Module) -> tuple:
-    """The module and global hooks in force, by identity; backward hooks are never shared."""
+def _hooks(modules: list[tuple[str, nn.Module]]) -> tuple:
+    """The module and global hooks in force (`_hook_key`); backward hooks are never shared."""
     from torch.nn.modules import module as module_globals
 
     found = []
-    for m in module.modules():
+    for _, m in modules:
         if m._backward_hooks or m._backward_pre_hooks:
             raise _NoShare("a module inside has backward hooks")
         found.append(tuple(_hook_key(h) for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())))
@@ -371,14 +375,26 @@ def _ambient() -> tuple:
 
 
 def _repeated_modules(root: nn.Module) -> set[int]:
-    """Non-leaf modules with another module of the same class and state shapes in the tree."""
+    """Non-leaf modules with another module of the same class and state shapes in the tree.
+
+    Signatures are built bottom-up (a module's own state, then its children's signatures), so
+    the scan is linear in the size of the tree."""
     signatures: dict[int, Any] = {}
-    for m in root.modules():
-        if any(True for _ in m.children()):
-            state = tuple((name, tuple(t.shape), t.dtype) for name, t in _state(m))
-            signatures[id(m)] = (type(m), state)
-    counts = Counter(signatures.values())
-    return {i for i, s in signatures.items() if counts[s] > 1}
+
+    def signature(m: nn.Module) -> Any:
+        if id(m) not in signatures:
+            own = tuple(
+                (name, tuple(t.shape), t.dtype)
+                for name, t in (*m._parameters.items(), *m._buffers.items())
+                if t is not None
+            )
+            signatures[id(m)] = (type(m), own, tuple((name, signature(c)) for name, c in m._modules.items() if c is not None))
+        return signatures[id(m)]
+
+    signature(root)
+    non_leaf = {id(m) for m in root.modules() if m._modules}
+    counts = Counter(signatures[i] for i in non_leaf)
+    return {i for i in non_leaf if counts[signatures[i]] > 1}
 
 
 @contextlib.contextmanager
