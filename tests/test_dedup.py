@@ -535,3 +535,17 @@ class GraphModule(torch.nn.Module):
             mul: "f32[2, 3, 8]" = torch.ops.aten.mul.Tensor(linear_1, 1.0);  linear_1 = None
             add: "f32[2, 3, 8]" = torch.ops.aten.add.Tensor(x_0, mul);  x_0 = mul = None
             return (add,)""")
+
+
+def test_picture_draws_a_shared_body_once_with_its_count():
+    from predispatch.render.picture import NodeKind, picture
+
+    torch.manual_seed(0)
+    ep = predispatch.export(Stack(5), (torch.randn(2, 3, 8),))
+    drawn = picture(ep)
+    shared = [c for c in drawn.clusters if c.label.startswith("invoke_subgraph")]
+    assert [c.label for c in shared] == ["invoke_subgraph (shared by 3 calls)"]
+    calls = [n for n in drawn.nodes if n.kind is NodeKind.CALL]
+    assert [n.note for n in calls] == ["calls repeated_body_0, drawn at its first call"] * 2
+    relus = [n for n in drawn.nodes if n.name.startswith("relu")]
+    assert len(relus) == 3  # layers 0 and 1 inline, the body once
