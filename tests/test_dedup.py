@@ -549,3 +549,14 @@ def test_picture_draws_a_shared_body_once_with_its_count():
     assert [n.note for n in calls] == ["calls repeated_body_0, drawn at its first call"] * 2
     relus = [n for n in drawn.nodes if n.name.startswith("relu")]
     assert len(relus) == 3  # layers 0 and 1 inline, the body once
+
+
+def test_dynamic_batch_shares_with_the_size_as_an_operand():
+    torch.manual_seed(0)
+    model = Stack(5)
+    ep = predispatch.export(model, (torch.randn(2, 3, 8),), dynamic_shapes={"x": {0: torch.export.Dim("b", min=2, max=64)}})
+    assert _replayed(ep) == ["layers.2", "layers.3", "layers.4"]
+    (call, *_) = ep.graph.find_nodes(op="call_function", target=INVOKE)
+    assert call.args[-1].name == "sym_size_int"  # the batch size, made before the first layer
+    x = torch.randn(7, 3, 8)
+    assert_same_tree(ep.module()(x), model(x))

@@ -13,7 +13,8 @@ The differences are in the calling convention, which `to_torch` rewrites on a co
 
 What converts: every OpOverload (aten, prims, and custom ops such as predispatch::keep_history,
 which `torch.export.load` finds once `predispatch` is imported), `operator.getitem`, and the
-higher-order ops in `TORCH_HOPS` (torch's own grad-mode and autocast regions); parameters,
+higher-order ops in `TORCH_HOPS` (torch's own grad-mode and autocast regions, and
+`invoke_subgraph` for shared bodies of repeated blocks); parameters,
 buffers (persistent or not), constants, tied weights, and mutations of buffers, parameters
 and user inputs.  What is refused with `NotRepresentableError`: any other higher-order op
 (`REFUSED_HOPS` says why for predispatch's own), a forward that leaves grad mode changed for its

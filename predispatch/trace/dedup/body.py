@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from predispatch import _torch_internals as ti
+
 
 @dataclass(frozen=True)
 class Region:
@@ -30,6 +32,11 @@ class Region:
     nodes: tuple[fx.Node, ...]
     used: tuple[int, ...]
     outputs: tuple[fx.Node, ...]
+    symbols: tuple[fx.Node, ...] = ()
+
+
+#: Node values that are symbolic sizes: the body takes them as extra operands (see `find_region`).
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 class NotClosed(Exception):
@@ -37,10 +44,19 @@ class NotClosed(Exception):
 
 
 def find_region(
-    first: fx.Node | None, last: fx.Node, operand_nodes: Sequence[fx.Node | None], outputs: Sequence[fx.Node]
+    first: fx.Node | None,
+    last: fx.Node,
+    operand_nodes: Sequence[fx.Node | None],
+    outputs: Sequence[fx.Node],
+    size_symbols: frozenset = frozenset(),
 ) -> Region:
     """The run after `first` up to `last`, with the operands it reads; `NotClosed` if it reads
-    an outer node that is no operand, or returns a node that is not its own."""
+    an outer node that is no operand, or returns a node that is not its own.
+
+    An outer node holding a symbolic size (`sym_size_int` of the first input, made before the
+    block) is no operand but is allowed when its expression only uses `size_symbols`, the
+    symbols of the operands' shapes: every call with the same operand shapes (the key) has the
+    same value, so the body takes it as an extra operand and each call passes that same value."""
     nodes: list[fx.Node] = []
     node = first.next if first is not None else None
     while node is not None and node.op != "root":
@@ -53,20 +69,28 @@ def find_region(
     for i, operand in enumerate(operand_nodes):
         if operand is not None:
             position.setdefault(operand, i)
-    used = set()
+    used, symbols = set(), {}
     for node in nodes:
         if node.op in ("placeholder", "output"):
             raise NotClosed(f"the block's trace holds a {node.op} node")
         for arg in node.all_input_nodes:
             if arg in inside:
                 continue
-            if arg not in position:
+            if arg in position:
+                used.add(position[arg])
+            elif _is_size_of_operands(arg, size_symbols):
+                symbols.setdefault(arg, None)
+            else:
                 raise NotClosed(f"{node.name} reads {arg.name}, a value from outside the block that is not its input or state")
-            used.add(position[arg])
     for out in outputs:
         if out not in inside:
             raise NotClosed(f"the block returns {out.name} unchanged (an input, its state, or an outer value)")
-    return Region(tuple(nodes), tuple(sorted(used)), tuple(outputs))
+    return Region(tuple(nodes), tuple(sorted(used)), tuple(outputs), tuple(symbols))
+
+
+def _is_size_of_operands(node: fx.Node, size_symbols: frozenset) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, _SYMBOLIC) and bool(size_symbols) and ti.free_symbols(value) <= size_symbols
 
 
 def extract(region: Region, root: torch.nn.Module, operand_nodes: Sequence[fx.Node], names: Sequence[str], class_name: str) -> fx.GraphModule:
@@ -81,6 +105,10 @@ def extract(region: Region, root: torch.nn.Module, operand_nodes: Sequence[fx.No
         placeholder = graph.placeholder(names[i])
         placeholder.meta.update(operand_nodes[i].meta)
         env[operand_nodes[i]] = placeholder
+    for symbol in region.symbols:
+        placeholder = graph.placeholder(symbol.name)
+        placeholder.meta.update(symbol.meta)
+        env[symbol] = placeholder
     attributes: dict[str, Any] = {}
     for node in region.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])

@@ -125,7 +125,7 @@ class _Replayed(torch.autograd.Function):
 def replay_call(shared: SharedBody, recorded: Any, operands: Sequence[torch.Tensor]) -> Any:
     """One call of a shared block: the HOP on the operands the body reads, the in-place changes
     it made written back to their tensors, the result rebuilt in the recorded call's structure."""
-    outputs = block_call(shared, *(operands[i] for i in recorded.used))
+    outputs = block_call(shared, *(operands[i] for i in recorded.used), *recorded.symbols)
     n_user = len(recorded.outputs) - len(recorded.mutated)
     for value, i in zip(outputs[n_user:], recorded.mutated):
         operands[i].copy_(value)

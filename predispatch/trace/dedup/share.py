@@ -102,6 +102,7 @@ class _Recorded:
     out_leaves: tuple[Any, ...]  # BODY_OUTPUT where a body output goes, a PassThrough for an operand returned, else the constant
     out_spec: pytree.TreeSpec
     mutated: tuple[int, ...]
+    symbols: tuple[Any, ...] = ()  # symbolic sizes the body takes after the operands
 
 
 @dataclass
@@ -242,7 +243,8 @@ def _recorded(module, tracer, log, out, operands, operand_nodes, counts, labels,
         raise _NoShare("the forward returns views of one tensor, or of its input or state")
     out_nodes = [ti.traced_node(t, tracer) for t in tensors]
     new_values = [ti.traced_node(operands[i], tracer) for i in mutated]
-    region = find_region(start, end, operand_nodes, (*out_nodes, *new_values))
+    size_symbols = frozenset().union(*(ti.free_symbols(t) for t in operands))
+    region = find_region(start, end, operand_nodes, (*out_nodes, *new_values), size_symbols)
     body = extract(region, tracer.root, operand_nodes, labels, "repeated_body")
     if sum(1 for n in body.graph.nodes if n.op == "call_function") < MIN_BODY_OPS:
         raise _NoShare(f"its body has fewer than {MIN_BODY_OPS} ops")
@@ -254,7 +256,8 @@ def _recorded(module, tracer, log, out, operands, operand_nodes, counts, labels,
         (PassThrough(operand_at[id(x)]) if id(x) in operand_at else BODY_OUTPUT) if isinstance(x, torch.Tensor) else snapshot(x)
         for x in leaves
     )
-    return _Recorded(body, region.used, metadata, constants, spec, mutated)
+    symbols = tuple(n.meta["val"] for n in region.symbols)
+    return _Recorded(body, region.used, metadata, constants, spec, mutated, symbols)
 
 
 def _describe(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor], list[str]]:
