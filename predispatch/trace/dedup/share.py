@@ -4,8 +4,8 @@ Note [Sharing repeated blocks]
 ------------------------------
 Every submodule call the trace meets passes through `_Sharing.call` (make_fx's module-stack
 tracer hands it over, `ti.intercept_module_calls`).  A call is a candidate when its module is not
-a leaf and either another module in the tree has the same class and state shapes, or the module
-was called before (one layer applied many times).  A candidate's key has two parts:
+a leaf and either at least two other modules in the tree have the same class and state shapes
+(`MIN_INSTANCES`), or the module was called before (one layer applied many times).  A candidate's key has two parts:
 
 - static, computed before the call (`_describe`): class and forward code, the classes of its
   submodules, each parameter's, buffer's and tensor attribute's metadata (shape, stride, dtype,
@@ -60,6 +60,11 @@ from predispatch.trace.dedup.replay import BODY_OUTPUT, PassThrough, SharedBody,
 
 #: Bodies with fewer ops than this are inlined: a node per call saves nothing there.
 MIN_BODY_OPS = 4
+
+#: Modules of a kind with fewer instances than this are not candidates: the first two calls of a
+#: key are traced in full anyway, so a pair (a 2-layer model) would pay for recording and
+#: comparing and replay nothing.
+MIN_INSTANCES = 3
 
 
 class Dedup(enum.Enum):
@@ -378,7 +383,8 @@ def _ambient() -> tuple:
 
 
 def _repeated_modules(root: nn.Module) -> set[int]:
-    """Non-leaf modules with another module of the same class and state shapes in the tree.
+    """Non-leaf modules with at least `MIN_INSTANCES - 1` others of the same class and state
+    shapes in the tree.
 
     Signatures are built bottom-up (a module's own state, then its children's signatures), so
     the scan is linear in the size of the tree."""
@@ -397,7 +403,7 @@ def _repeated_modules(root: nn.Module) -> set[int]:
     signature(root)
     non_leaf = {id(m) for m in root.modules() if m._modules}
     counts = Counter(signatures[i] for i in non_leaf)
-    return {i for i in non_leaf if counts[signatures[i]] > 1}
+    return {i for i in non_leaf if counts[signatures[i]] >= MIN_INSTANCES}
 
 
 @contextlib.contextmanager
