@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from expecttest import TestCase
-from helpers import assert_same_tree, check_gradients, export_and_check, graph
+from helpers import assert_same_tree, check_gradients, export_and_check, graph, stable_message
 from torch import nn
 
 import predispatch
@@ -312,8 +312,15 @@ def test_global_read_after_second_call():
     wrong = predispatch.export(model, (x,)).module()(x)
     assert not torch.equal(wrong, expected)  # the documented gap
     assert_same_tree(predispatch.export(model, (x,), dedup=False).module()(x), expected)
-    with pytest.raises(DedupVerificationError, match="the call of layers.3 differs from the shared body of layers.0"):
+    with pytest.raises(DedupVerificationError) as info:
         predispatch.export(model, (x,), dedup="verify")
+    assert stable_message(info.value) == (
+        "the call of layers.3 differs from the shared body of layers.0: node mul_1 (call_function mul.Tensor) "
+        "against mul_7 (call_function mul.Tensor): different arguments.\n"
+        "  at test_dedup.py:N (x = layer(x))\n"
+        "  fix: export with dedup=False, and report the module: its key misses what makes the calls differ.\n"
+        "  see docs/errors.md#dedupverificationerror"
+    )
 
 
 # ---- mutations, regions, Functions and hooks inside a shared block -------------------------
@@ -560,3 +567,34 @@ def test_dynamic_batch_shares_with_the_size_as_an_operand():
     assert call.args[-1].name == "sym_size_int"  # the batch size, made before the first layer
     x = torch.randn(7, 3, 8)
     assert_same_tree(ep.module()(x), model(x))
+
+
+class _Config:
+    """A plain config object: its class is swapped while a call is recorded."""
+
+    def __init__(self):
+        self.fail = False
+
+
+class Failing(Block):
+    def forward(self, x):
+        y = super().forward(x)
+        if self.config.fail:
+            raise RuntimeError("boom")
+        return y
+
+
+def test_recording_leaves_classes_and_state_as_found():
+    """The read log swaps classes during a recorded call; on success and failure they are back."""
+    config = _Config()
+    model = Stack(4, lambda layer_idx: Failing(config=config, layer_idx=layer_idx))
+    classes = [type(m) for m in model.modules()]
+    before = copy.deepcopy(model.state_dict())
+    predispatch.export(model, (torch.randn(2, 3, 8),))
+    assert [type(m) for m in model.modules()] == classes and type(config) is _Config
+    config.fail = True
+    with pytest.raises(predispatch.errors.TraceError, match="boom"):
+        predispatch.export(model, (torch.randn(2, 3, 8),))
+    assert [type(m) for m in model.modules()] == classes and type(config) is _Config
+    assert_same_tree(model.state_dict(), before)
+    assert all("__class__" not in vars(m) for m in model.modules())
