@@ -104,6 +104,33 @@ def time_exports(name: str, model: Any, args: tuple, kwargs: dict, reps: int, to
     return ExportTimes(name, {t: statistics.median(s) for t, s in samples.items()}, nodes, errors)
 
 
+def time_depths(reps: int) -> list[ExportTimes]:
+    """`time_exports` for the Llama decoder at every depth, with the depths interleaved too: each
+    round times every (depth, tool) once, so load from other processes falls on all depths
+    alike and the ratios between depths stay meaningful on a shared machine."""
+    ids = torch.randint(0, 128, (2, 16))
+    models = {}
+    for depth in DEPTHS:
+        torch.manual_seed(0)
+        models[depth] = llama(depth).train()
+    nodes: dict[int, dict[str, int]] = {d: {} for d in DEPTHS}
+    samples: dict[int, dict[str, list[float]]] = {d: {t: [] for t in DEPTH_TOOLS[d]} for d in DEPTHS}
+    for depth, tools in DEPTH_TOOLS.items():  # the untimed warm-up
+        for tool in tools:
+            nodes[depth][tool] = len(TOOLS[tool](models[depth], (ids,), {"labels": ids}).graph.nodes)
+    for _ in range(reps):
+        for depth, tools in DEPTH_TOOLS.items():
+            for tool in tools:
+                gc.collect()
+                start = time.perf_counter()
+                TOOLS[tool](models[depth], (ids,), {"labels": ids})
+                samples[depth][tool].append(time.perf_counter() - start)
+    return [
+        ExportTimes(f"llama-{d}", {t: statistics.median(s) for t, s in samples[d].items()}, nodes[d], {})
+        for d in DEPTHS
+    ]
+
+
 def forward_ratio(model: Any, args: tuple, kwargs: dict, calls: int = 30) -> tuple[float, float] | None:
     """Median seconds of one forward call: (eager, ep.module()), the two calls alternated so
     that load from other processes falls on both alike."""
@@ -187,9 +214,8 @@ def depth_table(rows: list[ExportTimes]) -> list[str]:
             cells += ["-", "-"] if s is None else [f"{s:.3f}", f"{1e3 * s / depth:.1f}"]
             if tool == "predispatch":
                 cells.append(str(r.nodes.get(tool, "-")))
-        te = r.ratio("torch.export", "predispatch")
-        lines.append(f"| {depth} | {' | '.join(cells)} | {_fmt(r.ratio('predispatch', 'torch.export'), '.2f')}x "
-                     f"| {_fmt(te, '.2f')}x |")
+        ratios = [r.ratio("predispatch", "torch.export"), r.ratio("torch.export", "predispatch")]
+        lines.append(f"| {depth} | {' | '.join(cells)} | {' | '.join('-' if x is None else f'{x:.2f}x' for x in ratios)} |")
     lines.append("")
     lines += _depth_targets({d: r for d, r in zip(DEPTHS, rows)})
     return lines
@@ -281,13 +307,8 @@ def main() -> None:
             print(f"  export {bench.name}: {rows[-1].seconds}", file=sys.stderr, flush=True)
         out += ["", "## Export time", "", *export_table(rows)]
     if "depth" not in opts.skip:
-        rows = []
-        for depth in DEPTHS:
-            torch.manual_seed(0)
-            model = llama(depth).train()
-            ids = torch.randint(0, 128, (2, 16))
-            rows.append(time_exports(f"llama-{depth}", model, (ids,), {"labels": ids}, opts.reps, DEPTH_TOOLS[depth]))
-            print(f"  depth {depth}: {rows[-1].seconds}", file=sys.stderr, flush=True)
+        rows = time_depths(opts.reps)
+        print(f"  depth: {[r.seconds for r in rows]}", file=sys.stderr, flush=True)
         out += ["", "## Depth scaling (Llama-style decoder, hidden 64)", "", *depth_table(rows)]
     if "memory" not in opts.skip:
         results = [peak_memory(tool, size) for size in ("7b", "70b") for tool in ("baseline", "predispatch", "torch.export")]
