@@ -67,8 +67,8 @@ def test_stack_shares_one_body():
     ep = check_gradients(model, (x,))
     assert _replayed(ep) == ["layers.2", "layers.3"]
     assert [r.calls for r in _report(ep)] == [["layers.0", "layers.1", "layers.2", "layers.3"]]
-    calls = ep.graph.find_nodes(op="call_function", target=INVOKE)
-    assert [list(n.meta["nn_module_stack"])[-1] for n in calls] == ["layers.2", "layers.3"]
+    calls = [n for n in ep.graph.nodes if n.target is INVOKE]  # every call: the first two are folded
+    assert [list(n.meta["nn_module_stack"])[-1] for n in calls] == ["layers.0", "layers.1", "layers.2", "layers.3"]
     assert {n.args[0].target for n in calls} == {"repeated_body_0"}
     assert graph(ep).count("class repeated_body_0") == 1
 
@@ -79,9 +79,9 @@ def test_dedup_false_traces_inline_and_inlining_gives_the_same_ops():
     flat = predispatch.export(model, (x,), dedup=False)
     shared = predispatch.export(model, (x,))
     assert _calls(flat) == 0 and _report(flat) == []
-    assert _calls(shared) == 3
+    assert _calls(shared) == 5
     inlined = shared.inline_subgraphs()
-    assert _calls(inlined) == 0 and _calls(shared) == 3  # a copy: the program keeps its bodies
+    assert _calls(inlined) == 0 and _calls(shared) == 5  # a copy: the program keeps its bodies
     ops = lambda ep: [n.target for n in ep.graph.nodes if n.op == "call_function"]  # noqa: E731
     assert ops(inlined) == ops(flat)
     assert_same_tree(inlined.module()(x), model(x))
@@ -493,7 +493,7 @@ def test_save_load_round_trips_shared_bodies():
     buffer.seek(0)
     loaded = predispatch.load(buffer)
     assert str(loaded) == str(ep)
-    assert _calls(loaded) == 3
+    assert _calls(loaded) == 5
     assert_same_tree(loaded.module()(x), model(x))
 
 
@@ -502,7 +502,7 @@ def test_to_torch_keeps_invoke_subgraph():
     model, x = Stack(5), torch.randn(2, 3, 8)
     ep = predispatch.export(model, (x,))
     theirs = ep.to_torch()
-    assert len(theirs.graph.find_nodes(op="call_function", target=INVOKE)) == 3
+    assert len(theirs.graph.find_nodes(op="call_function", target=INVOKE)) == 5
     assert_same_tree(theirs.module()(x), model(x))
 
 
@@ -516,20 +516,14 @@ class Golden(TestCase):
         self.assertExpectedInline(graph(ep), """\
 class GraphModule(torch.nn.Module):
     def forward(self, p_layers_0_norm_weight: "f32[8]", p_layers_0_norm_bias: "f32[8]", p_layers_0_up_weight: "f32[16, 8]", p_layers_0_up_bias: "f32[16]", p_layers_0_down_weight: "f32[8, 16]", p_layers_0_down_bias: "f32[8]", p_layers_1_norm_weight: "f32[8]", p_layers_1_norm_bias: "f32[8]", p_layers_1_up_weight: "f32[16, 8]", p_layers_1_up_bias: "f32[16]", p_layers_1_down_weight: "f32[8, 16]", p_layers_1_down_bias: "f32[8]", p_layers_2_norm_weight: "f32[8]", p_layers_2_norm_bias: "f32[8]", p_layers_2_up_weight: "f32[16, 8]", p_layers_2_up_bias: "f32[16]", p_layers_2_down_weight: "f32[8, 16]", p_layers_2_down_bias: "f32[8]", x: "f32[2, 3, 8]"):
-        layer_norm: "f32[2, 3, 8]" = torch.ops.aten.layer_norm.default(x, [8], p_layers_0_norm_weight, p_layers_0_norm_bias);  p_layers_0_norm_weight = p_layers_0_norm_bias = None
-        linear: "f32[2, 3, 16]" = torch.ops.aten.linear.default(layer_norm, p_layers_0_up_weight, p_layers_0_up_bias);  layer_norm = p_layers_0_up_weight = p_layers_0_up_bias = None
-        relu: "f32[2, 3, 16]" = torch.ops.aten.relu.default(linear);  linear = None
-        linear_1: "f32[2, 3, 8]" = torch.ops.aten.linear.default(relu, p_layers_0_down_weight, p_layers_0_down_bias);  relu = p_layers_0_down_weight = p_layers_0_down_bias = None
-        mul: "f32[2, 3, 8]" = torch.ops.aten.mul.Tensor(linear_1, 1.0);  linear_1 = None
-        add: "f32[2, 3, 8]" = torch.ops.aten.add.Tensor(x, mul);  x = mul = None
-        layer_norm_1: "f32[2, 3, 8]" = torch.ops.aten.layer_norm.default(add, [8], p_layers_1_norm_weight, p_layers_1_norm_bias);  p_layers_1_norm_weight = p_layers_1_norm_bias = None
-        linear_2: "f32[2, 3, 16]" = torch.ops.aten.linear.default(layer_norm_1, p_layers_1_up_weight, p_layers_1_up_bias);  layer_norm_1 = p_layers_1_up_weight = p_layers_1_up_bias = None
-        relu_1: "f32[2, 3, 16]" = torch.ops.aten.relu.default(linear_2);  linear_2 = None
-        linear_3: "f32[2, 3, 8]" = torch.ops.aten.linear.default(relu_1, p_layers_1_down_weight, p_layers_1_down_bias);  relu_1 = p_layers_1_down_weight = p_layers_1_down_bias = None
-        mul_1: "f32[2, 3, 8]" = torch.ops.aten.mul.Tensor(linear_3, 1.0);  linear_3 = None
-        add_1: "f32[2, 3, 8]" = torch.ops.aten.add.Tensor(add, mul_1);  add = mul_1 = None
+        repeated_body_1 = self.repeated_body_0
+        invoke_subgraph_1 = torch.ops.higher_order.invoke_subgraph(repeated_body_1, 'repeated_body_0', p_layers_0_norm_weight, p_layers_0_norm_bias, p_layers_0_up_weight, p_layers_0_up_bias, p_layers_0_down_weight, p_layers_0_down_bias, x);  repeated_body_1 = p_layers_0_norm_weight = p_layers_0_norm_bias = p_layers_0_up_weight = p_layers_0_up_bias = p_layers_0_down_weight = p_layers_0_down_bias = x = None
+        add_3: "f32[2, 3, 8]" = invoke_subgraph_1[0];  invoke_subgraph_1 = None
+        repeated_body_2 = self.repeated_body_0
+        invoke_subgraph_2 = torch.ops.higher_order.invoke_subgraph(repeated_body_2, 'repeated_body_0', p_layers_1_norm_weight, p_layers_1_norm_bias, p_layers_1_up_weight, p_layers_1_up_bias, p_layers_1_down_weight, p_layers_1_down_bias, add_3);  repeated_body_2 = p_layers_1_norm_weight = p_layers_1_norm_bias = p_layers_1_up_weight = p_layers_1_up_bias = p_layers_1_down_weight = p_layers_1_down_bias = add_3 = None
+        add_4: "f32[2, 3, 8]" = invoke_subgraph_2[0];  invoke_subgraph_2 = None
         repeated_body_0 = self.repeated_body_0
-        invoke_subgraph = torch.ops.higher_order.invoke_subgraph(repeated_body_0, 'repeated_body_0', p_layers_2_norm_weight, p_layers_2_norm_bias, p_layers_2_up_weight, p_layers_2_up_bias, p_layers_2_down_weight, p_layers_2_down_bias, add_1);  repeated_body_0 = p_layers_2_norm_weight = p_layers_2_norm_bias = p_layers_2_up_weight = p_layers_2_up_bias = p_layers_2_down_weight = p_layers_2_down_bias = add_1 = None
+        invoke_subgraph = torch.ops.higher_order.invoke_subgraph(repeated_body_0, 'repeated_body_0', p_layers_2_norm_weight, p_layers_2_norm_bias, p_layers_2_up_weight, p_layers_2_up_bias, p_layers_2_down_weight, p_layers_2_down_bias, add_4);  repeated_body_0 = p_layers_2_norm_weight = p_layers_2_norm_bias = p_layers_2_up_weight = p_layers_2_up_bias = p_layers_2_down_weight = p_layers_2_down_bias = add_4 = None
         add_2: "f32[2, 3, 8]" = invoke_subgraph[0];  invoke_subgraph = None
         return (add_2,)
 
@@ -551,11 +545,11 @@ def test_picture_draws_a_shared_body_once_with_its_count():
     ep = predispatch.export(Stack(5), (torch.randn(2, 3, 8),))
     drawn = picture(ep)
     shared = [c for c in drawn.clusters if c.label.startswith("invoke_subgraph")]
-    assert [c.label for c in shared] == ["invoke_subgraph (shared by 3 calls)"]
+    assert [c.label for c in shared] == ["invoke_subgraph (shared by 5 calls)"]
     calls = [n for n in drawn.nodes if n.kind is NodeKind.CALL]
-    assert [n.note for n in calls] == ["calls repeated_body_0, drawn at its first call"] * 2
+    assert [n.note for n in calls] == ["calls repeated_body_0, drawn at its first call"] * 4
     relus = [n for n in drawn.nodes if n.name.startswith("relu")]
-    assert len(relus) == 3  # layers 0 and 1 inline, the body once
+    assert len(relus) == 1  # the body, once
 
 
 def test_dynamic_batch_shares_with_the_size_as_an_operand():
@@ -563,8 +557,8 @@ def test_dynamic_batch_shares_with_the_size_as_an_operand():
     model = Stack(5)
     ep = predispatch.export(model, (torch.randn(2, 3, 8),), dynamic_shapes={"x": {0: torch.export.Dim("b", min=2, max=64)}})
     assert _replayed(ep) == ["layers.2", "layers.3", "layers.4"]
-    (call, *_) = ep.graph.find_nodes(op="call_function", target=INVOKE)
-    assert call.args[-1].name == "sym_size_int"  # the batch size, made before the first layer
+    calls = ep.graph.find_nodes(op="call_function", target=INVOKE)
+    assert len(calls) == 5 and all(c.args[-1].name == "sym_size_int" for c in calls)  # the batch size
     x = torch.randn(7, 3, 8)
     assert_same_tree(ep.module()(x), model(x))
 

@@ -25,7 +25,7 @@ from predispatch.frontend.inputs import CONSTANT_TYPES
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
 from predispatch.trace.decompose import DecompositionLog, DecompositionPolicy
-from predispatch.trace.dedup import BlockReport, Dedup, share_repeated_blocks
+from predispatch.trace.dedup import Dedup, share_repeated_blocks
 from predispatch.trace.grad_history import GradHistoryKeeper
 from predispatch.trace.hooks import backward_hooks
 
@@ -65,7 +65,7 @@ class _Program:
     def __init__(self, prepared: PreparedInputs, dedup: Dedup = Dedup.OFF):
         self._prepared = prepared
         self._dedup = dedup
-        self.blocks: list[BlockReport] = []
+        self.sharing = None
         self.outputs: tuple[tuple[Leaf, ...], pytree.TreeSpec] | None = None
         self.grad_mode_on_exit: bool | None = None
         self.input_metadata_write: str | None = None
@@ -92,7 +92,7 @@ class _Program:
             stack.enter_context(keeper.observer())
             stack.enter_context(backward_hooks(prepared.module, keeper))
             stack.enter_context(capture_autograd_functions())
-            self.blocks = stack.enter_context(share_repeated_blocks(prepared.module, self._dedup))
+            self.sharing = stack.enter_context(share_repeated_blocks(prepared.module, self._dedup))
             out = prepared.module(*args, **kwargs)
         self.grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
         self.input_metadata_write = keeper.input_metadata_write
@@ -142,8 +142,9 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
     _check_repeated_inputs(prepared, captured.data_mutated)
     gm = captured.graph_module
     _remove_effect_tokens(gm)
+    program.sharing.fold(gm)  # the fully traced calls of shared blocks call the body too
     gm.graph.eliminate_dead_code()  # what the trace computed and nothing used, as AOTAutograd drops it
-    gm.meta["dedup"] = program.blocks  # which blocks were shared, replayed, or why not
+    gm.meta["dedup"] = program.sharing.reports  # which blocks were shared, replayed, or why not
     if prepared.dynamic is not None:
         check_constraints(prepared.dynamic, gm)
     output_leaves, out_spec = program.outputs

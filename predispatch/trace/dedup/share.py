@@ -54,6 +54,7 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch.errors import DedupVerificationError, user_frame
 from predispatch.trace.dedup.body import NotClosed, extract, find_region, first_difference
+from predispatch.trace.dedup.fold import CallSite, fold_traced_calls
 from predispatch.trace.dedup.reads import _PLAIN, matches, recording_reads, snapshot
 from predispatch.trace.hooks.inspection import side_effect
 from predispatch.trace.dedup.replay import BODY_OUTPUT, PassThrough, SharedBody, replay_call
@@ -108,6 +109,7 @@ class _Recorded:
     out_spec: pytree.TreeSpec
     mutated: tuple[int, ...]
     symbols: tuple[Any, ...] = ()  # symbolic sizes the body takes after the operands
+    site: CallSite | None = None  # where in the outer graph the call was traced (fold.py)
 
 
 @dataclass
@@ -119,6 +121,7 @@ class _Entry:
     report: BlockReport
     shared: SharedBody | None = None
     compared: bool = False
+    traced: list[_Recorded] = field(default_factory=list)  # calls traced in full that compared equal
 
 
 class _Sharing:
@@ -161,6 +164,15 @@ class _Sharing:
         entry.report.calls.append(path)
         self._compare(entry, recorded, reads, reason, path)
         return out
+
+    def fold(self, gm: fx.GraphModule) -> None:
+        """After the trace: the calls of shared keys traced in full become `invoke_subgraph`
+        calls too (fold.py), so every call of a shared body is one node."""
+        replaced: dict[fx.Node, fx.Node] = {}
+        for entries in self.entries.values():
+            for entry in entries:
+                if entry.shared is not None:
+                    fold_traced_calls(gm, entry.shared.body, entry.shared.name, [r.site for r in entry.traced], replaced)
 
     def _refused(self, module: nn.Module, reason: str) -> None:
         """Report a call that could not even be keyed, once per class and reason."""
@@ -219,6 +231,7 @@ class _Sharing:
             entry.report.not_shared = f"{path} differs from {entry.report.calls[0]}: {difference}"
             return
         entry.compared = True
+        entry.traced += [first, recorded] if not entry.traced else [recorded]
         if entry.shared is None:
             name = f"repeated_body_{len([e for es in self.entries.values() for e in es if e.shared])}"
             first.body.__class__.__name__ = name
@@ -262,7 +275,9 @@ def _recorded(module, tracer, log, out, operands, operand_nodes, counts, labels,
         for x in leaves
     )
     symbols = tuple(n.meta["val"] for n in region.symbols)
-    return _Recorded(body, region.used, metadata, constants, spec, mutated, symbols)
+    operand_args = (*(operand_nodes[i] for i in region.used), *region.symbols)
+    site = CallSite(region, operand_args, dict(tracer.module_stack))
+    return _Recorded(body, region.used, metadata, constants, spec, mutated, symbols, site)
 
 
 def _describe(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor], list[str]]:
@@ -406,12 +421,22 @@ def _repeated_modules(root: nn.Module) -> set[int]:
     return {i for i in non_leaf if counts[signatures[i]] >= MIN_INSTANCES}
 
 
+class _Off:
+    """What `share_repeated_blocks` yields with sharing off."""
+
+    reports: list[BlockReport] = []
+
+    def fold(self, gm: fx.GraphModule) -> None:
+        pass
+
+
 @contextlib.contextmanager
-def share_repeated_blocks(root: nn.Module, mode: Dedup) -> Iterator[list[BlockReport]]:
-    """While active (inside the trace), repeated blocks are shared; yields the per-key reports."""
+def share_repeated_blocks(root: nn.Module, mode: Dedup) -> Iterator[_Sharing | _Off]:
+    """While active (inside the trace), repeated blocks are shared; yields the sharing state,
+    whose `reports` say what was shared and whose `fold(gm)` is called on the traced graph."""
     if mode is Dedup.OFF:
-        yield []
+        yield _Off()
         return
     sharing = _Sharing(root, mode)
     with ti.intercept_module_calls(sharing.call):
-        yield sharing.reports
+        yield sharing
