@@ -18,15 +18,17 @@ a leaf and either at least two other modules in the tree have the same class and
 The first two calls of a key are traced in full, inline, as without sharing, each recorded as
 a run of nodes (body.py).  If the two runs are the same node for node (ops, arguments, results'
 metadata, constants), every later call of the key is one `invoke_subgraph` node on the first
-run's nodes copied into a subgraph (replay.py); if they differ, the key is never shared and its
-calls are traced inline.  Not shared either, with the reason kept in the report: a forward that
-writes Python attributes, changes a tensor that requires grad in place, returns an input or
-state tensor or two views of one tensor, reads a traced value that is neither its input nor its
+run's nodes copied into a subgraph (replay.py), and after the trace the two runs traced in full
+are folded into calls of that body too (fold.py), so every call is one node; if they differ,
+the key is never shared and its calls are traced inline.  Not shared either, with the reason
+kept in the report: a forward that writes Python attributes, changes a tensor that requires
+grad in place, returns two views of one tensor or a view of its input or state, has forward
+hooks with visible Python side effects, reads a traced value that is neither its input nor its
 state, or has backward hooks inside.  The decomposition policy is one per export: every body
 of an export is traced under the same one.
 
 `dedup="verify"` records every call instead and raises `DedupVerificationError` if one differs
-from its key's first call; the program is then the inline trace.
+from its key's first call; every call is then folded, so the program is the one `dedup=True` gives.
 
 Note [What the key cannot see]
 ------------------------------
