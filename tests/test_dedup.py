@@ -93,6 +93,8 @@ def test_verify_mode_checks_every_call():
     ep = predispatch.export(model, (x,), dedup="verify")
     (report,) = _report(ep)
     assert report.not_shared is None and len(report.calls) == 5 and report.replayed == []
+    targets = lambda ep: [(n.target, len(n.args)) for n in ep.graph.nodes]  # noqa: E731
+    assert targets(ep) == targets(predispatch.export(model, (x,)))  # every call folded: the same program
     with pytest.raises(ValueError, match="dedup must be one of True, False or 'verify', not 'yes'"):
         predispatch.export(model, (x,), dedup="yes")
 
