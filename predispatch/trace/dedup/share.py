@@ -426,7 +426,8 @@ def _repeated_modules(root: nn.Module) -> set[int]:
 class _Off:
     """What `share_repeated_blocks` yields with sharing off."""
 
-    reports: list[BlockReport] = []
+    def __init__(self) -> None:
+        self.reports: list[BlockReport] = []
 
     def fold(self, gm: fx.GraphModule) -> None:
         pass
