@@ -1,6 +1,6 @@
-"""Peak memory of exporting a 7-billion-parameter Llama built on the meta device.
+"""Peak memory of exporting a Llama built on the meta device: 7B (32 layers) or 70B-shaped (80 layers).
 
-    python benchmarks/peak_memory.py {baseline,predispatch,torch.export}
+    python benchmarks/peak_memory.py {baseline,predispatch,torch.export} [7b|70b]
 
 Prints one JSON line: the tool, export seconds, graph nodes and the process's peak resident
 memory.  `baseline` builds the model and exports nothing: what import and the model itself
@@ -28,11 +28,18 @@ import transformers
 
 TOOLS = ("baseline", "predispatch", "torch.export")
 
+#: Llama configurations by size: transformers' default (Llama-2 7B) and Llama-3 70B's shape.
+SIZES = {
+    "7b": {},
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=128256),
+}
 
-def main(tool: str) -> dict:
+
+def main(tool: str, size: str = "7b") -> dict:
     transformers.logging.set_verbosity_error()
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(use_cache=False)).eval()
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(use_cache=False, **SIZES[size])).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 128))
     start = time.perf_counter()
     nodes = 0
@@ -44,6 +51,7 @@ def main(tool: str) -> dict:
         nodes = len(torch.export.export(model, (ids,), strict=False).graph.nodes)
     return {
         "tool": tool,
+        "size": size,
         "parameters": sum(p.numel() for p in model.parameters()),
         "seconds": time.perf_counter() - start,
         "nodes": nodes,
@@ -59,6 +67,6 @@ def _vm_hwm_kib() -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in TOOLS:
-        sys.exit(f"usage: python benchmarks/peak_memory.py {{{','.join(TOOLS)}}}")
-    print(json.dumps(main(sys.argv[1])))
+    if len(sys.argv) not in (2, 3) or sys.argv[1] not in TOOLS or sys.argv[2:3] not in ([], *([k] for k in SIZES)):
+        sys.exit(f"usage: python benchmarks/peak_memory.py {{{','.join(TOOLS)}}} [{'|'.join(SIZES)}]")
+    print(json.dumps(main(*sys.argv[1:])))

@@ -8,9 +8,13 @@ Four measurements, on the models of benchmarks/models.py (train mode, loss in th
    `torch.export.export(...).run_decompositions({})` (torch's way to a functional graph), each
    the median of `--reps` warm repetitions (one untimed warm-up first, tools interleaved), as
    ratios, with the time per graph node (each tool's own node count).
-2. Depth scaling: a Llama-style decoder (hidden 64) at 2, 8 and 32 layers; time per layer.
-3. Peak memory of exporting the 7-billion-parameter Llama built on the meta device, each tool
-   in a fresh process (benchmarks/peak_memory.py: the process's own peak resident memory).
+2. Depth scaling: a Llama-style decoder (hidden 64) at 2, 8, 32 and 80 layers, predispatch
+   (repeated layers shared, trace/dedup/) against its inline trace (`dedup=False`) and
+   torch.export; the ratios of issue 15 (32/2 <= 2.5x, 80/2 <= 4x, a replayed layer <= 10% of a
+   traced one, torch.export >= 4x predispatch's time at 32 layers).
+3. Peak memory of exporting the 7-billion-parameter Llama and a 70B-shaped one (80 layers)
+   built on the meta device, each tool in a fresh process (benchmarks/peak_memory.py: the
+   process's own peak resident memory).
 4. Forward time of `ep.module()` against the eager model (median of many calls), on the same
    models and on a wider Llama where compute rather than Python overhead fills a call.
 
@@ -51,8 +55,17 @@ TOOLS: dict[str, Callable[[Any, tuple, dict], Any]] = {
     "predispatch": lambda m, a, k: predispatch.export(m, a, k),
     "torch.export": lambda m, a, k: torch.export.export(m, a, k, strict=False),
     "torch.export+decomp": lambda m, a, k: torch.export.export(m, a, k, strict=False).run_decompositions({}),
+    "predispatch inline": lambda m, a, k: predispatch.export(m, a, k, dedup=False),
 }
-DEPTHS = (2, 8, 32)
+DEPTHS = (2, 8, 32, 80)
+#: Which tools each depth times: the targets compare predispatch across depths, against its
+#: inline trace at 2 and 8 layers (the cost of a traced layer), against torch.export at 32.
+DEPTH_TOOLS = {
+    2: ["predispatch", "predispatch inline", "torch.export"],
+    8: ["predispatch", "predispatch inline", "torch.export"],
+    32: ["predispatch", "predispatch inline", "torch.export"],
+    80: ["predispatch"],
+}
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,33 @@ def time_exports(name: str, model: Any, args: tuple, kwargs: dict, reps: int, to
     return ExportTimes(name, {t: statistics.median(s) for t, s in samples.items()}, nodes, errors)
 
 
+def time_depths(reps: int) -> list[ExportTimes]:
+    """`time_exports` for the Llama decoder at every depth, with the depths interleaved too: each
+    round times every (depth, tool) once, so load from other processes falls on all depths
+    alike and the ratios between depths stay meaningful on a shared machine."""
+    ids = torch.randint(0, 128, (2, 16))
+    models = {}
+    for depth in DEPTHS:
+        torch.manual_seed(0)
+        models[depth] = llama(depth).train()
+    nodes: dict[int, dict[str, int]] = {d: {} for d in DEPTHS}
+    samples: dict[int, dict[str, list[float]]] = {d: {t: [] for t in DEPTH_TOOLS[d]} for d in DEPTHS}
+    for depth, tools in DEPTH_TOOLS.items():  # the untimed warm-up
+        for tool in tools:
+            nodes[depth][tool] = len(TOOLS[tool](models[depth], (ids,), {"labels": ids}).graph.nodes)
+    for _ in range(reps):
+        for depth, tools in DEPTH_TOOLS.items():
+            for tool in tools:
+                gc.collect()
+                start = time.perf_counter()
+                TOOLS[tool](models[depth], (ids,), {"labels": ids})
+                samples[depth][tool].append(time.perf_counter() - start)
+    return [
+        ExportTimes(f"llama-{d}", {t: statistics.median(s) for t, s in samples[d].items()}, nodes[d], {})
+        for d in DEPTHS
+    ]
+
+
 def forward_ratio(model: Any, args: tuple, kwargs: dict, calls: int = 30) -> tuple[float, float] | None:
     """Median seconds of one forward call: (eager, ep.module()), the two calls alternated so
     that load from other processes falls on both alike."""
@@ -108,12 +148,12 @@ def forward_ratio(model: Any, args: tuple, kwargs: dict, calls: int = 30) -> tup
     return statistics.median(samples[model]), statistics.median(samples[program])
 
 
-def peak_memory(tool: str) -> dict:
+def peak_memory(tool: str, size: str = "7b") -> dict:
     done = subprocess.run(
-        [sys.executable, str(HERE / "peak_memory.py"), tool], capture_output=True, text=True, env=os.environ.copy()
+        [sys.executable, str(HERE / "peak_memory.py"), tool, size], capture_output=True, text=True, env=os.environ.copy()
     )
     if done.returncode != 0:
-        return {"tool": tool, "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}
+        return {"tool": tool, "size": size, "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -161,56 +201,61 @@ def _verdict(value: float | None, target: float) -> str:
 
 
 def depth_table(rows: list[ExportTimes]) -> list[str]:
+    tools = ("predispatch", "predispatch inline", "torch.export")
     lines = [
-        "| layers | predispatch s | ms/layer | µs/node (nodes) | torch.export s | ms/layer | µs/node (nodes) | pd / torch.export |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| layers | predispatch s | ms/layer | nodes | predispatch inline s | ms/layer | torch.export s | ms/layer "
+        "| pd / torch.export | torch.export / pd |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for depth, r in zip(DEPTHS, rows):
         cells = []
-        for tool in ("predispatch", "torch.export"):
-            if tool in r.seconds:
-                s, n = r.seconds[tool], r.nodes[tool]
-                cells += [f"{s:.3f}", f"{1e3 * s / depth:.1f}", f"{1e6 * s / n:.0f} ({n})"]
-            else:
-                cells += ["fail"] * 3
-        lines.append(f"| {depth} | {' | '.join(cells)} | {_fmt(r.ratio('predispatch', 'torch.export'), '.2f')}x |")
-    marginal = _marginal(rows)
+        for tool in tools:
+            s = r.seconds.get(tool)
+            cells += ["-", "-"] if s is None else [f"{s:.3f}", f"{1e3 * s / depth:.1f}"]
+            if tool == "predispatch":
+                cells.append(str(r.nodes.get(tool, "-")))
+        ratios = [r.ratio("predispatch", "torch.export"), r.ratio("torch.export", "predispatch")]
+        lines.append(f"| {depth} | {' | '.join(cells)} | {' | '.join('-' if x is None else f'{x:.2f}x' for x in ratios)} |")
     lines.append("")
-    lines.append(f"Marginal cost of a layer, (t({DEPTHS[-1]}) - t({DEPTHS[0]})) / {DEPTHS[-1] - DEPTHS[0]}: " + ", ".join(
-        f"{tool} {_fmt(ms, '.1f')} ms" for tool, ms in marginal.items()))
-    growth = _per_layer_growth(rows)
-    lines.append(f"Target, time per layer flat with depth: predispatch's ms/layer at {DEPTHS[-1]} layers is "
-                 f"{_fmt(growth, '.2f')}x its ms/layer at {DEPTHS[1]} layers (flat or falling means at most "
-                 f"1.25x): **{_verdict(growth, 1.25)}**.")
+    lines += _depth_targets({d: r for d, r in zip(DEPTHS, rows)})
     return lines
 
 
-def _per_layer_growth(rows: list[ExportTimes]) -> float | None:
-    """ms/layer at the deepest model over ms/layer at the middle one (the shallowest is mostly
-    fixed overhead); above 1 means a layer costs more the deeper the model."""
-    mid, last = rows[1].seconds.get("predispatch"), rows[-1].seconds.get("predispatch")
-    if mid is None or last is None:
-        return None
-    return (last / DEPTHS[-1]) / (mid / DEPTHS[1])
-
-
-def _marginal(rows: list[ExportTimes]) -> dict[str, float | None]:
-    first, last = rows[0], rows[-1]
-    return {
-        tool: (1e3 * (last.seconds[tool] - first.seconds[tool]) / (DEPTHS[-1] - DEPTHS[0]))
-        if tool in first.seconds and tool in last.seconds else None
-        for tool in ("predispatch", "torch.export")
-    }
+def _depth_targets(by_depth: dict[int, ExportTimes]) -> list[str]:
+    """Issue 15's targets: depth ratios, the marginal replayed layer against a traced one, and
+    the speed-up over torch.export at 32 layers."""
+    pd = {d: r.seconds.get("predispatch") for d, r in by_depth.items()}
+    inline = {d: r.seconds.get("predispatch inline") for d, r in by_depth.items()}
+    r32 = pd[32] / pd[2] if pd[32] and pd[2] else None
+    r80 = pd[80] / pd[2] if pd[80] and pd[2] else None
+    replayed = (pd[80] - pd[32]) / 48 if pd[80] and pd[32] else None
+    traced = (inline[8] - inline[2]) / 6 if inline[8] and inline[2] else None
+    share = replayed / traced if replayed is not None and traced else None
+    speedup = by_depth[32].ratio("torch.export", "predispatch")
+    return [
+        f"- 32 layers / 2 layers: **{_fmt(r32, '.2f')}x** (target <= 2.5x: **{_verdict(r32, 2.5)}**); "
+        f"80 layers / 2 layers: **{_fmt(r80, '.2f')}x** (target <= 4x: **{_verdict(r80, 4.0)}**).",
+        f"- Marginal cost of a replayed layer, (t(80) - t(32)) / 48: {_fmt(None if replayed is None else 1e3 * replayed, '.1f')} ms; "
+        f"of a traced layer (dedup=False), (t(8) - t(2)) / 6: {_fmt(None if traced is None else 1e3 * traced, '.1f')} ms; "
+        f"ratio **{_fmt(None if share is None else 100 * share, '.1f')}%** (target <= 10%: **{_verdict(share, 0.10)}**).",
+        f"- 32 layers: torch.export takes **{_fmt(speedup, '.2f')}x** predispatch's time "
+        f"(target >= 4x: **{'n/a' if speedup is None else ('met' if speedup >= 4 else 'not met')}**).",
+    ]
 
 
 def memory_table(results: list[dict]) -> list[str]:
-    lines = ["| process | peak RSS MiB (VmHWM) | export s | nodes |", "|---|---:|---:|---:|"]
+    lines = ["| model | process | peak RSS MiB (VmHWM) | export s | nodes |", "|---|---|---:|---:|---:|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['tool']} | fail: `{r['error'][:120]}` | | |")
+            lines.append(f"| {r['size']} | {r['tool']} | fail: `{r['error'][:120]}` | | |")
         else:
-            lines.append(f"| {r['tool']} | {r['peak_rss_mib']:.0f} | {r['seconds']:.2f} | {r['nodes'] or ''} |")
-    pd = next((r for r in results if r["tool"] == "predispatch" and "error" not in r), None)
+            lines.append(f"| {r['size']} | {r['tool']} | {r['peak_rss_mib']:.0f} | {r['seconds']:.2f} | {r['nodes'] or ''} |")
+    big = next((r for r in results if r["tool"] == "predispatch" and r["size"] == "70b" and "error" not in r), None)
+    if big:
+        lines += ["", f"70B-shaped Llama ({big['parameters'] / 1e9:.1f} billion parameters, 80 layers, meta device): "
+                  f"predispatch exports in {big['seconds']:.2f} s at {big['peak_rss_mib']:.0f} MiB peak. Target: under "
+                  f"1024 MiB: **{_verdict(big['peak_rss_mib'], 1024)}**."]
+    pd = next((r for r in results if r["tool"] == "predispatch" and r["size"] == "7b" and "error" not in r), None)
     if pd:
         lines += ["", f"{pd['parameters'] / 1e9:.2f} billion parameters on the meta device. Target: predispatch under "
                   f"4096 MiB: **{_verdict(pd['peak_rss_mib'], 4096)}**. Peaks are read from /proc/self/status, not "
@@ -258,23 +303,18 @@ def main() -> None:
     if "export" not in opts.skip:
         rows = []
         for bench in benches:
-            rows.append(time_exports(bench.name, *bench.make(), opts.reps, list(TOOLS)))
+            rows.append(time_exports(bench.name, *bench.make(), opts.reps, ["predispatch", "torch.export", "torch.export+decomp"]))
             print(f"  export {bench.name}: {rows[-1].seconds}", file=sys.stderr, flush=True)
         out += ["", "## Export time", "", *export_table(rows)]
     if "depth" not in opts.skip:
-        rows = []
-        for depth in DEPTHS:
-            torch.manual_seed(0)
-            model = llama(depth).train()
-            ids = torch.randint(0, 128, (2, 16))
-            rows.append(time_exports(f"llama-{depth}", model, (ids,), {"labels": ids}, opts.reps,
-                                     ["predispatch", "torch.export"]))
-            print(f"  depth {depth}: {rows[-1].seconds}", file=sys.stderr, flush=True)
+        rows = time_depths(opts.reps)
+        print(f"  depth: {[r.seconds for r in rows]}", file=sys.stderr, flush=True)
         out += ["", "## Depth scaling (Llama-style decoder, hidden 64)", "", *depth_table(rows)]
     if "memory" not in opts.skip:
-        results = [peak_memory(tool) for tool in ("baseline", "predispatch", "torch.export")]
+        results = [peak_memory(tool, size) for size in ("7b", "70b") for tool in ("baseline", "predispatch", "torch.export")]
         print(f"  memory: {results}", file=sys.stderr, flush=True)
-        out += ["", "## Peak memory: 7B Llama on the meta device (fresh process each)", "", *memory_table(results)]
+        out += ["", "## Peak memory: 7B and 70B-shaped Llamas on the meta device (fresh process each)", "",
+                *memory_table(results)]
     if "forward" not in opts.skip:
         rows = [(bench.name, forward_ratio(*bench.make())) for bench in [*benches, WIDE]]
         out += ["", "## Forward time: ep.module() against eager (train mode, grad enabled)", "", *forward_table(rows)]

@@ -17,6 +17,7 @@ from predispatch.errors import UnsupportedInputError, user_frame
 from predispatch.program import ExportedProgram, build_program
 from predispatch.program.modes import TrainEvalProgram
 from predispatch.trace import DecompositionPolicy, is_tracing, trace
+from predispatch.trace.dedup import Dedup
 
 
 def export(
@@ -27,6 +28,7 @@ def export(
     preserve: Iterable[Any] = (),
     decompose: Iterable[Any] = (),
     dynamic_shapes: Any = None,
+    dedup: bool | str = True,
 ) -> ExportedProgram:
     """Capture `module_or_fn(*args, **kwargs)` as a functional pre-dispatch ATen program.
 
@@ -38,15 +40,24 @@ def export(
         decompose: composite ops to always decompose.
         dynamic_shapes: which input dimensions are symbolic, exactly as `torch.export.export`
             takes them (`{"x": {0: torch.export.Dim("batch", min=1, max=64)}}`).
+        dedup: True: repeated blocks (decoder layers) are traced twice, compared, and their
+            later calls replay one shared body as `invoke_subgraph` nodes; False: every call
+            traced inline; "verify": every call traced and checked against its shared body.
 
     Tracing runs on fake tensors: no real compute, no copy of the weights.  The module and
     torch's global state are left exactly as they were, whether export succeeds or raises.
     """
-    return _export_with_policy(module_or_fn, args, kwargs, DecompositionPolicy.from_user(preserve, decompose), dynamic_shapes)
+    policy = DecompositionPolicy.from_user(preserve, decompose)
+    return _export_with_policy(module_or_fn, args, kwargs, policy, dynamic_shapes, Dedup.from_user(dedup))
 
 
 def _export_with_policy(
-    module_or_fn: Any, args: tuple, kwargs: dict | None, policy: DecompositionPolicy, dynamic_shapes: Any = None
+    module_or_fn: Any,
+    args: tuple,
+    kwargs: dict | None,
+    policy: DecompositionPolicy,
+    dynamic_shapes: Any = None,
+    dedup: Dedup = Dedup.ON,
 ) -> ExportedProgram:
     """`export` once the user's options are checked (tests call it to bypass those checks)."""
     if is_tracing():  # called by the code another export is tracing
@@ -54,7 +65,7 @@ def _export_with_policy(
             return _export_nested(module_or_fn, args, kwargs, policy)
     with isolated(modules_of(module_or_fn, args, kwargs)):
         prepared = prepare(module_or_fn, args, kwargs, dynamic_shapes)
-        traced = trace(prepared, policy)
+        traced = trace(prepared, policy, dedup)
     return build_program(prepared, traced)
 
 

@@ -951,3 +951,49 @@ def import_dynamo() -> None:
     `import predispatch` stays free of Dynamo: only an export pays for it.
     """
     import torch._dynamo  # noqa: F401
+# --- repeated blocks (trace/dedup/) -----------------------------------------------------------
+
+from torch._higher_order_ops.invoke_subgraph import invoke_subgraph  # noqa: E402
+from torch.fx.experimental.proxy_tensor import (  # noqa: E402
+    _AttrProxy,
+    _ModuleStackTracer,
+    get_proxy_mode,
+    get_proxy_slot,
+)
+
+
+@contextlib.contextmanager
+def intercept_module_calls(handler: Callable[[torch.nn.Module, Callable[..., Any], tuple, dict], Any]) -> Iterator[None]:
+    """While active, each submodule call make_fx's module-stack tracer meets runs as
+    `handler(module, call, args, kwargs)`, where `call(*args, **kwargs)` runs the module as usual.
+
+    The handler runs inside the tracer's own `call_module`, so the module is already on
+    `nn_module_stack` and nodes the handler creates are attributed to it.  Modules the tracer
+    does not attribute (GraphModules, shared-module proxies) are not handed over.
+    """
+    original = _ModuleStackTracer.__dict__["call_module"]
+
+    def call_module(self, m, forward, args, kwargs):
+        if isinstance(m, (torch.fx.GraphModule, _AttrProxy)):
+            return original(self, m, forward, args, kwargs)
+        return original(self, m, lambda *a, **k: handler(m, forward, a, k), args, kwargs)
+
+    _ModuleStackTracer.call_module = call_module
+    try:
+        yield
+    finally:
+        _ModuleStackTracer.call_module = original
+
+
+def current_tracer() -> torch.fx.Tracer | None:
+    """The proxy tracer of the running make_fx trace (pre-dispatch or not), or None."""
+    mode = get_proxy_mode()
+    return None if mode is None else mode.tracer
+
+
+def traced_node(value: torch.Tensor, tracer: torch.fx.Tracer) -> torch.fx.Node | None:
+    """The graph node holding `value`'s current value in `tracer`'s graph (a FunctionalTensor's
+    latest value), or None when the tracer does not know it (a real constant)."""
+    inner = functional_value(value) if isinstance(value, FunctionalTensor) else value
+    slot = get_proxy_slot(inner, tracer, None)
+    return None if slot is None else slot.proxy.node

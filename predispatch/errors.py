@@ -303,3 +303,16 @@ class ModeSwitchError(PredispatchError):
     """
 
     anchor = "modeswitcherror"
+class DedupVerificationError(PredispatchError):
+    """`export(..., dedup="verify")` found a call that differs from the body its key shares.
+
+    Cause: two calls of a repeated block had the same key (class, state metadata, hooks, grad
+    and autocast state, inputs, and the values of every attribute the forward read) but traced
+    to different graphs: the forward depends on something the key cannot see, such as a
+    module-level global changed between layers.
+    Example: `def forward(self, x): return x * SCALE` with `SCALE` changed between layer calls.
+    Fix: export with `dedup=False` (every call traced inline); better, make the forward read
+    the value from the module or its config, where the key sees it.
+    """
+
+    anchor = "dedupverificationerror"

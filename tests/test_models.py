@@ -364,3 +364,56 @@ def test_meta_llama_7b_exports_in_little_memory():
     assert report["layers"] == 32
     assert report["meta"]
     assert report["max_rss_kib"] < 4 * 1024 * 1024, report
+
+
+# ---- repeated layers shared (trace/dedup/) ---------------------------------------------------
+
+DEEP = 5
+
+
+def _deepen(model: nn.Module, depth: int = DEEP) -> nn.Module:
+    """`model` with each list of identical layers grown to `depth` layers: copies of the last
+    one with fresh random weights (so a replay reading the wrong layer's weights shows), their
+    `layer_idx` set, and the config's layer counts (and `layer_types`) grown to match."""
+    for lists in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
+        layers = list(lists)
+        if len(layers) < 2 or len({type(layer) for layer in layers}) != 1:
+            continue
+        for index in range(len(layers), depth):
+            layer = copy.deepcopy(layers[-1])
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p.copy_(torch.randn_like(p) * 0.05 + (1.0 if p.dim() == 1 and "norm" in type(layer).__name__.lower() else 0.0))
+            for sub in layer.modules():
+                if isinstance(getattr(sub, "layer_idx", None), int):
+                    sub.layer_idx = index
+            lists.append(layer)
+    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+        for name, value in list(vars(config).items()):
+            if "layers" in name and value == 2:
+                setattr(config, name, depth)
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types + config.layer_types[-1:] * (depth - len(config.layer_types))
+    return model
+
+
+@pytest.mark.parametrize("case, mode", list(_params(CASES)))
+def test_deep_model_shares_layers_and_equals_eager(case: ModelCase, mode: str):
+    """Five layers a list: the third to fifth replay the first's body; forward, loss and gradients
+    are eager's bitwise.  The report says which blocks are not shared and why."""
+    torch.manual_seed(0)
+    model = _deepen(case.build()).train(mode == "train")
+    args, kwargs = case.inputs()
+    eager = copy.deepcopy(model)
+    ep = predispatch.export(model, args, kwargs)
+    program = ep.module()
+    expected = _run(eager, args, kwargs)
+    actual = _run(program, args, kwargs)
+    assert_same_tree(actual, expected)
+    case.loss(expected).backward()
+    case.loss(actual).backward()
+    named = dict(program.named_parameters())
+    for name, param in eager.named_parameters():
+        assert_same_tree(named[name].grad, param.grad)
+    replayed = [path for report in ep.graph_module.meta["dedup"] for path in report.replayed]
+    assert replayed, [r for r in ep.graph_module.meta["dedup"]]

@@ -9,8 +9,19 @@ subgraphs.
 """
 
 from predispatch.passes.check_functional import check_functional, mutable_ops, raw_toggles
+from predispatch.passes.inline_subgraphs import inline_subgraphs, inlined_copy, shared_bodies
 from predispatch.passes.name_placeholders import name_placeholders
 from predispatch.passes.remove_copies import remove_copies
 from predispatch.passes.wrap_regions import wrap_regions
 
-__all__ = ["check_functional", "mutable_ops", "name_placeholders", "raw_toggles", "remove_copies", "wrap_regions"]
+__all__ = [
+    "check_functional",
+    "inline_subgraphs",
+    "inlined_copy",
+    "mutable_ops",
+    "name_placeholders",
+    "raw_toggles",
+    "remove_copies",
+    "shared_bodies",
+    "wrap_regions",
+]

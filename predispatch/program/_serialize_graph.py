@@ -45,6 +45,7 @@ HIGHER_ORDER_OPS: dict[str, Callable[[], torch._ops.HigherOrderOperator]] = {
     "wrap_with_set_grad_enabled": lambda: ti.wrap_with_set_grad_enabled,
     "wrap_with_autocast": lambda: ti.wrap_with_autocast,
     "autograd_function_apply": lambda: ti.autograd_function_apply,  # custom autograd.Functions
+    "invoke_subgraph": lambda: ti.invoke_subgraph,  # shared bodies of repeated blocks
 }
 
 

@@ -11,7 +11,7 @@ from torch import fx, nn
 
 from predispatch.errors import HooksChangedError
 from predispatch.frontend.hooks import HookRecord, hook_changes, record_hooks
-from predispatch.passes import check_functional, name_placeholders, remove_copies, wrap_regions
+from predispatch.passes import check_functional, name_placeholders, remove_copies, shared_bodies, wrap_regions
 from predispatch.program.printing import format_graph, format_program
 from predispatch.program.signature import ExportSignature, InputKind, InputSpec, OutputKind, OutputSpec
 
@@ -80,6 +80,15 @@ class ExportedProgram:
 
         return module_of(self)
 
+    def inline_subgraphs(self) -> ExportedProgram:
+        """This program with every shared body (`invoke_subgraph`) inlined: one flat graph, for
+        consumers that do not recurse into higher-order ops (PT2E quantization).  Same state."""
+        from dataclasses import replace
+
+        from predispatch.passes import inlined_copy
+
+        return replace(self, graph_module=inlined_copy(self.graph_module))
+
     def verify_hooks(self, module: nn.Module) -> None:
         """Raise `HooksChangedError` if `module`'s hooks (or the global module hooks) differ
         from those in force at export: the program behaves as the module did then."""
@@ -134,6 +143,8 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
     name_placeholders(gm, [spec.name for spec in inputs])
     remove_copies(gm)
     wrap_regions(gm)
+    for body in shared_bodies(gm):  # a shared body's regions, once for all its calls
+        wrap_regions(body)
     for module in gm.modules():  # the passes edit in place; generate the code once
         if isinstance(module, fx.GraphModule):
             module.recompile()

@@ -13,7 +13,8 @@ The differences are in the calling convention, which `to_torch` rewrites on a co
 
 What converts: every OpOverload (aten, prims, and custom ops such as predispatch::keep_history,
 which `torch.export.load` finds once `predispatch` is imported), `operator.getitem`, and the
-higher-order ops in `TORCH_HOPS` (torch's own grad-mode and autocast regions); parameters,
+higher-order ops in `TORCH_HOPS` (torch's own grad-mode and autocast regions, and
+`invoke_subgraph` for shared bodies of repeated blocks); parameters,
 buffers (persistent or not), constants, tied weights, and mutations of buffers, parameters
 and user inputs.  What is refused with `NotRepresentableError`: any other higher-order op
 (`REFUSED_HOPS` says why for predispatch's own), a forward that leaves grad mode changed for its
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
 #: Higher-order ops torch.export knows as its own (its verifier, serializer,
 #: `run_decompositions` and `module()` handle them), with the position of the subgraph among
 #: their arguments; the subgraph's operands follow it.  Any other HOP is refused.
-TORCH_HOPS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}
+TORCH_HOPS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4, "invoke_subgraph": 0}
 
 #: Why the other HOPs predispatch emits are refused.
 REFUSED_HOPS: dict[str, str] = {}

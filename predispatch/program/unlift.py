@@ -35,6 +35,7 @@ from torch import fx, nn
 
 from predispatch import _torch_internals as ti
 from predispatch.frontend.reachable import in_tree
+from predispatch.passes import inline_subgraphs
 from predispatch.program import interop, runner
 from predispatch.program.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
 from predispatch.program.modes import set_exported_modes
@@ -51,6 +52,7 @@ _RESERVED = frozenset({"self", "torch", "fx_pytree", "pytree", "inf", "nan", "No
 def module_of(ep: ExportedProgram) -> ProgramModule:
     """Build `ep.module()`; see the module docstring."""
     source = copy.deepcopy(ep.graph_module, _shared_objects(ep.graph_module))  # tools rewrite it
+    inline_subgraphs(source)  # shared bodies inlined: torch's eager invoke_subgraph differentiates only under a fake mode
     runner.keep_class_names(ep.graph_module, source)
     graph = source.graph
     sig = ep.signature
@@ -245,7 +247,7 @@ def _install_subgraphs(module: ProgramModule, source: fx.GraphModule) -> None:
     for gm in source.modules():
         if isinstance(gm, fx.GraphModule):
             _install_constants(gm, top=gm is source)
-    for name, child in source.named_children():
+    for name, child in source._modules.items():  # every name: an inlined body shares its regions
         if hasattr(module, name):
             raise AssertionError(f"subgraph {name!r} collides with state of the same name")
         module.add_module(name, child)

@@ -28,6 +28,8 @@ Rules, generic over higher-order ops:
   node arguments after the last subgraph) is drawn *inline*: its placeholders are the outer
   values and the call's `getitem`s are its outputs.  Otherwise its placeholders and outputs
   are drawn as small nodes inside its cluster, and the call itself is a node.
+- A shared body (`invoke_subgraph`, a repeated block) is drawn once, at its first call, in a
+  cluster labelled with how many calls share it; every later call is one CALL node.
 - `getitem` of an ordinary multi-output op (`unbind`) is not a node: its edges carry `[i]`.
 - Graph outputs are nodes; a mutation output gets a WRITE_BACK edge to the input it updates.
 """
@@ -187,6 +189,7 @@ class _Builder:
     nodes: list[PictureNode] = field(default_factory=list)
     edges: list[PictureEdge] = field(default_factory=list)
     clusters: list[Cluster] = field(default_factory=list)
+    drawn_bodies: set[int] = field(default_factory=set)  # ids of shared bodies already drawn
 
     # ---- top level: inputs and outputs from the signature
     def walk_top(self, gm: fx.GraphModule) -> None:
@@ -243,7 +246,14 @@ class _Builder:
         subgraphs = [a for _, a in _subgraph_args(gm, node)]
         last = max(i for i, _ in _subgraph_args(gm, node))
         operands = [env.get(a) for a in node.args[last + 1 :] if isinstance(a, fx.Node)]
+        if node.target is _INVOKE_SUBGRAPH:
+            body = _attr(gm, subgraphs[0])
+            if id(body) in self.drawn_bodies:  # a shared body is drawn once, at its first call
+                return self._call_node(node, operands, parent, f"calls {subgraphs[0].target}, drawn at its first call")
+            self.drawn_bodies.add(id(body))
         label, kind, roles = _hop_label(node, [a.target for a in subgraphs])
+        if node.target is _INVOKE_SUBGRAPH:
+            label = f"{label} (shared by {_calls_of(self.ep.graph_module, _attr(gm, subgraphs[0]))} calls)"
         hop_cluster = self._cluster(label, kind, ", ".join(a.target for a in subgraphs), parent)
         inline_outputs, walked = None, []
         for attr_node, role in zip(subgraphs, roles):
@@ -266,7 +276,10 @@ class _Builder:
             self._link_saved(*walked)
         if inline_outputs is not None:
             return inline_outputs
-        call = self._add(node.name, NodeKind.CALL, _target_name(node.target), "", hop_cluster)
+        return self._call_node(node, operands, hop_cluster)
+
+    def _call_node(self, node: fx.Node, operands: list[Any], cluster: str | None, note: str = "") -> _Ref:
+        call = self._add(node.name, NodeKind.CALL, _target_name(node.target), "", cluster, note)
         for ref in operands:
             self._edge(ref, call)
         return _Ref(call)
@@ -352,6 +365,20 @@ def _hop_label(node: fx.Node, attrs: list[str]) -> tuple[str, ClusterKind, list[
         function = re.sub(r"_fwd_\d+$", "", attrs[0])
         return f"autograd.Function {function}", ClusterKind.FUNCTION, ["forward", "backward"]
     return name, ClusterKind.CALL, attrs
+
+
+_INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+
+
+def _calls_of(root: fx.GraphModule, body: fx.GraphModule) -> int:
+    """How many `invoke_subgraph` calls, in the graph and its subgraphs, run `body`."""
+    return sum(
+        1
+        for gm in root.modules()
+        if isinstance(gm, fx.GraphModule)
+        for node in gm.graph.find_nodes(op="call_function", target=_INVOKE_SUBGRAPH)
+        if _attr(gm, node.args[0]) is body
+    )
 
 
 def _subgraph_args(gm: fx.GraphModule, node: fx.Node) -> list[tuple[int, fx.Node]]:

@@ -31,6 +31,7 @@ from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
 from predispatch.trace.decompose import REWRITES, DecompositionLog, DecompositionPolicy
+from predispatch.trace.dedup import Dedup, share_repeated_blocks
 from predispatch.trace.grad_history import GradHistoryKeeper
 from predispatch.trace.hooks import backward_hooks
 from predispatch.trace.rng import refuse_generators_made_in_forward, refusing_rng_changes
@@ -71,8 +72,10 @@ class _Program:
     traces keep only `forward` frames, and this frame is not the user's.
     """
 
-    def __init__(self, prepared: PreparedInputs):
+    def __init__(self, prepared: PreparedInputs, dedup: Dedup = Dedup.OFF):
         self._prepared = prepared
+        self._dedup = dedup
+        self.sharing = None
         self.outputs: tuple[tuple[Leaf, ...], pytree.TreeSpec] | None = None
         self.grad_mode_on_exit: bool | None = None
         self.input_metadata_write: str | None = None
@@ -105,6 +108,7 @@ class _Program:
             stack.enter_context(backward_hooks(prepared.module, keeper))
             stack.enter_context(capture_autograd_functions())
             assigned = stack.enter_context(_buffer_assignments())
+            self.sharing = stack.enter_context(share_repeated_blocks(prepared.module, self._dedup))
             out = prepared.module(*args, **kwargs)
             _record_reassigned_buffers(prepared, state, assigned)
         self.grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
@@ -252,9 +256,10 @@ def _counted():
         _active_traces -= 1
 
 
-def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
-    """Capture `prepared.module` once as a functional graph (see the package docstring)."""
-    program = _Program(prepared)
+def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = Dedup.OFF) -> TracedGraph:
+    """Capture `prepared.module` once as a functional graph (see the package docstring);
+    `dedup`: how repeated blocks are shared (Note [Sharing repeated blocks])."""
+    program = _Program(prepared, dedup)
     log = DecompositionLog()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_no_garbage_collection())
@@ -273,7 +278,9 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy) -> TracedGraph:
     refuse_generators_made_in_forward(captured.graph_module, program.visible_generators)
     gm = captured.graph_module
     _remove_effect_tokens(gm)
+    program.sharing.fold(gm)  # the fully traced calls of shared blocks call the body too
     gm.graph.eliminate_dead_code()  # what the trace computed and nothing used, as AOTAutograd drops it
+    gm.meta["dedup"] = program.sharing.reports  # which blocks were shared, replayed, or why not
     if prepared.dynamic is not None:
         check_constraints(prepared.dynamic, gm)
     output_leaves, out_spec = program.outputs
