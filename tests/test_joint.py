@@ -546,3 +546,32 @@ def test_module_db_joint_matches_eager(name):
         pytest.skip("no parameter to train")
     fwd = module_input.forward_input
     check_joint(Loss(module), clone_tree(fwd.args), clone_tree(fwd.kwargs))
+
+
+def test_program_with_shared_bodies_gives_eagers_gradients():
+    """A deep stack's program calls one shared body (`invoke_subgraph`); its joint is flat and
+    its gradients are eager's, bitwise."""
+    import test_dedup
+
+    torch.manual_seed(0)
+    model, x = _Mean(test_dedup.Stack(6)), torch.randn(2, 3, 8)
+    ep = predispatch.export(model, (x,))
+    assert test_dedup._calls(ep) == 6
+    jp = ep.joint()
+    with torch.no_grad():
+        loss, grads = jp.module()(x)
+    eager = copy.deepcopy(model)
+    expected = eager(x)
+    expected.backward()
+    assert torch.equal(loss, expected.detach())
+    assert grads.keys() == {*dict(eager.named_parameters()), "x"}
+    assert all(torch.equal(grads[name], p.grad) for name, p in eager.named_parameters())
+
+
+class _Mean(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x).pow(2).mean()

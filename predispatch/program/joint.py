@@ -45,7 +45,7 @@ from torch import fx
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import JointError, user_frame
-from predispatch.passes import check_functional, name_placeholders
+from predispatch.passes import check_functional, inlined_copy, name_placeholders
 from predispatch.program.signature import ExportSignature, InputKind, Leaf, OutputKind, OutputSpec
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ def _trace_joint(
     fake_mode = ti.detect_fake_mode([n.meta["val"] for n in placeholders])
     with fake_mode:
         args = tuple(_fresh(n.meta["val"], wants) for n, wants in zip(placeholders, wants_grad))
-    program = ep.graph_module
+    program = inlined_copy(ep.graph_module)  # the joint is flat; torch's invoke_subgraph would need its own autograd key
 
     def forward(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outputs = program(*inputs)
