@@ -14,7 +14,8 @@ from torch.utils.checkpoint import CheckpointFunction
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import AutogradFunctionError, user_frame
-from predispatch.trace.autograd_function.hop import TracedCall, function_call
+from predispatch.trace.autograd_function.hop import function_call
+from predispatch.trace.trace_hop import TraceTimeFunction
 from predispatch.trace.autograd_function.record import CapturedCall
 from predispatch.trace.autograd_function.subgraphs import CallSite, capture_call, has_setup_context
 
@@ -30,7 +31,10 @@ def _run_checkpointed(cls, function, preserve_rng_state, *args):
 
 #: Functions export runs another way instead of capturing, and why that is right for each.
 RUN_INSTEAD: dict[type, tuple[Callable[..., Any], str]] = {
-    TracedCall: (_torch_apply, "predispatch's own trace-time Function; it is never differentiated."),
+    TraceTimeFunction: (
+        _torch_apply,
+        "predispatch's own trace-time call (a captured Function, a replayed block); never differentiated.",
+    ),
     CheckpointFunction: (
         _run_checkpointed,
         "reentrant activation checkpointing: its backward recomputes the forward and differentiates "

@@ -1,22 +1,16 @@
 """`block_call`: the trace-time HOP that replays a shared body as torch's `invoke_subgraph`.
 
-It exists only while export traces; graphs never hold it.  Dispatched through the outer trace's
-levels like predispatch's Function capture (trace/autograd_function/hop.py):
+A `TraceTimeHop` (trace/trace_hop.py): graphs never hold it; in the graph each replayed call is
 
-    functionalization  unwrap the FunctionalTensor operands, redispatch, wrap the outputs
-    proxy (capture)    install the body once on the traced module, emit
-                           invoke_subgraph(body, identifier, *operands)
-                       and track its outputs
-    autograd           an autograd.Function, so outputs require grad as the recorded call's did
-    fake               fresh fake tensors with the recorded outputs' metadata (the body's input
-                       metadata is part of the key, so its outputs' metadata is the same)
+    invoke_subgraph(body, identifier, *operands)
 
-so neither the user's forward nor the body's ops run again: a replay costs one node.
+with the body installed once on the traced module, and its fake outputs are fresh tensors of
+the recorded call's output metadata.  Neither the user's forward nor the body's ops run again:
+a replay costs one node.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from predispatch import _torch_internals as ti
+from predispatch.trace.trace_hop import Emitted, TraceTimeHop
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,51 +37,17 @@ class SharedBody:
     outputs: tuple[tuple, ...]
 
 
-class _BlockCall(ti.HigherOrderOperator):
-    """`block_call(shared, *operands) -> outputs`: one replayed call (see the module docstring)."""
-
-    def __init__(self) -> None:
-        super().__init__("predispatch_block_call")
-
-    def __call__(self, shared: SharedBody, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return super().__call__(shared, *operands)
-
-
-block_call = _BlockCall()
-
-
-@block_call.py_functionalize_impl
-def _functionalize(ctx, shared: SharedBody, *operands):
-    unwrapped = ctx.unwrap_tensors(operands)
-    with ctx.redispatch_to_next():
-        outputs = block_call(shared, *unwrapped)
-    return ctx.wrap_tensors(outputs)
-
-
-@block_call.py_impl(ti.ProxyTorchDispatchMode)
-def _emit(mode, shared: SharedBody, *operands):
-    with ti.disable_proxy_modes_tracing():
-        outputs = block_call(shared, *operands)
-    tracer = mode.tracer
+def _emit(tracer: Any, shared: SharedBody) -> Emitted:
+    """Install the body once; the node is torch's `invoke_subgraph(body, identifier, *operands)`."""
     if not hasattr(tracer.root, shared.name):
         tracer.root.register_module(shared.name, shared.body)
-    args = (shared.body, shared.name, *(tracer.unwrap_proxy(t) for t in operands))
-    proxy = tracer.create_proxy("call_function", ti.invoke_subgraph, args, {})
-    tracked = ti.track_tensor_tree(outputs, proxy, constant=None, tracer=tracer)
-    _name_outputs(proxy.node, shared)
-    return tracked
-
-
-def _name_outputs(node: fx.Node, shared: SharedBody) -> None:
-    """Name each `getitem` of the HOP after the body's output (`add_3`, not `getitem`)."""
     names = [getattr(n, "name", "out") for n in shared.body.graph.output_node().args[0]]
-    for user in list(node.users):
-        if user.target is operator.getitem:
-            user._rename(names[user.args[1]])
+    return Emitted(ti.invoke_subgraph, (shared.body, shared.name), names)
 
 
-@block_call.py_impl(ti.FakeTensorMode)
-def _fake(mode, shared: SharedBody, *operands):
+def _fake(mode: Any, shared: SharedBody, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Fresh fake tensors with the recorded outputs' metadata (the body's input metadata is
+    part of the key, so its outputs' metadata is the same)."""
     with mode:
         return tuple(
             torch.empty_strided(shape, stride, dtype=dtype, device=device)
@@ -94,32 +55,12 @@ def _fake(mode, shared: SharedBody, *operands):
         )
 
 
-#: torch's own `Function.apply`: the trace's Function capture must not capture `_Replayed`.
-_TORCH_APPLY = torch.autograd.Function.__dict__["apply"].__func__
-
-
-@block_call.py_autograd_impl
-def _autograd(shared: SharedBody, *operands):
-    return _TORCH_APPLY(_Replayed, shared, *operands)
-
-
-class _Replayed(torch.autograd.Function):
-    """Gives the outputs the autograd metadata the recorded call's outputs had.
-
-    Never differentiated: the export trace is forward-only; the program's gradients come from
-    the body's ops at run time.
-    """
-
-    @staticmethod
-    def forward(ctx, shared: SharedBody, *operands):
-        with torch._C._AutoDispatchBelowAutograd():
-            outputs = block_call(shared, *operands)
-        ctx.mark_non_differentiable(*(out for out, meta in zip(outputs, shared.outputs) if not meta[4]))
-        return outputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise AssertionError("predispatch's trace-time block call is never differentiated")
+block_call = TraceTimeHop(
+    "predispatch_block_call",
+    emit=_emit,
+    fake=_fake,
+    non_differentiable=lambda shared: [i for i, meta in enumerate(shared.outputs) if not meta[4]],
+)
 
 
 def replay_call(shared: SharedBody, recorded: Any, operands: Sequence[torch.Tensor]) -> Any:
