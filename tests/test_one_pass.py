@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import StraightThrough
 from test_export import ConvBN, Counter, DictOut, Masked, ScaleInPlace, Tied, ViewInPlace
 from test_regions import CASES as REGION_CASES
 from torch import fx, nn
@@ -54,23 +55,13 @@ def both_ways(module: nn.Module, args: tuple, monkeypatch, kwargs: dict | None =
     return str(one_pass), str(reference)
 
 
-class Straight(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.round()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
-
-
 class WithFunction(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(3, 3)
 
     def forward(self, x):
-        return Straight.apply(self.lin(x)).relu()
+        return StraightThrough.apply(self.lin(x)).relu()
 
 
 class WithHook(nn.Module):

@@ -15,23 +15,11 @@ import pytest
 import torch
 import torch._dynamo.testing
 from expecttest import TestCase
-from helpers import assert_same_tree
+from helpers import StraightThrough, assert_same_tree
 from torch import fx, nn
 
 import predispatch
 from predispatch.errors import DynamicShapeError, InputMismatchError
-
-
-class StraightThrough(torch.autograd.Function):
-    """round() forward; the gradient passes straight through (autograd through round gives 0)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.round()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
 
 
 class Mlp(nn.Module):
