@@ -874,7 +874,9 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
     in eager."""
     return torch._debug_has_internal_overlap(t) == 1
 #: Names whose modules import torch._dynamo (about 1 s of CPU): imported on first use, so
-#: `import predispatch`, `load` and the CLI's help and `show` do not pay for them.
+#: `import predispatch` and the CLI's help do not pay for them.  `load` (and `show`) imports
+#: torch._dynamo anyway: its node metadata are fake tensors, and torch's `FakeTensorMode.__init__`
+#: runs `import torch._dynamo.config`, which imports the whole package; but not these modules.
 _LAZY = {
     "aot_export_module": "torch._functorch.aot_autograd",
     "make_fake_inputs": "torch._export.non_strict_utils",

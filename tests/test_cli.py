@@ -445,3 +445,23 @@ def test_import_and_help_do_not_import_dynamo():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.stdout.strip() == "False", done.stderr
+
+
+
+def test_show_imports_only_what_loading_needs(tmp_path):
+    """`show` loads and prints: it imports no tracing machinery (AOTAutograd, torch.export's
+    fake-input helpers).  It does import torch._dynamo: the loaded graph's metadata are fake
+    tensors, and torch's `FakeTensorMode()` imports `torch._dynamo.config` (see `_LAZY` in
+    _torch_internals.py), so this pins that and fails once torch stops doing so."""
+    path = tmp_path / "f.pd"
+    predispatch.save(predispatch.export(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), (torch.randn(3, 4),)), path)
+    code = (
+        "import sys, contextlib, io; from predispatch.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out: code = main(['show', sys.argv[1]])\n"
+        "assert code == 0 and out.getvalue().startswith('ExportedProgram'), (code, out.getvalue())\n"
+        "names = ('torch._functorch.aot_autograd', 'torch._export.non_strict_utils', 'torch._dynamo')\n"
+        "print([name in sys.modules for name in names])"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.stdout.strip() == "[False, False, True]", done.stderr

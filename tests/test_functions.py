@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -310,6 +312,53 @@ class ModulesOutsideTheTree(TestCase):
             torch.testing.assert_close(ep.module()(x), model(x), rtol=0, atol=0)
             self.assertIsInstance(model.pair, tuple)
             self.assertFalse(any(ti.is_traced_tensor(t) for t in (*model.pair, model.table["shift"], model.ctx.scale)))
+
+    def test_state_dict_keys_and_values_match_eager(self):
+        """`ep.module().state_dict()` lists what the exported module's does (not the helpers kept
+        outside its tree), before and after a call that updates a helper's buffer, while the
+        program still reads and writes the helpers' state at each call; loading the original's
+        state_dict works, and a saved program keeps all of it."""
+        model, x = OutsideTheTree().train(), torch.randn(4, 3)
+        eager = copy.deepcopy(model)
+        ep = predispatch.export(model, (x,))
+        self.assertEqual(ep.signature.outside_tree, ("helpers", "table", "pair", "ctx"))
+        path = self.enterContext(tempfile.TemporaryDirectory()) + "/outside.pd"
+        predispatch.save(ep, path)
+        for program in (ep.module(), predispatch.load(path).module()):
+            self.assertEqual(list(program.state_dict()), list(eager.state_dict()))
+            self.assertEqual([n for n, _ in program.named_parameters()], [n for n, _ in eager.named_parameters()])
+            state_before = {k: v.clone() for k, v in eager.state_dict().items()}
+            expected, actual = copy.deepcopy(eager)(x), program(x)
+            torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+            self.assertEqual(list(program.state_dict()), list(eager.state_dict()))
+            for key, value in program.state_dict().items():
+                torch.testing.assert_close(value, state_before[key], rtol=0, atol=0, msg=key)
+            # the helper's buffer outside the tree was updated at its path, as eager's is
+            ran = copy.deepcopy(eager)
+            ran(x)
+            helper = program.helpers.get_submodule("1")
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                torch.testing.assert_close(getattr(helper, name), getattr(ran.helpers[1], name), rtol=0, atol=0, msg=name)
+            self.assertNotEqual(int(helper.num_batches_tracked), 0)
+            # the original's keys load back (strict), and the program runs with them
+            other = OutsideTheTree().train()
+            other.helpers = copy.deepcopy(eager.helpers)
+            other.table, other.pair, other.ctx = eager.table, eager.pair, eager.ctx
+            program.load_state_dict(other.state_dict())
+            torch.testing.assert_close(program.lin.weight, other.lin.weight, rtol=0, atol=0)
+            self.assertNotEqual(program.lin.weight.data_ptr(), other.lin.weight.data_ptr())
+
+    def test_outside_tree_paths_are_verified(self):
+        """A recorded path no lifted state lies under breaks the contract (a crafted file)."""
+        from predispatch.program.verify import program_problems
+
+        ep = predispatch.export(OutsideTheTree(), (torch.randn(4, 3),))
+        self.assertEqual(program_problems(ep), [])
+        bad = dataclasses.replace(ep, signature=dataclasses.replace(ep.signature, outside_tree=("lin", "nowhere")))
+        self.assertEqual(
+            [(p.where, p.why) for p in program_problems(bad)],
+            [("signature outside_tree", "'nowhere' is not the path of a container holding lifted state")],
+        )
 
     def test_state_dict_of_a_module_with_state_dict_hooks(self):
         """With state_dict hooks, `ep.module().state_dict()` is the exported module's own, which

@@ -223,7 +223,7 @@ def test_format_covers_every_field():
     fields = {cls.__name__: [f.name for f in cls.__dataclass_fields__.values()] for cls in records}
     assert fields == {
         "ExportedProgram": ["graph_module", "signature", "state_dict", "constants", "decompositions", "live_root", "hooks", "state_dict_owner"],
-        "ExportSignature": ["inputs", "outputs", "in_spec", "out_spec", "input_leaves", "output_leaves", "grad_mode_on_exit", "arg_names", "shapes", "training_flags"],
+        "ExportSignature": ["inputs", "outputs", "in_spec", "out_spec", "input_leaves", "output_leaves", "grad_mode_on_exit", "arg_names", "shapes", "training_flags", "outside_tree"],
         "InputSpec": ["kind", "name", "target", "aliases", "persistent"],
         "OutputSpec": ["kind", "name", "target"],
         "Leaf": ["path", "is_tensor", "value"],

@@ -66,7 +66,8 @@ def _global_names(code: types.CodeType) -> Iterator[str]:
 # or on a plain helper object (`self.ctx = Ctx(proj=nn.Linear(3, 3))`), is called by forward
 # but is not a submodule: `named_parameters()` does not see it.  Its state is lifted like a
 # submodule's, named by the path forward reaches it by (`helpers.0.weight`, `ctx.proj.weight`),
-# and `ep.module()` holds its copies at that path.  The same walk finds the plain containers
+# and `ep.module()` holds its copies at that path, outside its own registered tree too (the
+# signature's `outside_tree` records where the path left it), so `state_dict()` matches.  The same walk finds the plain containers
 # and helper objects forward may fill (`self.attention_bias_cache[key] = bias`), which
 # `_isolation` puts back as they were after export.
 
@@ -201,10 +202,16 @@ def resolve(root: Any, path: str) -> Any:
 def in_tree(root: nn.Module, fqn: str) -> bool:
     """Whether `fqn` names state of `root`'s registered tree (its owner path runs through
     submodules only), as torch's own utilities (`reparametrize`, `state_dict`) need."""
+    return tree_exit(root, fqn) is None
+
+
+def tree_exit(root: nn.Module, fqn: str) -> str | None:
+    """Where `fqn`'s owner path leaves `root`'s registered tree: the path of its first part that
+    is not a submodule (`helpers` for `helpers.0.weight`), or None for state of the tree."""
     module = root
-    owner = fqn.rpartition(".")[0]
-    for part in owner.split(".") if owner else ():
+    parts = fqn.split(".")[:-1]
+    for i, part in enumerate(parts):
         module = module._modules.get(part)
         if module is None:
-            return False
-    return True
+            return ".".join(parts[: i + 1])
+    return None

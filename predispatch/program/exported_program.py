@@ -11,6 +11,7 @@ from torch import fx, nn
 
 from predispatch.errors import HooksChangedError
 from predispatch.frontend.hooks import HookRecord, hook_changes, record_hooks
+from predispatch.frontend.reachable import tree_exit
 from predispatch.passes import check_functional, name_placeholders, remove_copies, shared_bodies, wrap_regions
 from predispatch.program.printing import format_graph, format_program
 from predispatch.program.signature import ExportSignature, InputKind, InputSpec, OutputKind, OutputSpec
@@ -169,6 +170,7 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
         prepared.arg_names,
         shape_record(prepared.fake_mode, gm.graph.find_nodes(op="placeholder")[len(prepared.state):]),
         () if isinstance(prepared.module, FunctionRoot) else training_flags(prepared.module),
+        () if isinstance(prepared.module, FunctionRoot) else outside_tree(prepared.module, inputs),
     )
     state = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is not InputKind.CONSTANT_TENSOR}
     constants = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is InputKind.CONSTANT_TENSOR}
@@ -183,6 +185,13 @@ def training_flags(module: nn.Module) -> tuple[tuple[str, bool], ...]:
     flags = [("", module.training)]
     flags += [(path, m.training) for path, m in module.named_modules() if path and m.training != module.training]
     return tuple(flags)
+
+
+def outside_tree(module: nn.Module, inputs: tuple[InputSpec, ...]) -> tuple[str, ...]:
+    """Where lifted state's paths leave the registered tree (`ExportSignature.outside_tree`)."""
+    exits = (tree_exit(module, fqn) for spec in inputs if spec.kind is not InputKind.USER_INPUT
+             for fqn in (spec.target, *spec.aliases))
+    return tuple(dict.fromkeys(e for e in exits if e is not None))
 
 
 def _mutation_spec(mutated: InputSpec, node: fx.Node, metadata: bool = False) -> OutputSpec:

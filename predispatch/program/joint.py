@@ -273,6 +273,7 @@ def _joint_signature(ep: ExportedProgram, gm: fx.GraphModule, has_grad: list[boo
         sig.grad_mode_on_exit,
         sig.arg_names,
         sig.shapes,
+        outside_tree=sig.outside_tree,
     )
 
 

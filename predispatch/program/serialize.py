@@ -353,6 +353,7 @@ def _encode_signature(sig: ExportSignature) -> dict:
         "arg_names": list(sig.arg_names),
         "shapes": _encode_shapes(sig.shapes),
         "training_flags": [[path, flag] for path, flag in sig.training_flags],
+        "outside_tree": list(sig.outside_tree),
     }
 
 
@@ -412,6 +413,7 @@ def _decode_signature(data: Any, unregistered: set[type]) -> ExportSignature:
         tuple(expect(n, str, where) for n in expect(data.get("arg_names"), list, where)),
         _decode_shapes(data.get("shapes"), f"{where} shapes"),
         _decode_training_flags(data.get("training_flags", []), f"{where} training_flags"),
+        tuple(expect(p, str, where) for p in expect(data.get("outside_tree", []), list, where)),  # absent before the field
     )
 
 

@@ -157,6 +157,11 @@ class ExportSignature:
     training_flags: the `training` flag the exported module had (path "") and each submodule's
         flag that differs from it, at export: the mode the graph was traced in (dropout, batch
         norm); `module().train()`/`.eval()` may not change it.  Empty for a function export.
+    outside_tree: the paths of the plain attributes (a list, dict or tuple, a helper object: not
+        a submodule) through which lifted state outside the registered tree is reached
+        (`helpers` for `helpers.0.weight`; Note [Modules outside the registered tree]):
+        `module()` keeps that state off its registered tree, so its `state_dict()` keys are
+        the exported module's.  Empty for a function export (its module reads the user's own).
     """
 
     inputs: tuple[InputSpec, ...]
@@ -169,6 +174,7 @@ class ExportSignature:
     arg_names: tuple[str, ...] = ()
     shapes: ShapeRecord = ShapeRecord()
     training_flags: tuple[tuple[str, bool], ...] = ()
+    outside_tree: tuple[str, ...] = ()
 
     def __deepcopy__(self, memo: dict) -> ExportSignature:
         """A deep copy sharing the pytree specs, which are immutable: copying one makes a new

@@ -235,11 +235,12 @@ def _install_state(module: ProgramModule, ep: ExportedProgram) -> None:
         for name, child in ep.live_root.named_children():
             module.add_module(name, child)
         return
+    outside = frozenset(ep.signature.outside_tree)
     for spec in ep.signature.inputs_of(*_STATE_KINDS):
         source = ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else ep.state_dict[spec.target]
         tensor = _copy(source, spec.kind)
         for fqn in (spec.target, *spec.aliases):
-            _install(module, fqn, tensor, spec.kind, spec.persistent)
+            _install(module, fqn, tensor, spec.kind, spec.persistent, outside)
 
 
 def _install_subgraphs(module: ProgramModule, source: fx.GraphModule) -> None:
@@ -325,13 +326,24 @@ def _copy(tensor: torch.Tensor, kind: InputKind) -> torch.Tensor:
     return copy_
 
 
-def _install(root: nn.Module, fqn: str, tensor: torch.Tensor, kind: InputKind, persistent: bool | None) -> None:
-    """Put `tensor` at `fqn`, creating empty container modules along the path."""
+def _install(
+    root: nn.Module, fqn: str, tensor: torch.Tensor, kind: InputKind, persistent: bool | None, outside: frozenset[str]
+) -> None:
+    """Put `tensor` at `fqn`, creating empty container modules along the path.
+
+    A container at an `outside` path (where the exported module's path left its registered
+    tree: `helpers`, a plain list there) is a plain attribute, not a submodule, as it was
+    there: `state_dict()`, `parameters()` and `.to()` pass it by, as the exported module's do,
+    while the graph still reads and writes its tensors by path at each call."""
     *path, attr = fqn.split(".")
     owner = root
-    for part in path:
+    for i, part in enumerate(path):
         if not hasattr(owner, part):
-            owner.add_module(part, nn.Module())
+            container = nn.Module()
+            if ".".join(path[: i + 1]) in outside:
+                owner.__dict__[part] = container  # no nn.Module.__setattr__: not registered
+            else:
+                owner.add_module(part, container)
         owner = getattr(owner, part)
     if kind is InputKind.PARAMETER:
         owner.register_parameter(attr, tensor)

@@ -40,7 +40,7 @@ from torch import fx, nn
 from predispatch.errors import SerializationError
 from predispatch.program._serialize_values import STORED_DEVICE_TYPES
 from predispatch.program.op_allowlist import decide
-from predispatch.program.signature import InputKind
+from predispatch.program.signature import ExportSignature, InputKind
 
 if TYPE_CHECKING:
     from predispatch.program.exported_program import ExportedProgram
@@ -439,7 +439,18 @@ def _signature_problems(ep: ExportedProgram) -> Iterator[Problem]:
     tensor_leaves = sum(leaf.is_tensor for leaf in sig.input_leaves)
     if sig.in_spec.num_leaves != len(sig.input_leaves) or tensor_leaves != len(sig.inputs_of(InputKind.USER_INPUT)):
         yield Problem("signature input_leaves", "the input spec, input leaves and user inputs disagree")
+    yield from _outside_tree_problems(sig)
     yield from _output_problems(ep)
+
+
+def _outside_tree_problems(sig: ExportSignature) -> Iterator[Problem]:
+    """Each `outside_tree` path is an owner path some lifted state lies under (`helpers` for
+    `helpers.0.weight`): `module()` makes a plain attribute there, nothing else."""
+    names = [fqn for s in sig.inputs if s.kind is not InputKind.USER_INPUT for fqn in (s.target, *s.aliases)]
+    for path in sig.outside_tree:
+        if not isinstance(path, str) or not any(fqn.startswith(f"{path}.") for fqn in names):
+            shown = repr(path) if isinstance(path, str) else _describe(path)
+            yield Problem("signature outside_tree", f"{shown} is not the path of a container holding lifted state")
 
 
 def _output_problems(ep: ExportedProgram) -> Iterator[Problem]:
