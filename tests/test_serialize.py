@@ -721,3 +721,17 @@ def test_files_of_the_first_version_1_writers_still_load():
     members["manifest.json"] = json.dumps({k: v for k, v in json.loads(members["manifest.json"]).items() if k != "sizes"}).encode()
     loaded = predispatch.load(io.BytesIO(load_attacks.zip_of(members)))
     assert_same_behaviour(ep, loaded, args, kwargs)
+
+
+class _NonZero(torch.nn.Module):
+    def forward(self, x):
+        return x.nonzero()
+
+
+def test_unbacked_size_is_refused_on_save(tmp_path):
+    """A size that depends on data has no value at export: refused by name, nothing written."""
+    ep = predispatch.export(_NonZero(), (torch.tensor([1.0, 0.0, 2.0]),))
+    path = tmp_path / "p.pd"
+    with pytest.raises(SerializationError, match=r"depends on data \(an unbacked size"):
+        predispatch.save(ep, path)
+    assert not path.exists()

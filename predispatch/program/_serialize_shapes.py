@@ -32,6 +32,12 @@ def encode_size(size: int | torch.SymInt, where: str) -> Any:
     """An int as itself; a SymInt as its expression and its value at export."""
     if type(size) is int:
         return size
+    if isinstance(size, torch.SymInt) and size.node.hint is None:
+        raise SerializationError(
+            f"{where}: the size {size.node.expr} depends on data (an unbacked size, from .item(), "
+            "nonzero() or a data-dependent op); format version 1 holds symbolic sizes of inputs only. "
+            "Keep using the program in memory, or make the size static."
+        )
     if isinstance(size, torch.SymInt):
         return {"sym": str(size.node.expr), "hint": int(size.node.hint)}
     raise SerializationError(f"{where}: a size {size!r} is neither an int nor a SymInt.")
