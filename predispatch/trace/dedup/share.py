@@ -290,7 +290,7 @@ def _describe(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[t
     state = _state(modules)
     flat, in_spec = pytree.tree_flatten_with_path((args, kwargs))
     operands = [t for _, t in state]
-    labels = [name.replace(".", "_") for name, _ in state]
+    labels = [_identifier(name.replace(".", "_")) for name, _ in state]
     constants = []
     for path, value in flat:
         if isinstance(value, torch.Tensor):
@@ -318,6 +318,13 @@ def _describe(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[t
         tuple(constants),
     )
     return static, operands, labels
+
+
+def _identifier(label: str) -> str:
+    """`label` as a body placeholder may be named: FX writes a placeholder's target into the
+    body's Python signature, so the state of an `nn.Sequential` (`0.weight` -> `0_weight`) gets
+    FX's own prefix for a name that starts with a digit (`_0_weight`)."""
+    return f"_{label}" if label[:1].isdigit() else label
 
 
 def _input_label(path: tuple) -> str:
