@@ -999,3 +999,16 @@ def traced_node(value: torch.Tensor, tracer: torch.fx.Tracer) -> torch.fx.Node |
     inner = functional_value(value) if isinstance(value, FunctionalTensor) else value
     slot = get_proxy_slot(inner, tracer, None)
     return None if slot is None else slot.proxy.node
+
+
+# ---- a GraphModule that generates its Python code only when it is run or printed -----------------
+
+from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule  # noqa: E402
+
+
+def torch_function_disabled() -> Any:
+    """A context in which Python code reads tensors (`.shape`, `.stride()`, storages) without
+    the running trace's torch-function modes seeing each read: each costs a trip through the
+    mode stack, and torch's metadata mode would record the read as the `torch_fn` of the next
+    node created.  Dispatch modes (functionalization, the proxy tracer) are untouched."""
+    return torch._C.DisableTorchFunction()

@@ -594,3 +594,14 @@ def test_recording_leaves_classes_and_state_as_found():
     assert [type(m) for m in model.modules()] == classes and type(config) is _Config
     assert_same_tree(model.state_dict(), before)
     assert all("__class__" not in vars(m) for m in model.modules())
+
+
+def test_repeated_sequentials_share_with_digit_named_state():
+    """timm's GhostNet: the repeated block is an `nn.Sequential`, whose state is named `0.weight`;
+    the body's placeholders must still be Python names (`0_weight` gave a SyntaxError)."""
+    torch.manual_seed(0)
+    make = lambda layer_idx: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.GELU())  # noqa: E731
+    ep = check_gradients(Stack(4, make=make), (torch.randn(2, 3, 8),))
+    assert _replayed(ep) == ["layers.2", "layers.3"]
+    placeholders = [n.target for n in ep.graph_module.repeated_body_0.graph.find_nodes(op="placeholder")]
+    assert placeholders == ["_0_weight", "_0_bias", "_2_weight", "_2_bias", "x_0"]

@@ -97,7 +97,11 @@ def extract(region: Region, root: torch.nn.Module, operand_nodes: Sequence[fx.No
     """Copy `region` into a GraphModule `(*used operands) -> (*outputs)`, dead nodes dropped.
 
     get_attr targets (constants, subgraphs of regions and Functions inside the block) are
-    copied onto the new module under the same names.
+    copied onto the new module under the same names.  The module is lazy (torch's
+    `_LazyGraphModule`: no Python code generated until it runs or is printed): most recorded
+    calls are only compared with another (`first_difference` reads the graph), and the one body
+    that is shared is made a plain GraphModule then (`compiled`); generating code for every
+    recorded call cost ~10% of a ResNet's export (benchmarks/vision.py).
     """
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -116,7 +120,13 @@ def extract(region: Region, root: torch.nn.Module, operand_nodes: Sequence[fx.No
             attributes[node.target] = _get(root, node.target)
     graph.output(tuple(env[n] for n in region.outputs))
     graph.eliminate_dead_code()
-    return fx.GraphModule(attributes, graph, class_name=class_name)
+    return ti.LazyGraphModule(attributes, graph, class_name=class_name)
+
+
+def compiled(body: fx.GraphModule, class_name: str) -> fx.GraphModule:
+    """`body` (from `extract`) as a plain GraphModule named `class_name`, on the same graph and
+    attributes: the shared body, which the program keeps, prints, saves and runs."""
+    return fx.GraphModule(body, body.graph, class_name=class_name)
 
 
 def _get(root: torch.nn.Module, target: str) -> Any:

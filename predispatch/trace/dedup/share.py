@@ -43,6 +43,7 @@ shows that case, and `dedup="verify"` (or `dedup=False`) catches or avoids it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import enum
 from collections import Counter
 from collections.abc import Iterator
@@ -55,7 +56,7 @@ from torch import fx, nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import DedupVerificationError, user_frame
-from predispatch.trace.dedup.body import NotClosed, extract, find_region, first_difference
+from predispatch.trace.dedup.body import NotClosed, compiled, extract, find_region, first_difference
 from predispatch.trace.dedup.fold import CallSite, fold_traced_calls
 from predispatch.trace.dedup.reads import _PLAIN, matches, recording_reads, snapshot
 from predispatch.trace.hooks.inspection import side_effect
@@ -126,6 +127,20 @@ class _Entry:
     traced: list[_Recorded] = field(default_factory=list)  # calls traced in full that compared equal
 
 
+def _unobserved(fn):
+    """Run `fn` (keying, recording and comparing calls: reads of tensor metadata, no ops) with
+    torch-function modes off (`ti.torch_function_disabled`): a ResNet's export made ~4000 such
+    reads, each a trip through the trace's mode stack, and each left torch's `torch_fn` metadata
+    naming the read on the next node (a difference from `dedup=False`)."""
+
+    @functools.wraps(fn)
+    def unobserved(*args, **kwargs):
+        with ti.torch_function_disabled():
+            return fn(*args, **kwargs)
+
+    return unobserved
+
+
 class _Sharing:
     """The state of one export's sharing (see Note [Sharing repeated blocks])."""
 
@@ -147,7 +162,7 @@ class _Sharing:
         except _NoShare as exc:
             self._refused(module, str(exc))
             return run(*args, **kwargs)
-        entry = next((e for e in self.entries.get(static, ()) if matches(e.reads, module)), None)
+        entry = self._matching(static, module)
         path = self._path(module)
         if entry is not None and entry.shared is not None and self.mode is Dedup.ON:
             entry.report.calls.append(path)
@@ -166,6 +181,11 @@ class _Sharing:
         entry.report.calls.append(path)
         self._compare(entry, recorded, reads, reason, path)
         return out
+
+    @_unobserved
+    def _matching(self, static: Any, module: nn.Module) -> _Entry | None:
+        """The entry of `static` whose recorded reads give the same values on `module`, if any."""
+        return next((e for e in self.entries.get(static, ()) if matches(e.reads, module)), None)
 
     def fold(self, gm: fx.GraphModule) -> None:
         """After the trace: the calls of shared keys traced in full become `invoke_subgraph`
@@ -213,6 +233,7 @@ class _Sharing:
             return out, None, dict(log.reads), str(exc)
         return out, recorded, dict(log.reads), None
 
+    @_unobserved
     def _compare(self, entry: _Entry, recorded: _Recorded | None, reads: dict, reason: str | None, path: str) -> None:
         """The second call (or, verifying, any later one) against the first."""
         first = entry.first
@@ -236,10 +257,10 @@ class _Sharing:
         entry.traced += [first, recorded] if not entry.traced else [recorded]
         if entry.shared is None:
             name = f"repeated_body_{len([e for es in self.entries.values() for e in es if e.shared])}"
-            first.body.__class__.__name__ = name
-            entry.shared = SharedBody(first.body, name, first.outputs)
+            entry.shared = SharedBody(compiled(first.body, name), name, first.outputs)
 
 
+@_unobserved
 def _recorded(module, tracer, log, out, operands, operand_nodes, counts, labels, start, end) -> _Recorded:
     """Check a recorded call can be replayed and copy its run of nodes into a body."""
     if log.unkeyable:
@@ -282,6 +303,7 @@ def _recorded(module, tracer, log, out, operands, operand_nodes, counts, labels,
     return _Recorded(body, region.used, metadata, constants, spec, mutated, symbols, site)
 
 
+@_unobserved
 def _describe(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor], list[str]]:
     """The static key of a call, its operands (state, then tensor inputs) and their names."""
     if "forward" in module.__dict__:
@@ -290,7 +312,7 @@ def _describe(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[t
     state = _state(modules)
     flat, in_spec = pytree.tree_flatten_with_path((args, kwargs))
     operands = [t for _, t in state]
-    labels = [name.replace(".", "_") for name, _ in state]
+    labels = [_identifier(name.replace(".", "_")) for name, _ in state]
     constants = []
     for path, value in flat:
         if isinstance(value, torch.Tensor):
@@ -318,6 +340,13 @@ def _describe(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[t
         tuple(constants),
     )
     return static, operands, labels
+
+
+def _identifier(label: str) -> str:
+    """`label` as a body placeholder may be named: FX writes a placeholder's target into the
+    body's Python signature, so the state of an `nn.Sequential` (`0.weight` -> `0_weight`) gets
+    FX's own prefix for a name that starts with a digit (`_0_weight`)."""
+    return f"_{label}" if label[:1].isdigit() else label
 
 
 def _input_label(path: tuple) -> str:
@@ -399,6 +428,7 @@ def _ambient() -> tuple:
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, torch.get_default_dtype())
 
 
+@_unobserved
 def _repeated_modules(root: nn.Module) -> set[int]:
     """Non-leaf modules with at least `MIN_INSTANCES - 1` others of the same class and state
     shapes in the tree.
