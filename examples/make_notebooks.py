@@ -1319,7 +1319,9 @@ def write_kernelspec(root: Path) -> Path:
 
 
 def comparable(text: str) -> str:
-    """Output text with what changes from run to run masked: numbers, addresses, temporary paths."""
+    """Output text with what changes from run to run masked: numbers, addresses, temporary paths,
+    and whether this machine has Graphviz (the SVG, or the line saying it is skipped)."""
+    text = re.sub(r"Graphviz's `dot` is not installed[^\n]*: skipping the SVG\n?|<IPython.core.display.SVG object>", "<svg>", text)
     text = re.sub(r"/tmp/\S*|/var/folders/\S*", "<tmp>", text)
     text = re.sub(r"0x[0-9a-f]+", "<addr>", text)
     return re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", text)
