@@ -288,6 +288,7 @@ def _xnnpack_quantizer():
 QUANTIZERS = {"x86": _x86_quantizer, "xnnpack": _xnnpack_quantizer}
 
 
+@pytest.mark.consumers  # torchao and executorch: the consumers extra
 @pytest.mark.parametrize(
     ("case", "quantizer"),
     [
