@@ -236,14 +236,7 @@ def test_model(case: ModelCase, mode: str):
     assert_same_tree(state_bits(model), before)
     program = ep.module()
     assert program.state_dict().keys() == model.state_dict().keys()
-    expected = _run(eager, args, kwargs)
-    actual = _run(program, args, kwargs)
-    assert_same_tree(actual, expected)
-    case.loss(expected).backward()
-    case.loss(actual).backward()
-    named = dict(program.named_parameters())
-    for name, param in eager.named_parameters():
-        assert_same_tree(named[name].grad, param.grad)
+    _assert_matches_eager(case, eager, program, args, kwargs)
 
 
 @pytest.mark.parametrize("case, mode", list(_params(CASES)))
@@ -407,6 +400,13 @@ def test_deep_model_shares_layers_and_equals_eager(case: ModelCase, mode: str):
     eager = copy.deepcopy(model)
     ep = predispatch.export(model, args, kwargs)
     program = ep.module()
+    _assert_matches_eager(case, eager, program, args, kwargs)
+    replayed = [path for report in ep.graph_module.meta["dedup"] for path in report.replayed]
+    assert replayed, [r for r in ep.graph_module.meta["dedup"]]
+
+
+def _assert_matches_eager(case, eager, program, args, kwargs) -> None:
+    """Outputs bitwise eager's, and after the case's loss, every parameter's gradient too."""
     expected = _run(eager, args, kwargs)
     actual = _run(program, args, kwargs)
     assert_same_tree(actual, expected)
@@ -415,5 +415,3 @@ def test_deep_model_shares_layers_and_equals_eager(case: ModelCase, mode: str):
     named = dict(program.named_parameters())
     for name, param in eager.named_parameters():
         assert_same_tree(named[name].grad, param.grad)
-    replayed = [path for report in ep.graph_module.meta["dedup"] for path in report.replayed]
-    assert replayed, [r for r in ep.graph_module.meta["dedup"]]
