@@ -522,6 +522,7 @@ def test_dataclass_namedtuple_and_nested_outputs_keep_eager_types():
     torch.testing.assert_close(out.extras["pair"].rest[0], model(x).extras["pair"].rest[0], rtol=0, atol=0)
 
 
+@pytest.mark.models  # needs transformers: the models extra
 def test_model_output_of_transformers_keeps_its_type():
     modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
 
