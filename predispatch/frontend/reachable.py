@@ -41,14 +41,21 @@ def _named_references(fn: Callable[..., Any]) -> Iterator[tuple[str, Any]]:
         return
     closure = getattr(fn, "__closure__", None) or ()
     for name, cell in zip(code.co_freevars, closure):
-        try:
+        if is_filled(cell):
             yield name, cell.cell_contents
-        except ValueError:  # an empty cell: the variable is not bound yet
-            continue
     global_names = getattr(fn, "__globals__", {})
     for name in _global_names(code):
         if name in global_names:
             yield name, global_names[name]
+
+
+def is_filled(cell: types.CellType) -> bool:
+    """Whether a closure cell holds a value (reading an empty one, a variable not bound yet, raises)."""
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
 
 
 def _global_names(code: types.CodeType) -> Iterator[str]:

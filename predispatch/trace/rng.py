@@ -41,6 +41,7 @@ from torch import fx, nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import RngStateError, user_frame
+from predispatch.frontend.reachable import is_filled
 
 #: Functions that change a generator, by module, and what each does.
 _CHANGERS: dict[str, dict[str, str]] = {
@@ -216,20 +217,12 @@ def _visible_generators(module: nn.Module) -> list[torch.Generator]:
             if id(namespace) not in seen_globals:
                 seen_globals.add(id(namespace))
                 values.extend(namespace.values())
-            values.extend(cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ()) if _filled(cell))
+            values.extend(cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ()) if is_filled(cell))
         for value in values:
             for item in (value, *(_shallow_items(value))):
                 if isinstance(item, torch.Generator):
                     found.setdefault(ti.generator_identity(item), item)
     return list(found.values())
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
 
 
 def _shallow_items(value: Any) -> tuple[Any, ...]:

@@ -56,6 +56,7 @@ from torch import fx, nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import DedupVerificationError, user_frame
+from predispatch.frontend.reachable import is_filled
 from predispatch.trace.dedup.body import NotClosed, compiled, extract, find_region, first_difference
 from predispatch.trace.dedup.fold import CallSite, fold_traced_calls
 from predispatch.trace.dedup.reads import _PLAIN, matches, recording_reads, snapshot
@@ -407,17 +408,9 @@ def _hook_key(hook: Any) -> Any:
     code = getattr(fn, "__code__", None)
     if code is None:
         return snapshot(hook)  # a callable object: by identity
-    cells = tuple(snapshot(cell.cell_contents) if _filled(cell) else None for cell in fn.__closure__ or ())
+    cells = tuple(snapshot(cell.cell_contents) if is_filled(cell) else None for cell in fn.__closure__ or ())
     bound = snapshot(getattr(hook, "__self__", None))
     return (code, cells, snapshot(fn.__defaults__), snapshot(fn.__kwdefaults__), bound)
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - an empty cell raises
-    except ValueError:
-        return False
-    return True
 
 
 def _ambient() -> tuple:

@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import nn
 
+from predispatch.frontend.reachable import is_filled
+
 _STORES = {"STORE_GLOBAL", "STORE_ATTR", "STORE_DEREF", "STORE_SUBSCR", "DELETE_SUBSCR", "DELETE_ATTR"}
 _EFFECT_NAMES = {"print", "append", "extend", "insert", "add", "update", "setattr", "write", "log", "info"}
 
@@ -61,17 +63,9 @@ def may_read_state(hook: Any) -> bool:
     a global.  A cheap look at the code; see Note [Hooks reading module state] in state.py."""
     if inspect.ismethod(hook) or may_read_argument(hook, 0):
         return True
-    cells = [cell.cell_contents for cell in hook.__closure__ or () if _is_filled(cell)]
+    cells = [cell.cell_contents for cell in hook.__closure__ or () if is_filled(cell)]
     names = [name for code in _code_objects(hook.__code__) for name in code.co_names]
     return any(isinstance(value, nn.Module) for value in (*cells, *map(hook.__globals__.get, names)))
-
-
-def _is_filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # a closure variable not assigned yet
-        return False
-    return True
 
 
 def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
