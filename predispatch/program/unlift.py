@@ -51,7 +51,8 @@ _RESERVED = frozenset({"self", "torch", "fx_pytree", "pytree", "inf", "nan", "No
 
 def module_of(ep: ExportedProgram) -> ProgramModule:
     """Build `ep.module()`; see the module docstring."""
-    source = copy.deepcopy(ep.graph_module, _shared_objects(ep.graph_module))  # tools rewrite it
+    shared = {id(v): v for v in _opaque_objects(ep.graph_module).values()}  # the user's generator, not a copy
+    source = copy.deepcopy(ep.graph_module, shared)  # the module's graph is its own: tools rewrite it
     inline_subgraphs(source)  # shared bodies inlined: torch's eager invoke_subgraph differentiates only under a fake mode
     runner.keep_class_names(ep.graph_module, source)
     graph = source.graph
@@ -80,11 +81,16 @@ def module_of(ep: ExportedProgram) -> ProgramModule:
     return module
 
 
-def _shared_objects(gm: fx.GraphModule) -> dict[int, Any]:
-    """A deepcopy memo that keeps the opaque objects the graph reads (a module's own
-    `torch.Generator`) shared: the program draws from the user's generator, as eager does."""
-    values = (getattr(gm, n.target) for n in gm.graph.find_nodes(op="get_attr") if "." not in n.target)
-    return {id(v): v for v in values if not isinstance(v, (torch.Tensor, nn.Module))}
+def _opaque_objects(gm: fx.GraphModule) -> dict[str, Any]:
+    """The Python objects (not tensors, modules or graph constants) the graph reads by a
+    top-level `get_attr`: a module's own `torch.Generator`.  `ep.module()` shares them with the
+    exported graph, so the program draws from the user's generator, as eager does."""
+    found = {}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = vars(gm).get(node.target)
+        if value is not None and not isinstance(value, (torch.Tensor, nn.Module, GraphConstant)):
+            found[node.target] = value
+    return found
 
 
 def _placeholders_per_leaf(graph: fx.Graph, sig: Any, tensor_placeholders: list[fx.Node]) -> list[fx.Node]:
@@ -255,11 +261,7 @@ def _install_subgraphs(module: ProgramModule, source: fx.GraphModule) -> None:
     for name, value in vars(source).items():
         if isinstance(value, GraphConstant):
             setattr(module, name, value)
-    for node in source.graph.find_nodes(op="get_attr"):  # opaque objects the graph reads
-        if "." not in node.target and _is_graph_attr(source, node.target):
-            value = getattr(source, node.target)
-            if not isinstance(value, (torch.Tensor, GraphConstant, nn.Module)):
-                module.__dict__[node.target] = value  # e.g. the module's own torch.Generator
+    module.__dict__.update(_opaque_objects(source))
 
 
 def _install_constants(gm: fx.GraphModule, *, top: bool) -> None:
