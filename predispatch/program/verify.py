@@ -40,7 +40,7 @@ from torch import fx, nn
 from predispatch.errors import SerializationError
 from predispatch.program._serialize_values import STORED_DEVICE_TYPES
 from predispatch.program.op_allowlist import decide
-from predispatch.program.signature import ExportSignature, InputKind
+from predispatch.program.signature import MUTATION_KINDS, ExportSignature, InputKind
 
 if TYPE_CHECKING:
     from predispatch.program.exported_program import ExportedProgram
@@ -416,9 +416,6 @@ OUTPUT_RULES: dict[str, Callable[[Any, Any, str], str | None]] = {
     "GRADIENT_TO_USER_INPUT": _input_gradient,
 }
 
-#: The outputs that are leaves of the program's result (a joint program's gradients too).
-_LEAF_KINDS = frozenset({"USER_OUTPUT", "GRADIENT_TO_PARAMETER", "GRADIENT_TO_USER_INPUT"})
-
 
 def _signature_problems(ep: ExportedProgram) -> Iterator[Problem]:
     """The signature, the graph and the state describe one program."""
@@ -462,7 +459,7 @@ def _output_problems(ep: ExportedProgram) -> Iterator[Problem]:
     user_outputs = 0
     for i, (value, spec) in enumerate(zip(values, sig.outputs)):
         where = f"graph output {i} ({spec.kind.name} {spec.target!r})"
-        user_outputs += spec.kind.name in _LEAF_KINDS
+        user_outputs += spec.kind not in MUTATION_KINDS  # a leaf of the result (a joint's gradients too)
         rule = OUTPUT_RULES.get(spec.kind.name)
         if not isinstance(value, fx.Node):
             yield Problem(where, f"is {_describe(value)}, not a node: the signature says it is computed")
