@@ -122,6 +122,7 @@ __all__ = [
     "inside_op_call",
     "generator_identity",
     "import_dynamo",
+    "import_op_registrations",
     "reparametrize",
     "has_internal_overlap",
     "functional_rewrites",
@@ -1012,3 +1013,13 @@ def torch_function_disabled() -> Any:
     mode stack, and torch's metadata mode would record the read as the `torch_fn` of the next
     node created.  Dispatch modes (functionalization, the proxy tracer) are untouched."""
     return torch._C.DisableTorchFunction()
+
+
+def import_op_registrations() -> None:
+    """Import the torch modules that register ops in the namespaces the allow list decides.
+
+    `prims.inductor_*`, `prims.fma`, `prims._low_memory_max_pool_*` ... are registered when
+    `torch._inductor` is imported: without this the registry, and so the allow list generated
+    from it, would depend on whether the process had compiled anything before.
+    """
+    import torch._inductor.inductor_prims  # noqa: F401

@@ -144,6 +144,7 @@ def registry_packets(namespaces: Iterable[str] = NAMESPACES) -> dict[str, Packet
     """Every packet `torch.ops` can resolve in `namespaces`, from torch's registry."""
     from predispatch import ops  # noqa: F401 - registers predispatch::keep_history
 
+    ti.import_op_registrations()  # the same registry whatever this process imported before
     registered = ti.dispatcher_op_names()
     overloads: dict[str, list[tuple[str, bool, bool]]] = {}
     for schema in ti.jit_op_schemas():
