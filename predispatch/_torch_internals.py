@@ -108,6 +108,7 @@ __all__ = [
     "exporting_flags",
     "functional_dispatch_observer",
     "functional_value",
+    "set_functional_value",
     "mutation_count",
     "wrap_functional",
     "wrap_with_autocast",
@@ -126,6 +127,7 @@ __all__ = [
     "reparametrize",
     "has_internal_overlap",
     "functional_rewrites",
+    "meta_kernels",
     "dispatcher_op_names",
     "jit_op_schemas",
 ]
@@ -258,23 +260,24 @@ def functional_dispatch_observer(
 
 
 @contextlib.contextmanager
-def functional_rewrites(table: dict[OpOverload, Callable[..., Any]]) -> Iterator[None]:
-    """Run `table[func](*args, **kwargs)` in FunctionalTensorMode in place of `func`.
+def functional_rewrites(table: dict[OpOverload, tuple[Callable[..., Any], tuple[OpOverload, ...]]]) -> Iterator[None]:
+    """Run `rewrite(*args, **kwargs)` in FunctionalTensorMode in place of `func`, for
+    `table[func] = (rewrite, skips)`.
 
-    For the ops torch's own path gets wrong (see `REWRITES` in trace/decompose.py): a
-    composite is rewritten only when the decomposition policy decomposes it (`_can_decompose`,
-    see `decomposition_hook`); the rewrite runs inside the mode again, so its own ops are
+    For the ops torch's own path gets wrong or slow (see `REWRITES` in trace/decompose.py): a
+    composite is rewritten only when the decomposition policy decomposes it and every composite
+    in `skips` (those torch's path would pass through; `_can_decompose`, see
+    `decomposition_hook`); the rewrite runs inside the mode again, so its own ops are
     functionalized as usual.
     """
     original = FunctionalTensorMode.__torch_dispatch__
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        rewrite = table.get(func)
-        composite = rewrite is not None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), CIA)
-        if rewrite is None or (composite and not self._can_decompose(func, args, kwargs or {})):
+        entry = table.get(func)
+        if entry is None or not _rewrites(self, func, entry[1], args, kwargs or {}):
             return original(self, func, types, args, kwargs)
         with self:
-            return rewrite(*args, **(kwargs or {}))
+            return entry[0](*args, **(kwargs or {}))
 
     FunctionalTensorMode.__torch_dispatch__ = __torch_dispatch__
     try:
@@ -283,10 +286,47 @@ def functional_rewrites(table: dict[OpOverload, Callable[..., Any]]) -> Iterator
         FunctionalTensorMode.__torch_dispatch__ = original
 
 
+@contextlib.contextmanager
+def meta_kernels(table: dict[OpOverload, Callable[[Callable[..., Any]], Callable[..., Any]]]) -> Iterator[None]:
+    """While active, `op`'s Python Meta kernel is `table[op](original)` (see `FAST_INPLACE_META`
+    in trace/decompose.py); the originals are back on exit, and the ops' dispatch caches cleared
+    both ways, as `py_impl` clears them."""
+    meta = torch._C.DispatchKey.Meta
+    originals = {op: op.py_kernels[meta] for op in table if meta in op.py_kernels}
+    try:
+        for op, original in originals.items():
+            op.py_kernels[meta] = table[op](original)
+            op._dispatch_cache.clear()
+        yield
+    finally:
+        for op, original in originals.items():
+            op.py_kernels[meta] = original
+            op._dispatch_cache.clear()
+
+
+def has_no_internal_overlap(t: torch.Tensor) -> bool:
+    """Whether no two elements of `t` share memory (torch's MemOverlap::No, from strides)."""
+    return torch._debug_has_internal_overlap(t) == 0
+
+
+def _rewrites(mode: FunctionalTensorMode, func: OpOverload, skips: tuple[OpOverload, ...], args: tuple, kwargs: dict) -> bool:
+    """Whether the policy lets `func`'s rewrite run: a composite and everything it skips decompose."""
+    composite = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), CIA)
+    return not composite or all(mode._can_decompose(op, args, kwargs) for op in (func, *skips))
+
+
 def functional_value(t: FunctionalTensor) -> torch.Tensor:
     """The tensor a FunctionalTensor currently stands for (its latest functional value)."""
     torch._sync(t)
     return torch._from_functional_tensor(t.elem)
+
+
+def set_functional_value(t: FunctionalTensor, value: FunctionalTensor) -> None:
+    """Make `t` stand for `value` from now on, as functionalization does for an in-place op's
+    result: no op is traced (a `t.copy_(value)` would trace `aten.copy`, which build removes again)."""
+    torch._functionalize_replace(t.elem, functional_value(value))
+    torch._functionalize_commit_update(t.elem)
+    torch._functionalize_sync(t.elem)
 
 
 def mutation_count(t: torch.Tensor) -> int | None:

@@ -342,3 +342,87 @@ class GraphModule(torch.nn.Module):
             warnings.simplefilter("ignore")  # eager warns "FOUND weight out of range"
             ep = _like_eager(fn, lambda: (torch.tensor([[1e6, -1e6, 3.0], [2.0, 7e4, -5.0]]),))
         assert _kinds(ep) == ["USER_INPUT_MUTATION", "USER_OUTPUT"]  # eager clamps the weight in place
+
+
+class _Norm(nn.Module):
+    """One call of `norm(x, *state)`, its state registered as the module's own."""
+
+    def __init__(self, norm, **state):
+        super().__init__()
+        self.norm = norm
+        for name, value in state.items():
+            if isinstance(value, nn.Parameter):
+                self.register_parameter(name, value)
+            else:
+                self.register_buffer(name, value)
+
+    def forward(self, x):
+        return self.norm(self, x)
+
+
+def _bn_functional(training, stats=True, affine=True):
+    state = {}
+    if affine:
+        state.update(w=nn.Parameter(torch.rand(3) + 0.5), b=nn.Parameter(torch.randn(3)))
+    if stats:
+        state.update(mean=torch.randn(3), var=torch.rand(3) + 0.5)
+    return _Norm(
+        lambda m, x: F.batch_norm(
+            x, getattr(m, "mean", None), getattr(m, "var", None), getattr(m, "w", None), getattr(m, "b", None), training
+        ),
+        **state,
+    )
+
+
+#: Calls of `batch_norm` the rewrite takes (Note [Rewrites of torch's own path]) and some it
+#: leaves to torch's path: (model, input).
+_BATCH_NORMS = {
+    "BatchNorm1d-train": (lambda: nn.BatchNorm1d(3), (torch.randn(4, 3),)),
+    "BatchNorm1d-3d-eval": (lambda: nn.BatchNorm1d(3).eval(), (torch.randn(4, 3, 5),)),
+    "BatchNorm2d-train": (lambda: nn.BatchNorm2d(3), (torch.randn(2, 3, 4, 4),)),
+    "BatchNorm2d-eval": (lambda: nn.BatchNorm2d(3).eval(), (torch.randn(2, 3, 4, 4),)),
+    "BatchNorm2d-channels-last": (lambda: nn.BatchNorm2d(3), (torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last),)),
+    "BatchNorm3d-no-affine": (lambda: nn.BatchNorm3d(3, affine=False), (torch.randn(2, 3, 2, 2, 2),)),
+    "BatchNorm2d-no-stats-train": (lambda: nn.BatchNorm2d(3, track_running_stats=False), (torch.randn(2, 3, 4, 4),)),
+    "BatchNorm2d-no-stats-eval": (lambda: nn.BatchNorm2d(3, track_running_stats=False).eval(), (torch.randn(2, 3, 4, 4),)),
+    "BatchNorm2d-double": (lambda: nn.BatchNorm2d(3).double(), (torch.randn(2, 3, 4, 4, dtype=torch.float64),)),
+    "functional-train": (lambda: _bn_functional(True), (torch.randn(4, 3, 2),)),
+    "functional-eval": (lambda: _bn_functional(False), (torch.randn(4, 3, 2),)),
+    "functional-no-stats": (lambda: _bn_functional(True, stats=False, affine=False), (torch.randn(4, 3),)),
+    "InstanceNorm2d-running-stats": (lambda: nn.InstanceNorm2d(3, track_running_stats=True, affine=True), (torch.randn(2, 3, 4, 4),)),
+    "InstanceNorm1d": (lambda: nn.InstanceNorm1d(3), (torch.randn(2, 3, 5),)),
+    # torch's path: an empty input
+    "BatchNorm2d-empty-eval": (lambda: nn.BatchNorm2d(3).eval(), (torch.randn(0, 3, 4, 4),)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BATCH_NORMS))
+def test_batch_norm_rewrite_gives_torchs_graph_and_audit(case, monkeypatch):
+    """The batch_norm rewrite is for speed only: the program, its node metadata and `ep.audit`
+    are the ones torch's chain of composites gives, and both match eager."""
+    make, args = _BATCH_NORMS[case]
+    torch.manual_seed(0)
+    fast = export_and_check(make(), args)
+    from predispatch.trace import decompose
+
+    monkeypatch.delitem(decompose.REWRITES, torch.ops.aten.batch_norm.default)
+    torch.manual_seed(0)
+    slow = export_and_check(make(), args)
+    assert graph(fast) == graph(slow)
+    assert str(fast.audit) == str(slow.audit)
+    assert "aten._batch_norm_impl_index.default" in fast.audit.decomposed
+    for a, b in zip(fast.graph.nodes, slow.graph.nodes):
+        assert (a.meta.get("stack_trace"), a.meta.get("nn_module_stack")) == (b.meta.get("stack_trace"), b.meta.get("nn_module_stack"))
+
+
+def test_batch_norm_rewrite_runs_only_where_it_is_known():
+    """A CPU input with elements takes the rewrite; an empty one takes torch's path (whose
+    `_batch_norm_impl_index` handles it)."""
+    from predispatch.trace.decompose import _native_batch_norm_call
+
+    stats = (torch.ones(3), torch.zeros(3), torch.zeros(3), torch.ones(3))
+    assert _native_batch_norm_call(torch.randn(2, 3), *stats)
+    assert not _native_batch_norm_call(torch.randn(0, 3), *stats)
+    assert not _native_batch_norm_call(torch.randn(2, 3), None, None, torch.zeros(3), None)
+    assert not _native_batch_norm_call(torch.randn(2, 4), *stats)
+    assert _native_batch_norm_call(torch.empty(2, 3, device="meta"), *(t.to("meta") for t in stats))

@@ -22,6 +22,17 @@ from predispatch.errors import DedupVerificationError
 INVOKE = torch.ops.higher_order.invoke_subgraph
 
 
+@pytest.fixture(autouse=True)
+def small_bodies_are_shared(request, monkeypatch):
+    """These tests' blocks are small (a norm, two linears: 6 ops) so that their golden graphs
+    stay readable; they test what sharing does, so they share bodies of 4 ops and more.  The
+    real threshold (`MIN_BODY_OPS`, chosen for speed) has its own tests, named `*real_threshold*`."""
+    if "real_threshold" not in request.node.name:
+        from predispatch.trace.dedup import share
+
+        monkeypatch.setattr(share, "MIN_BODY_OPS", 4)
+
+
 class Block(nn.Module):
     """A small residual block: norm, two linears, an activation."""
 
@@ -605,3 +616,60 @@ def test_repeated_sequentials_share_with_digit_named_state():
     assert _replayed(ep) == ["layers.2", "layers.3"]
     placeholders = [n.target for n in ep.graph_module.repeated_body_0.graph.find_nodes(op="placeholder")]
     assert placeholders == ["_0_weight", "_0_bias", "_2_weight", "_2_bias", "x_0"]
+
+
+class WideBlock(nn.Module):
+    """Two of `Block` in one module: a body of 12 ops, at the real threshold."""
+
+    def __init__(self, layer_idx: int = 0):
+        super().__init__()
+        self.first, self.second = Block(), Block()
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def test_real_threshold_inlines_small_bodies_and_every_module_like_them():
+    """At `MIN_BODY_OPS` a 6-op block is traced inline, once decided: its later calls are not
+    keyed again, all are listed on one report, and the program is the one dedup=False gives."""
+    from predispatch.trace.dedup import share
+
+    assert share.MIN_BODY_OPS == 12
+    torch.manual_seed(0)
+    model, x = Stack(5), torch.randn(2, 3, 8)
+    ep = check_gradients(model, (x,))
+    assert _calls(ep) == 0
+    [report] = _report(ep)
+    assert report.calls == [f"layers.{i}" for i in range(5)] and report.replayed == []
+    assert report.not_shared == "its body has 6 ops, fewer than 12: a replay would save nothing"
+    assert graph(ep) == graph(predispatch.export(model, (x,), dedup=False))
+
+
+def test_real_threshold_shares_a_body_of_twelve_ops():
+    torch.manual_seed(0)
+    model, x = Stack(4, make=WideBlock), torch.randn(2, 3, 8)
+    ep = check_gradients(model, (x,))
+    assert _replayed(ep) == ["layers.2", "layers.3"] and _calls(ep) == 4
+
+
+class SharedPositionStack(Stack):
+    """CoaT's pattern: one submodule registered on every layer (a shared position encoding)."""
+
+    def __init__(self, n: int = 4):
+        super().__init__(n)
+        self.position = nn.Linear(8, 8)
+        for layer in self.layers:
+            layer.position = self.position
+
+
+def test_a_submodule_registered_twice_turns_sharing_off_with_the_reason():
+    """make_fx then reaches every submodule through a proxy, which a key cannot be computed
+    for: nothing is intercepted, the report says why, and the program is dedup=False's."""
+    torch.manual_seed(0)
+    model, x = SharedPositionStack(), torch.randn(2, 3, 8)
+    ep = export_and_check(model, (x,))
+    [report] = _report(ep)
+    assert report.module_class == "SharedPositionStack" and report.calls == [] and _calls(ep) == 0
+    assert report.not_shared.startswith("the model registers one submodule under two paths (layers.0.position and layers.1.position)")
+    assert list(ep.module().state_dict()) == list(model.state_dict())  # ExportSignature.state_order
+    assert graph(ep) == graph(predispatch.export(model, (x,), dedup=False))

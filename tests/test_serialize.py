@@ -223,7 +223,7 @@ def test_format_covers_every_field():
     fields = {cls.__name__: [f.name for f in cls.__dataclass_fields__.values()] for cls in records}
     assert fields == {
         "ExportedProgram": ["graph_module", "signature", "state_dict", "constants", "decompositions", "live_root", "hooks", "state_dict_owner"],
-        "ExportSignature": ["inputs", "outputs", "in_spec", "out_spec", "input_leaves", "output_leaves", "grad_mode_on_exit", "arg_names", "shapes", "training_flags", "outside_tree"],
+        "ExportSignature": ["inputs", "outputs", "in_spec", "out_spec", "input_leaves", "output_leaves", "grad_mode_on_exit", "arg_names", "shapes", "training_flags", "outside_tree", "state_order"],
         "InputSpec": ["kind", "name", "target", "aliases", "persistent"],
         "OutputSpec": ["kind", "name", "target"],
         "Leaf": ["path", "is_tensor", "value"],
@@ -735,3 +735,21 @@ def test_unbacked_size_is_refused_on_save(tmp_path):
     with pytest.raises(SerializationError, match=r"depends on data \(an unbacked size"):
         predispatch.save(ep, path)
     assert not path.exists()
+
+
+def test_state_order_round_trips_and_a_lying_one_is_refused(tmp_path):
+    """A submodule registered under two paths: `module().state_dict()` lists the exported
+    module's keys in its order, after save/load too; a file whose `state_order` names
+    something that is no lifted state is refused."""
+    from test_dedup import SharedPositionStack
+
+    model = SharedPositionStack()
+    ep = predispatch.export(model, (torch.randn(2, 3, 8),))
+    path = tmp_path / "p.pd"
+    predispatch.save(ep, path)
+    assert list(predispatch.load(path).module().state_dict()) == list(model.state_dict())
+
+    def lie(program, manifest):
+        program["signature"]["state_order"].append("not.a.state")
+
+    assert "'not.a.state', which is no lifted state" in load_error(rewrite(path.read_bytes(), lie))

@@ -424,6 +424,6 @@ def _fakify(
         fake = fake_mode.from_tensor(tensor, static_shapes=True)
     else:
         fake = _fake_from_metadata(fake_mode, tensor)
-    if parameter:
+    if parameter and not isinstance(fake, nn.Parameter):  # from_tensor keeps a Parameter's class already
         fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
     return fake

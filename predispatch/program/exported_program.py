@@ -171,6 +171,7 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
         shape_record(prepared.fake_mode, gm.graph.find_nodes(op="placeholder")[len(prepared.state):]),
         () if isinstance(prepared.module, FunctionRoot) else training_flags(prepared.module),
         () if isinstance(prepared.module, FunctionRoot) else outside_tree(prepared.module, inputs),
+        () if isinstance(prepared.module, FunctionRoot) else state_order(prepared.module, inputs),
     )
     state = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is not InputKind.CONSTANT_TENSOR}
     constants = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is InputKind.CONSTANT_TENSOR}
@@ -192,6 +193,17 @@ def outside_tree(module: nn.Module, inputs: tuple[InputSpec, ...]) -> tuple[str,
     exits = (tree_exit(module, fqn) for spec in inputs if spec.kind is not InputKind.USER_INPUT
              for fqn in (spec.target, *spec.aliases))
     return tuple(dict.fromkeys(e for e in exits if e is not None))
+
+
+def state_order(module: nn.Module, inputs: tuple[InputSpec, ...]) -> tuple[str, ...]:
+    """The lifted state's names in the module's own order (`ExportSignature.state_order`)."""
+    lifted = {fqn for spec in inputs if spec.kind is not InputKind.USER_INPUT for fqn in (spec.target, *spec.aliases)}
+    names = (
+        f"{path}.{name}" if path else name
+        for path, m in module.named_modules(remove_duplicate=False)
+        for name in (*m._parameters, *m._buffers)
+    )
+    return tuple(dict.fromkeys(n for n in names if n in lifted))
 
 
 def _mutation_spec(mutated: InputSpec, node: fx.Node, metadata: bool = False) -> OutputSpec:

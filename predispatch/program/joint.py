@@ -273,7 +273,9 @@ def _joint_signature(ep: ExportedProgram, gm: fx.GraphModule, has_grad: list[boo
         sig.grad_mode_on_exit,
         sig.arg_names,
         sig.shapes,
+        training_flags=sig.training_flags,
         outside_tree=sig.outside_tree,
+        state_order=sig.state_order,
     )
 
 

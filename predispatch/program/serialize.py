@@ -354,6 +354,7 @@ def _encode_signature(sig: ExportSignature) -> dict:
         "shapes": _encode_shapes(sig.shapes),
         "training_flags": [[path, flag] for path, flag in sig.training_flags],
         "outside_tree": list(sig.outside_tree),
+        "state_order": list(sig.state_order),
     }
 
 
@@ -414,6 +415,7 @@ def _decode_signature(data: Any, unregistered: set[type]) -> ExportSignature:
         _decode_shapes(data.get("shapes"), f"{where} shapes"),
         _decode_training_flags(data.get("training_flags", []), f"{where} training_flags"),
         tuple(expect(p, str, where) for p in expect(data.get("outside_tree", []), list, where)),  # absent before the field
+        tuple(expect(n, str, where) for n in expect(data.get("state_order", []), list, where)),  # absent before the field
     )
 
 

@@ -162,6 +162,11 @@ class ExportSignature:
         (`helpers` for `helpers.0.weight`; Note [Modules outside the registered tree]):
         `module()` keeps that state off its registered tree, so its `state_dict()` keys are
         the exported module's.  Empty for a function export (its module reads the user's own).
+    state_order: every name of the lifted state inside the registered tree, in the exported
+        module's own order (module by module, parameters then buffers, as `state_dict()` lists
+        them): `module()` registers its copies in this order, so a submodule registered under
+        two paths (a shared position encoding) does not move its other paths' state ahead of
+        their siblings.  Empty for a function export and for files written before the field.
     """
 
     inputs: tuple[InputSpec, ...]
@@ -175,6 +180,7 @@ class ExportSignature:
     shapes: ShapeRecord = ShapeRecord()
     training_flags: tuple[tuple[str, bool], ...] = ()
     outside_tree: tuple[str, ...] = ()
+    state_order: tuple[str, ...] = ()
 
     def __deepcopy__(self, memo: dict) -> ExportSignature:
         """A deep copy sharing the pytree specs, which are immutable: copying one makes a new

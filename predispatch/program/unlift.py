@@ -242,11 +242,15 @@ def _install_state(module: ProgramModule, ep: ExportedProgram) -> None:
             module.add_module(name, child)
         return
     outside = frozenset(ep.signature.outside_tree)
+    names = {}
     for spec in ep.signature.inputs_of(*_STATE_KINDS):
         source = ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else ep.state_dict[spec.target]
         tensor = _copy(source, spec.kind)
-        for fqn in (spec.target, *spec.aliases):
-            _install(module, fqn, tensor, spec.kind, spec.persistent, outside)
+        names.update((fqn, (tensor, spec)) for fqn in (spec.target, *spec.aliases))
+    # the exported module's order first (ExportSignature.state_order), then any other name
+    for fqn in dict.fromkeys((*(n for n in ep.signature.state_order if n in names), *names)):
+        tensor, spec = names[fqn]
+        _install(module, fqn, tensor, spec.kind, spec.persistent, outside)
 
 
 def _install_subgraphs(module: ProgramModule, source: fx.GraphModule) -> None:

@@ -437,6 +437,7 @@ def _signature_problems(ep: ExportedProgram) -> Iterator[Problem]:
     if sig.in_spec.num_leaves != len(sig.input_leaves) or tensor_leaves != len(sig.inputs_of(InputKind.USER_INPUT)):
         yield Problem("signature input_leaves", "the input spec, input leaves and user inputs disagree")
     yield from _outside_tree_problems(sig)
+    yield from _state_order_problems(sig)
     yield from _output_problems(ep)
 
 
@@ -448,6 +449,15 @@ def _outside_tree_problems(sig: ExportSignature) -> Iterator[Problem]:
         if not isinstance(path, str) or not any(fqn.startswith(f"{path}.") for fqn in names):
             shown = repr(path) if isinstance(path, str) else _describe(path)
             yield Problem("signature outside_tree", f"{shown} is not the path of a container holding lifted state")
+
+
+def _state_order_problems(sig: ExportSignature) -> Iterator[Problem]:
+    """`state_order` names each lifted state name at most once, and nothing else."""
+    names = {fqn for s in sig.inputs if s.kind is not InputKind.USER_INPUT for fqn in (s.target, *s.aliases)}
+    order = sig.state_order
+    if len(set(order)) != len(order) or not set(order) <= names:
+        stray = sorted(set(order) - names)
+        yield Problem("signature state_order", f"names {stray[0]!r}, which is no lifted state" if stray else "names a state twice")
 
 
 def _output_problems(ep: ExportedProgram) -> Iterator[Problem]:

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from predispatch import _torch_internals as ti
+
 
 def op_name(op: torch._ops.OpOverload) -> str:
     """The canonical name of an overload: `aten.to.dtype`, `aten.linear.default`."""
@@ -232,6 +234,17 @@ def _normalize(op: object) -> str:
 #   `_saturate_weight_to_fp16` (clamps the weight to the float16 range, in place).
 # - in-place ops functionalization cannot pair with a functional twin (`polygamma_`: the
 #   functional `polygamma` takes its arguments in another order).
+#
+# One rewrite is for speed, not correctness, and gives the very graph torch's path gives:
+#
+# - `batch_norm` reaches its functional op through three composites (`batch_norm` ->
+#   `_batch_norm_impl_index` -> `native_batch_norm`'s Python decomposition ->
+#   `_native_batch_norm_legit*`), each a trip through the trace's modes: about 1 ms of a CNN's
+#   export per BatchNorm, a tenth of ResNet's.  The rewrite calls the op the chain ends in,
+#   for the calls where the chain is known (a CPU or meta input with elements, the statistics
+#   given both or neither, per-channel shapes right); any other call takes torch's path.
+#   `_batch_norm_impl_index` is still put to the policy (`Rewrite.skips`), so `ep.audit`
+#   lists what the long path lists.  tests/test_decompose.py compares the two paths' graphs.
 
 
 def _dropout(op: torch._ops.OpOverload) -> Callable[..., torch.Tensor]:
@@ -272,28 +285,133 @@ def _polygamma_(self: torch.Tensor, n: int) -> torch.Tensor:
 
 _aten = torch.ops.aten
 
-#: predispatch's version of ops torch's path gets wrong, with the reason; see Note [Rewrites of
+
+def _batch_norm(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    cudnn_enabled: bool,
+) -> torch.Tensor:
+    """`batch_norm` straight to the op torch's chain of composites ends in (Note [Rewrites of
+    torch's own path]); a call outside the known cases takes the chain itself."""
+    if not _native_batch_norm_call(input, weight, bias, running_mean, running_var):
+        return _aten.batch_norm.default.decompose(
+            input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
+        )
+    if running_mean is None:
+        return _aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)[0]
+    if training:
+        return _aten._native_batch_norm_legit.default(input, weight, bias, running_mean, running_var, True, momentum, eps)[0]
+    return _aten._native_batch_norm_legit_no_training.default(input, weight, bias, running_mean, running_var, momentum, eps)[0]
+
+
+def _native_batch_norm_call(input: torch.Tensor, *per_channel: torch.Tensor | None) -> bool:
+    """Whether `_batch_norm_impl_index` would call `native_batch_norm` (a CPU or meta input:
+    CUDA may take cuDNN) and its Python decomposition would not raise: elements in the input,
+    running statistics given both or neither, each per-channel tensor of the channels' size."""
+    running_mean, running_var = per_channel[2:]
+    return (
+        input.device.type in ("cpu", "meta")
+        and input.dim() >= 2
+        and input.numel() > 0
+        and (running_mean is None) == (running_var is None)
+        and all(t is None or (t.dim() == 1 and t.numel() == input.shape[1]) for t in per_channel)
+    )
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """predispatch's version of one op (Note [Rewrites of torch's own path]).
+
+    fn: runs in the op's place, inside FunctionalTensorMode.
+    reason: why torch's own path is not taken.
+    skips: composites torch's path passes through and `fn` does not; each is still put to the
+        decomposition policy, and `fn` runs only if the policy decomposes them all (so
+        `ep.audit` and `preserve=` see what they would see on torch's path).
+    """
+
+    fn: Callable[..., object]
+    reason: str
+    skips: tuple[torch._ops.OpOverload, ...] = ()
+
+
+#: predispatch's version of ops torch's path gets wrong, or slowly; see Note [Rewrites of
 #: torch's own path].
-REWRITES: dict[torch._ops.OpOverload, tuple[Callable[..., object], str]] = {
-    _aten.dropout.default: (
+REWRITES: dict[torch._ops.OpOverload, Rewrite] = {
+    _aten.dropout.default: Rewrite(
         _dropout(_aten.dropout.default),
         "eager returns its input itself when not training or p == 0; torch's decomposition clones",
     ),
-    _aten.unsafe_chunk.default: (_unsafe_chunk, "eager's chunks are views of the input; split is the tracked view op"),
-    _aten.unsafe_split.Tensor: (
+    _aten.unsafe_chunk.default: Rewrite(_unsafe_chunk, "eager's chunks are views of the input; split is the tracked view op"),
+    _aten.unsafe_split.Tensor: Rewrite(
         lambda self, size, dim=0: _aten.split.Tensor(self, size, dim),
         "eager's pieces are views of the input, which unsafe_split's schema does not declare",
     ),
-    _aten.unsafe_split_with_sizes.default: (
+    _aten.unsafe_split_with_sizes.default: Rewrite(
         lambda self, sizes, dim=0: _aten.split_with_sizes.default(self, sizes, dim),
         "eager's pieces are views of the input, which unsafe_split_with_sizes's schema does not declare",
     ),
-    _aten._reshape_from_tensor.default: (_reshape_from_tensor, "the C++ kernel reads the shape tensor's data"),
-    _aten._saturate_weight_to_fp16.default: (_saturate_weight_to_fp16, "the C++ kernel reads and writes the weight's data"),
-    _aten.polygamma_.default: (
+    _aten._reshape_from_tensor.default: Rewrite(_reshape_from_tensor, "the C++ kernel reads the shape tensor's data"),
+    _aten._saturate_weight_to_fp16.default: Rewrite(
+        _saturate_weight_to_fp16, "the C++ kernel reads and writes the weight's data"
+    ),
+    _aten.polygamma_.default: Rewrite(
         _polygamma_,
         "polygamma_(Tensor(a!) self, int n) vs polygamma(int n, Tensor self): functionalization finds no twin",
     ),
+    _aten.batch_norm.default: Rewrite(
+        _batch_norm,
+        "speed: the same graph without three composites' trips through the trace's modes",
+        skips=(_aten._batch_norm_impl_index.default,),
+    ),
+}
+
+
+def _same_tensor_meta(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The Meta kernel of a unary in-place op on a floating tensor that no two elements of
+    share: the tensor itself, as torch's Python kernel ends (`self.copy_(op(self))`) without
+    running the op's Python reference on meta tensors first."""
+
+    def meta(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if self.is_floating_point() and ti.has_no_internal_overlap(self):
+            return self
+        return original(self, *args, **kwargs)
+
+    return meta
+
+
+# Note [Meta kernels of in-place activations]
+# --------------------------------------------
+# Functionalizing an in-place op, torch first runs it on meta tensors to catch shape errors the
+# functional twin would not raise.  For `hardtanh_` (ReLU6), `silu_`, `hardswish_`,
+# `leaky_relu_`, ... the Meta kernel is a Python decomposition (`register_inplace` in
+# torch/_decomp/decompositions.py) that runs the op's Python reference, prim by prim: 1.4 ms of
+# a 2 ms op, three times what `relu_` costs, on every in-place activation of a CNN.  For a unary
+# elementwise op on a floating tensor that check can find nothing (the result has the tensor's
+# shape and dtype), so while export traces these ops' Meta kernel returns the tensor at once;
+# any other call (an integer tensor, an overlapping one) keeps torch's kernel.  The graph does
+# not change: meta results are never recorded.
+
+#: Unary in-place ops whose Meta kernel is replaced while export traces; see Note [Meta kernels
+#: of in-place activations].
+FAST_INPLACE_META: dict[torch._ops.OpOverload, Callable[..., Callable[..., torch.Tensor]]] = {
+    op: _same_tensor_meta
+    for op in (
+        _aten.hardtanh_.default,
+        _aten.silu_.default,
+        _aten.hardswish_.default,
+        _aten.hardsigmoid_.default,
+        _aten.leaky_relu_.default,
+        _aten.gelu_.default,
+        _aten.logit_.default,
+        _aten.round_.default,
+        _aten.round_.decimals,
+    )
 }
 
 
@@ -321,3 +439,4 @@ def _einsum_labels(term: str) -> list[str]:
 CALL_DEPENDENT_ALIASING: dict[torch._ops.OpOverload, tuple[Callable[..., bool], str]] = {
     _aten.einsum.default: (_einsum_aliases, "one operand, no summed label: a permutation or diagonal"),
 }
+

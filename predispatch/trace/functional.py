@@ -30,7 +30,7 @@ from predispatch.frontend.inputs import CONSTANT_TYPES, register_dataclasses
 from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
-from predispatch.trace.decompose import REWRITES, DecompositionLog, DecompositionPolicy
+from predispatch.trace.decompose import FAST_INPLACE_META, REWRITES, DecompositionLog, DecompositionPolicy
 from predispatch.trace.dedup import Dedup, share_repeated_blocks
 from predispatch.trace.grad_history import GradHistoryKeeper
 from predispatch.trace.hooks import backward_hooks
@@ -268,7 +268,8 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
         stack.enter_context(
             ti.decomposition_hook(lambda op, default, args, kwargs: policy.should_decompose(op, default, log, args, kwargs))
         )
-        stack.enter_context(ti.functional_rewrites({op: rewrite for op, (rewrite, _) in REWRITES.items()}))
+        stack.enter_context(ti.functional_rewrites({op: (r.fn, r.skips) for op, r in REWRITES.items()}))
+        stack.enter_context(ti.meta_kernels(FAST_INPLACE_META))
         stack.enter_context(prepared.fake_mode)
         stack.enter_context(_counted())
         with _user_errors():

@@ -69,10 +69,20 @@ def replay_call(shared: SharedBody, recorded: Any, operands: Sequence[torch.Tens
     outputs = block_call(shared, *(operands[i] for i in recorded.used), *recorded.symbols)
     n_user = len(recorded.outputs) - len(recorded.mutated)
     for value, i in zip(outputs[n_user:], recorded.mutated):
-        operands[i].copy_(value)
+        _write_back(operands[i], value)
     tensors = iter(outputs[:n_user])
     leaves = [_leaf(leaf, tensors, operands) for leaf in recorded.out_leaves]
     return pytree.tree_unflatten(leaves, recorded.out_spec)
+
+
+def _write_back(operand: torch.Tensor, value: torch.Tensor) -> None:
+    """The operand's new value, as the inline trace leaves it: the body's output itself (same
+    metadata, so no `copy_`, whose node build would remove again) when that is what it is."""
+    same = (operand.shape, operand.stride(), operand.dtype, operand.device) == (value.shape, value.stride(), value.dtype, value.device)
+    if same and isinstance(operand, ti.FunctionalTensor) and isinstance(value, ti.FunctionalTensor):
+        ti.set_functional_value(operand, value)
+    else:
+        operand.copy_(value)
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,12 @@ from predispatch.trace.dedup.reads import _PLAIN, matches, recording_reads, snap
 from predispatch.trace.hooks.inspection import side_effect
 from predispatch.trace.dedup.replay import BODY_OUTPUT, PassThrough, SharedBody, replay_call
 
-#: Bodies with fewer ops than this are inlined: a node per call saves nothing there.
-MIN_BODY_OPS = 4
+#: Bodies with fewer ops than this are inlined, and so are the later calls of modules like
+#: them (`_Sharing.declined`): a replay costs about what tracing five ops costs (one HOP node
+#: through the trace's modes, a fake output per result), and keying and recording the first
+#: two calls cost more, so a small block (timm's BatchNormAct2d: 6 ops, replayed in 2.4 ms,
+#: traced in 3 ms) made the export slower; a 21-op MobileNet block replays in 5 ms of its 17.
+MIN_BODY_OPS = 12
 
 #: Modules of a kind with fewer instances than this are not candidates: the first two calls of a
 #: key are traced in full anyway, so a pair (a 2-layer model) would pay for recording and
@@ -100,6 +104,10 @@ class BlockReport:
 
 class _NoShare(Exception):
     """This call cannot be shared; the message says why."""
+
+
+class _TooSmall(_NoShare):
+    """The body is below `MIN_BODY_OPS`: modules like this one are not keyed again."""
 
 
 @dataclass
@@ -147,7 +155,8 @@ class _Sharing:
 
     def __init__(self, root: nn.Module, mode: Dedup):
         self.root, self.mode = root, mode
-        self.repeated = _repeated_modules(root)
+        self.signatures, self.repeated = _repeated_modules(root)
+        self.declined: dict[Any, BlockReport] = {}  # signature -> the report of its too-small body
         self.called: set[int] = set()
         self.entries: dict[Any, list[_Entry]] = {}
         self.recording = 0
@@ -157,6 +166,10 @@ class _Sharing:
 
     def call(self, module: nn.Module, run, args: tuple, kwargs: dict) -> Any:
         if self.recording or not self._candidate(module):
+            return run(*args, **kwargs)
+        declined = self.declined.get(self.signatures.get(id(module)))
+        if declined is not None:
+            declined.calls.append(self._path(module))
             return run(*args, **kwargs)
         try:
             static, operands, labels = _describe(module, args, kwargs)
@@ -174,13 +187,16 @@ class _Sharing:
             return run(*args, **kwargs)
         out, recorded, reads, reason = self._record(module, run, args, kwargs, operands, labels)
         if entry is None:
-            report = BlockReport(type(module).__qualname__, [path], not_shared=reason)
+            report = BlockReport(type(module).__qualname__, [path], not_shared=reason and str(reason))
             self.reports.append(report)
+            if isinstance(reason, _TooSmall) and id(module) in self.signatures:
+                self.declined[self.signatures[id(module)]] = report
+                return out
             if recorded is not None or reason is not None:
                 self.entries.setdefault(static, []).append(_Entry(reads, recorded, report))
             return out
         entry.report.calls.append(path)
-        self._compare(entry, recorded, reads, reason, path)
+        self._compare(entry, recorded, reads, reason and str(reason), path)
         return out
 
     @_unobserved
@@ -230,8 +246,8 @@ class _Sharing:
         end = next(iter(reversed(tracer.graph.nodes)))
         try:
             recorded = _recorded(module, tracer, log, out, operands, operand_nodes, counts, labels, start, end)
-        except (_NoShare, NotClosed) as exc:
-            return out, None, dict(log.reads), str(exc)
+        except (_NoShare, NotClosed) as exc:  # the reason, kept as the exception (see `call`)
+            return out, None, dict(log.reads), exc
         return out, recorded, dict(log.reads), None
 
     @_unobserved
@@ -288,8 +304,9 @@ def _recorded(module, tracer, log, out, operands, operand_nodes, counts, labels,
     size_symbols = frozenset().union(*(ti.free_symbols(t) for t in operands))
     region = find_region(start, end, operand_nodes, (*out_nodes, *new_values), size_symbols)
     body = extract(region, tracer.root, operand_nodes, labels, "repeated_body")
-    if sum(1 for n in body.graph.nodes if n.op == "call_function") < MIN_BODY_OPS:
-        raise _NoShare(f"its body has fewer than {MIN_BODY_OPS} ops")
+    ops = sum(1 for n in body.graph.nodes if n.op == "call_function")
+    if ops < MIN_BODY_OPS:
+        raise _TooSmall(f"its body has {ops} ops, fewer than {MIN_BODY_OPS}: a replay would save nothing")
     metadata = tuple(
         (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
         for t in (*tensors, *(operands[i] for i in mutated))
@@ -422,9 +439,9 @@ def _ambient() -> tuple:
 
 
 @_unobserved
-def _repeated_modules(root: nn.Module) -> set[int]:
-    """Non-leaf modules with at least `MIN_INSTANCES - 1` others of the same class and state
-    shapes in the tree.
+def _repeated_modules(root: nn.Module) -> tuple[dict[int, Any], set[int]]:
+    """Each module's signature (class, state shapes, children's signatures), and the non-leaf
+    modules with at least `MIN_INSTANCES - 1` others of the same signature in the tree.
 
     Signatures are built bottom-up (a module's own state, then its children's signatures), so
     the scan is linear in the size of the tree."""
@@ -443,7 +460,27 @@ def _repeated_modules(root: nn.Module) -> set[int]:
     signature(root)
     non_leaf = {id(m) for m in root.modules() if m._modules}
     counts = Counter(signatures[i] for i in non_leaf)
-    return {i for i in non_leaf if counts[signatures[i]] >= MIN_INSTANCES}
+    return signatures, {i for i in non_leaf if counts[signatures[i]] >= MIN_INSTANCES}
+
+
+#: Why nothing is shared in a model that registers one submodule under two paths.
+_PROXIED = (
+    "the model registers one submodule under two paths ({} and {}), so make_fx hands every submodule call to the trace as a "
+    "proxy of its module (its AttrProxy), which a key cannot be computed for; every block is traced inline"
+)
+
+
+def _shared_submodule(root: nn.Module) -> tuple[str, str] | None:
+    """The first two paths of a submodule registered under two (CoaT's shared position
+    encodings), or None.  make_fx's module-stack tracer then reaches every submodule through a proxy class
+    made per attribute access (`_ModuleStackTracer.enable_attr_proxy`), which `_Sharing.call`
+    never sees; intercepting the calls anyway cost CoaT 8% of its export for nothing."""
+    seen: dict[int, str] = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        if id(module) in seen:
+            return seen[id(module)], name
+        seen[id(module)] = name
+    return None
 
 
 class _Off:
@@ -462,6 +499,12 @@ def share_repeated_blocks(root: nn.Module, mode: Dedup) -> Iterator[_Sharing | _
     whose `reports` say what was shared and whose `fold(gm)` is called on the traced graph."""
     if mode is Dedup.OFF:
         yield _Off()
+        return
+    shared = _shared_submodule(root)
+    if shared is not None:
+        off = _Off()
+        off.reports.append(BlockReport(type(root).__qualname__, [], not_shared=_PROXIED.format(*shared)))
+        yield off
         return
     sharing = _Sharing(root, mode)
     with ti.intercept_module_calls(sharing.call):
