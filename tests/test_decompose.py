@@ -252,12 +252,9 @@ class CallDependentAliasing(TestCase):
         self.assertExpectedInline(graph(ep), """\
 class GraphModule(torch.nn.Module):
     def forward(self, args_0: "f32[2, 3]"):
-        alias: "f32[2, 3]" = torch.ops.aten.alias.default(args_0);  args_0 = None
-        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(alias, 1);  alias = None
-        alias_1: "f32[2, 3]" = torch.ops.aten.alias.default(add);  add = None
-        alias_2: "f32[2, 3]" = torch.ops.aten.alias.default(alias_1)
-        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(alias_2, 2);  alias_2 = None
-        return (alias_1, mul)""")
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(args_0, 1);  args_0 = None
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(add, 2)
+        return (add, mul)""")
 
     def test_dropout_with_p_zero_in_training_returns_its_input(self):
         def fn(x):

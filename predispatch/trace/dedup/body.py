@@ -94,7 +94,7 @@ def _is_size_of_operands(node: fx.Node, size_symbols: frozenset) -> bool:
 
 
 def extract(region: Region, root: torch.nn.Module, operand_nodes: Sequence[fx.Node], names: Sequence[str], class_name: str) -> fx.GraphModule:
-    """Copy `region` into a GraphModule `(*used operands) -> (*outputs)`, dead nodes dropped.
+    """Copy `region` into a GraphModule `(*used operands) -> (*outputs)`, dead nodes left out.
 
     get_attr targets (constants, subgraphs of regions and Functions inside the block) are
     copied onto the new module under the same names.  The module is lazy (torch's
@@ -114,13 +114,30 @@ def extract(region: Region, root: torch.nn.Module, operand_nodes: Sequence[fx.No
         placeholder.meta.update(symbol.meta)
         env[symbol] = placeholder
     attributes: dict[str, Any] = {}
+    live = _live(region)
     for node in region.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-        if node.op == "get_attr":
-            attributes[node.target] = _get(root, node.target)
+        if node in live:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+            if node.op == "get_attr":
+                attributes[node.target] = _get(root, node.target)
     graph.output(tuple(env[n] for n in region.outputs))
-    graph.eliminate_dead_code()
     return ti.LazyGraphModule(attributes, graph, class_name=class_name)
+
+
+def _live(region: Region) -> set[fx.Node]:
+    """The run's nodes its outputs depend on, and those with side effects (what FX's dead code
+    elimination keeps; copying only these spares the copy and the elimination: a third of a
+    recorded call's cost)."""
+    inside = set(region.nodes)
+    live: set[fx.Node] = set()
+    stack = [n for n in region.nodes if n.is_impure()] + list(region.outputs)
+    while stack:
+        node = stack.pop()
+        if node in live or node not in inside:
+            continue
+        live.add(node)
+        stack.extend(node.all_input_nodes)
+    return live
 
 
 def compiled(body: fx.GraphModule, class_name: str) -> fx.GraphModule:
