@@ -406,10 +406,13 @@ def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn
 
     def functional(token: torch.Tensor, *inputs: Any) -> tuple[Any, ...]:
         with _functional_mode() as mode:
-            f_token, *wrapped = _to_functional((token, *inputs))
+            with torch_function_disabled():  # metadata reads only (see `torch_function_disabled`)
+                f_token, *wrapped = _to_functional((token, *inputs))
             mode._tokens = {effect: f_token for effect in _EffectType}
             out = fn(*wrapped)
-            for i, (data_changed, meta_changed) in enumerate(_mutations(wrapped, inputs)):
+            with torch_function_disabled():
+                changes = list(_mutations(wrapped, inputs))
+            for i, (data_changed, meta_changed) in enumerate(changes):
                 if data_changed or meta_changed:
                     mutated.append(i)
                 if meta_changed:

@@ -262,8 +262,7 @@ class GraphModule(torch.nn.Module):
 class GraphModule(torch.nn.Module):
     def forward(self, p_lin_weight: "f32[4, 4]", p_lin_bias: "f32[4]", x: "f32[2, 4]"):
         linear: "f32[2, 4]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
-        alias: "f32[2, 4]" = torch.ops.aten.alias.default(linear);  linear = None
-        return (alias,)""")
+        return (linear,)""")
 
     def test_dict_outputs(self):
         ep = export_and_check(DictOut(), (torch.randn(2, 3),))
