@@ -127,6 +127,7 @@ __all__ = [
     "reparametrize",
     "has_internal_overlap",
     "functional_rewrites",
+    "generate_code",
     "meta_kernels",
     "dispatcher_op_names",
     "jit_op_schemas",
@@ -431,6 +432,9 @@ def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn
 
         stack.enter_context(_disable_saved_tensors_hooks_during_tracing())
         stack.enter_context(forward_frames_only())
+        # no Python code for the traced graph yet: build edits it, then generates it once
+        # (`generate_code`); a GraphModule's code is a tenth of a 600-node export
+        stack.enter_context(_use_lazy_graph_module(True))
         token = torch.empty(0)
         gm = make_fx(functional, record_module_stack=True, pre_dispatch=True)(token, *args)
     return ProgramTrace(gm, tuple(mutated), tuple(metadata), tuple(storage))
@@ -1048,6 +1052,22 @@ def traced_node(value: torch.Tensor, tracer: torch.fx.Tracer) -> torch.fx.Node |
 # ---- a GraphModule that generates its Python code only when it is run or printed -----------------
 
 from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule  # noqa: E402
+from torch.fx._lazy_graph_module import _use_lazy_graph_module  # noqa: E402
+
+
+def generate_code(gm: torch.fx.GraphModule) -> None:
+    """Generate `gm`'s Python code from its graph now, as a plain GraphModule: one the trace
+    made lazily (`trace_program`) becomes a GraphModule like any other, so the program holds
+    no lazy module (whose code would be made at its first call or print)."""
+    if isinstance(gm, LazyGraphModule):
+
+        class GraphModuleImpl(torch.fx.GraphModule):  # what GraphModule.__new__ makes per instance
+            pass
+
+        # the name subgraphs are known by (a captured Function's `straight_through`)
+        GraphModuleImpl.__name__, GraphModuleImpl.__qualname__ = type(gm).__name__, type(gm).__qualname__
+        gm.__class__ = GraphModuleImpl
+    gm.recompile()
 
 
 def torch_function_disabled() -> Any:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import fx, nn
 
+from predispatch import _torch_internals as ti
 from predispatch.errors import HooksChangedError
 from predispatch.frontend.hooks import HookRecord, hook_changes, record_hooks
 from predispatch.frontend.reachable import tree_exit
@@ -148,7 +149,7 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
         wrap_regions(body)
     for module in gm.modules():  # the passes edit in place; generate the code once
         if isinstance(module, fx.GraphModule):
-            module.recompile()
+            ti.generate_code(module)
     gm.__class__.__name__ = "GraphModule"
     check_functional(gm)
     output_nodes = gm.graph.output_node().args[0]
