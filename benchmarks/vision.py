@@ -114,32 +114,27 @@ def equal_to_eager(model: torch.nn.Module, args: tuple, mode: str) -> str:
         return f"no: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:100]}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--size", type=int, default=64, help="image side for models that take any size")
-    parser.add_argument("--models", nargs="*", help="only these timm names (default: the whole zoo)")
-    parser.add_argument("--modes", nargs="*", default=["eval", "train"], choices=["eval", "train"])
-    parser.add_argument("--out", type=Path, default=None, help="also write the markdown here")
-    opts = parser.parse_args()
+def run_zoo(reps: int, size: int = 64, models: list[str] | None = None, modes: tuple[str, ...] = ("eval", "train")) -> tuple[list[str], float | None, tuple[float, str] | None]:
+    """Time and check every (model, mode) of the zoo: the markdown table with its summary line,
+    the median ratio pd / torch.export and the worst (ratio, "model mode")."""
     timm = import_timm()
-    zoo = [(n, s) for n, s in ZOO if not opts.models or n in opts.models]
+    zoo = [(n, s) for n, s in ZOO if not models or n in models]
     lines = [
-        f"`python benchmarks/vision.py --reps {opts.reps} --size {opts.size}`: timm {timm.__version__}, torch "
-        f"{torch.__version__}, torch threads {torch.get_num_threads()}; medians of {opts.reps} warm exports, tools alternated.",
+        f"`python benchmarks/vision.py --reps {reps} --size {size}`: timm {timm.__version__}, torch "
+        f"{torch.__version__}, torch threads {torch.get_num_threads()}; medians of {reps} warm exports, tools alternated.",
         "",
         "| model | mode | predispatch s | torch.export s | pd / torch.export | pd nodes | torch.export nodes | equal to eager |",
         "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     ratios = []
     for name, takes_size in zoo:
-        for mode in opts.modes:
+        for mode in modes:
             try:
-                model, args = build(timm, name, takes_size, opts.size, mode)
+                model, args = build(timm, name, takes_size, size, mode)
             except Exception as exc:  # noqa: BLE001
                 print(f"  {name} {mode}: cannot build: {exc}", file=sys.stderr, flush=True)
                 continue
-            times = time_exports(name, model, args, {}, opts.reps, ["predispatch", "torch.export"])
+            times = time_exports(name, model, args, {}, reps, ["predispatch", "torch.export"])
             ratio = times.ratio("predispatch", "torch.export")
             if ratio is not None:
                 ratios.append((ratio, f"{name} {mode}"))
@@ -151,12 +146,28 @@ def main() -> None:
             print(row, *[f"  {t}: {e}" for t, e in times.errors.items()], file=sys.stderr, flush=True)
     median = statistics.median(r for r, _ in ratios) if ratios else None
     worst = max(ratios) if ratios else None
-    lines += [
-        "",
-        f"{len(ratios)} exports: median pd / torch.export **{_fmt(median, '.2f')}x** (target <= 0.9x: "
+    lines += ["", summary(len(ratios), median, worst, min(ratios)[0] if ratios else None)]
+    return lines, median, worst
+
+
+def summary(exports: int, median: float | None, worst: tuple[float, str] | None, best: float | None) -> str:
+    """The zoo's one-line verdict against issue 15's targets."""
+    return (
+        f"{exports} exports: median pd / torch.export **{_fmt(median, '.2f')}x** (target <= 0.9x: "
         f"**{_verdict(median, 0.9)}**), worst **{_fmt(worst and worst[0], '.2f')}x** ({worst and worst[1]}; target "
-        f"<= 1.3x: **{_verdict(worst and worst[0], 1.3)}**), best {_fmt(min(ratios)[0] if ratios else None, '.2f')}x.",
-    ]
+        f"<= 1.3x: **{_verdict(worst and worst[0], 1.3)}**), best {_fmt(best, '.2f')}x."
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--size", type=int, default=64, help="image side for models that take any size")
+    parser.add_argument("--models", nargs="*", help="only these timm names (default: the whole zoo)")
+    parser.add_argument("--modes", nargs="*", default=["eval", "train"], choices=["eval", "train"])
+    parser.add_argument("--out", type=Path, default=None, help="also write the markdown here")
+    opts = parser.parse_args()
+    lines, _, _ = run_zoo(opts.reps, opts.size, opts.models, tuple(opts.modes))
     text = "\n".join(lines) + "\n"
     print(text)
     if opts.out:

@@ -100,8 +100,8 @@ def extract(region: Region, root: torch.nn.Module, operand_nodes: Sequence[fx.No
     copied onto the new module under the same names.  The module is lazy (torch's
     `_LazyGraphModule`: no Python code generated until it runs or is printed): most recorded
     calls are only compared with another (`first_difference` reads the graph), and the one body
-    that is shared is made a plain GraphModule then (`compiled`); generating code for every
-    recorded call cost ~10% of a ResNet's export (benchmarks/vision.py).
+    that is shared gets its code when build generates every graph's (`ti.generate_code`);
+    generating code for every recorded call cost ~10% of a ResNet's export (benchmarks/vision.py).
     """
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -141,9 +141,10 @@ def _live(region: Region) -> set[fx.Node]:
 
 
 def compiled(body: fx.GraphModule, class_name: str) -> fx.GraphModule:
-    """`body` (from `extract`) as a plain GraphModule named `class_name`, on the same graph and
-    attributes: the shared body, which the program keeps, prints, saves and runs."""
-    return fx.GraphModule(body, body.graph, class_name=class_name)
+    """`body` (from `extract`) as the shared body named `class_name`, on the same graph and
+    attributes, which the program keeps, prints, saves and runs.  Still lazy: replays never run
+    it, and build generates the code of every graph once (`ti.generate_code`)."""
+    return ti.LazyGraphModule(body, body.graph, class_name=class_name)
 
 
 def _get(root: torch.nn.Module, target: str) -> Any:
