@@ -332,3 +332,47 @@ def test_replaced_buffer_is_a_buffer_mutation():
     eager, program = Replaces(), ep.module()
     eager(x), program(x)
     torch.testing.assert_close(program.running, eager.running, rtol=0, atol=0)
+
+
+class _InplaceActivations(nn.Module):
+    """The ops whose Meta kernels export swaps while it traces, then optionally a failure."""
+
+    def __init__(self, fail: bool):
+        super().__init__()
+        self.fail = fail
+
+    def forward(self, x):
+        y = torch.nn.functional.relu6(x * 1, inplace=True)
+        y = torch.nn.functional.silu(y, inplace=True)
+        if self.fail:
+            raise RuntimeError("boom")
+        return y
+
+
+def _torch_op_tables():
+    """What export patches on torch's classes and op tables while it traces (and must put back)."""
+    from torch.fx import _lazy_graph_module
+
+    from predispatch.trace.decompose import FAST_INPLACE_META
+
+    meta = torch._C.DispatchKey.Meta
+    return (
+        {op: op.py_kernels.get(meta) for op in FAST_INPLACE_META},
+        dict(vars(torch._subclasses.functional_tensor.FunctionalTensorMode)),
+        _lazy_graph_module._use_lazy_graph_module_flag,
+    )
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["success", "failure"])
+def test_op_tables_and_classes_restored(fail):
+    """The fast Meta kernels (Note [Meta kernels of in-place activations]), the patched
+    FunctionalTensorMode methods and FX's lazy-GraphModule flag are torch's own again after
+    export, and an in-place activation then behaves as in eager."""
+    before = _torch_op_tables()
+    x = torch.randn(4, 3)
+    with pytest.raises(predispatch.errors.TraceError) if fail else contextlib.nullcontext():
+        export_and_check(_InplaceActivations(fail), (x,))
+    assert _torch_op_tables() == before
+    assert torch.equal(torch.nn.functional.relu6(x.clone(), inplace=True), torch.nn.functional.relu6(x))
+    kernel = torch.ops.aten.hardtanh_.default.py_kernels[torch._C.DispatchKey.Meta]
+    assert kernel.__qualname__ == "register_inplace.<locals>.inplace_op"  # torch's decomposition, not ours
