@@ -127,6 +127,7 @@ __all__ = [
     "reparametrize",
     "has_internal_overlap",
     "functional_rewrites",
+    "patched",
     "generate_code",
     "meta_kernels",
     "dispatcher_op_names",
@@ -145,6 +146,23 @@ def new_fake_mode() -> FakeTensorMode:
 def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor], *, tie: bool = False):
     """Temporarily swap a module's parameters/buffers/tensor attributes by fully qualified name."""
     return _reparametrize_module(module, tensors, tie_weights=tie, strict=False, stack_weights=True)
+
+
+@contextlib.contextmanager
+def patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    """`owner.name` is `make(original)` while active, and what it was afterwards (removed again
+    where `owner` only inherited it): the one way predispatch swaps a torch function, method or
+    global for the length of a trace, so every swap is undone on success and on failure."""
+    held = name in vars(owner)
+    saved = vars(owner).get(name)
+    setattr(owner, name, make(getattr(owner, name, None)))
+    try:
+        yield
+    finally:
+        if held:
+            setattr(owner, name, saved)
+        else:
+            delattr(owner, name)
 
 
 @contextlib.contextmanager
@@ -172,16 +190,15 @@ def decomposition_hook(should_decompose: Callable[[Any, Callable[[], bool], tupl
     the composite; we answer from predispatch's policy, handing it torch's own answer as a
     thunk so the policy can defer to it (for example for ops with aliasing schemas).
     """
-    original = FunctionalTensorMode._can_decompose
 
-    def _can_decompose(self, func, args, kwargs):
-        return should_decompose(func, lambda: original(self, func, args, kwargs), args, kwargs)
+    def hook(original):
+        def _can_decompose(self, func, args, kwargs):
+            return should_decompose(func, lambda: original(self, func, args, kwargs), args, kwargs)
 
-    FunctionalTensorMode._can_decompose = _can_decompose
-    try:
+        return _can_decompose
+
+    with patched(FunctionalTensorMode, "_can_decompose", hook):
         yield
-    finally:
-        FunctionalTensorMode._can_decompose = original
 
 
 #: FunctionalTensorMode's own methods, before predispatch patches any (see `outside_trace`).
@@ -245,19 +262,18 @@ def functional_dispatch_observer(
     The functional mode is where in-place ops are seen as in-place (below it they are already
     rewritten); predispatch watches them there to keep autograd history right.
     """
-    original = FunctionalTensorMode.__torch_dispatch__
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before(self, func, args, kwargs or {})
-        out = original(self, func, types, args, kwargs)
-        after(func, out)
-        return out
+    def observed(original):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before(self, func, args, kwargs or {})
+            out = original(self, func, types, args, kwargs)
+            after(func, out)
+            return out
 
-    FunctionalTensorMode.__torch_dispatch__ = __torch_dispatch__
-    try:
+        return __torch_dispatch__
+
+    with patched(FunctionalTensorMode, "__torch_dispatch__", observed):
         yield
-    finally:
-        FunctionalTensorMode.__torch_dispatch__ = original
 
 
 @contextlib.contextmanager
@@ -271,20 +287,19 @@ def functional_rewrites(table: dict[OpOverload, tuple[Callable[..., Any], tuple[
     `decomposition_hook`); the rewrite runs inside the mode again, so its own ops are
     functionalized as usual.
     """
-    original = FunctionalTensorMode.__torch_dispatch__
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        entry = table.get(func)
-        if entry is None or not _rewrites(self, func, entry[1], args, kwargs or {}):
-            return original(self, func, types, args, kwargs)
-        with self:
-            return entry[0](*args, **(kwargs or {}))
+    def rewriting(original):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            entry = table.get(func)
+            if entry is None or not _rewrites(self, func, entry[1], args, kwargs or {}):
+                return original(self, func, types, args, kwargs)
+            with self:
+                return entry[0](*args, **(kwargs or {}))
 
-    FunctionalTensorMode.__torch_dispatch__ = __torch_dispatch__
-    try:
+        return __torch_dispatch__
+
+    with patched(FunctionalTensorMode, "__torch_dispatch__", rewriting):
         yield
-    finally:
-        FunctionalTensorMode.__torch_dispatch__ = original
 
 
 @contextlib.contextmanager
@@ -482,12 +497,8 @@ def forward_frames_only() -> Iterator[None]:
     It patches FX's module global, so a tracer running meanwhile in another thread gets it too;
     only a tracer not filtering to `forward` frames would then see a shorter stack trace.
     """
-    original = torch.fx.proxy.CapturedTraceback
-    torch.fx.proxy.CapturedTraceback = _ForwardFrames
-    try:
+    with patched(torch.fx.proxy, "CapturedTraceback", lambda _: _ForwardFrames):
         yield
-    finally:
-        torch.fx.proxy.CapturedTraceback = original
 
 
 @contextlib.contextmanager
@@ -1021,18 +1032,17 @@ def intercept_module_calls(handler: Callable[[torch.nn.Module, Callable[..., Any
     `nn_module_stack` and nodes the handler creates are attributed to it.  Modules the tracer
     does not attribute (GraphModules, shared-module proxies) are not handed over.
     """
-    original = _ModuleStackTracer.__dict__["call_module"]
 
-    def call_module(self, m, forward, args, kwargs):
-        if isinstance(m, (torch.fx.GraphModule, _AttrProxy)):
-            return original(self, m, forward, args, kwargs)
-        return original(self, m, lambda *a, **k: handler(m, forward, a, k), args, kwargs)
+    def intercepting(original):
+        def call_module(self, m, forward, args, kwargs):
+            if isinstance(m, (torch.fx.GraphModule, _AttrProxy)):
+                return original(self, m, forward, args, kwargs)
+            return original(self, m, lambda *a, **k: handler(m, forward, a, k), args, kwargs)
 
-    _ModuleStackTracer.call_module = call_module
-    try:
+        return call_module
+
+    with patched(_ModuleStackTracer, "call_module", intercepting):
         yield
-    finally:
-        _ModuleStackTracer.call_module = original
 
 
 def current_tracer() -> torch.fx.Tracer | None:

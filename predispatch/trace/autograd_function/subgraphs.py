@@ -474,7 +474,6 @@ def _torch_only(function: type, phase: str) -> Iterator[None]:
     from them cannot be seen, and torch's own error (".numpy() is not supported for tensor
     subclasses") names neither the Function nor the way out.
     """
-    original = torch.Tensor.__dict__.get("numpy")
 
     def numpy(tensor, *args, **kwargs):
         caller = sys._getframe(1)
@@ -488,14 +487,8 @@ def _torch_only(function: type, phase: str) -> Iterator[None]:
             fix=_CUSTOM_OP_FIX,
         )
 
-    torch.Tensor.numpy = numpy
-    try:
+    with ti.patched(torch.Tensor, "numpy", lambda _: numpy):
         yield
-    finally:
-        if original is None:
-            del torch.Tensor.numpy
-        else:
-            torch.Tensor.numpy = original
 
 
 @contextlib.contextmanager

@@ -101,13 +101,8 @@ def _plain_autograd() -> Iterator[None]:
     probe calls must not be captured (its subgraphs would be traced for a run nothing records),
     and a tensor hook changes no shape, while torch's would refuse a stand-in without grad.
     """
-    saved = torch.Tensor.register_hook
-    torch.Tensor.register_hook = lambda tensor, hook: _ProbeHandle()
-    try:
-        with torch_applies():
-            yield
-    finally:
-        torch.Tensor.register_hook = saved
+    with ti.patched(torch.Tensor, "register_hook", lambda _: lambda tensor, hook: _ProbeHandle()), torch_applies():
+        yield
 
 
 class _ProbeHandle:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from predispatch import _torch_internals as ti
 from predispatch.errors import UnsupportedHookError, user_frame
 from predispatch.trace.hooks.inspection import describe, side_effect
 
@@ -23,12 +24,8 @@ from predispatch.trace.hooks.inspection import describe, side_effect
 def captured_tensor_hooks(keeper: Any) -> Iterator[None]:
     """While active, `Tensor.register_hook` captures the hook or refuses it (restored on exit).
     `keeper` tells which tensors ops have read."""
-    original = torch.Tensor.register_hook
-    torch.Tensor.register_hook = lambda tensor, hook: _capture_tensor_hook(tensor, hook, keeper)
-    try:
+    with ti.patched(torch.Tensor, "register_hook", lambda _: lambda tensor, hook: _capture_tensor_hook(tensor, hook, keeper)):
         yield
-    finally:
-        torch.Tensor.register_hook = original
 
 
 def _capture_tensor_hook(tensor: torch.Tensor, hook: Any, keeper: Any) -> _NoHandle:
