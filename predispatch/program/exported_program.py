@@ -15,7 +15,7 @@ from predispatch.frontend.hooks import HookRecord, hook_changes, record_hooks
 from predispatch.frontend.reachable import tree_exit
 from predispatch.passes import check_functional, name_placeholders, remove_copies, shared_bodies, wrap_regions
 from predispatch.program.printing import format_graph, format_program
-from predispatch.program.signature import ExportSignature, InputKind, InputSpec, OutputKind, OutputSpec
+from predispatch.program.signature import ExportSignature, InputKind, InputSpec, OutputKind, OutputSpec, state_names
 
 if TYPE_CHECKING:  # the program stage consumes the earlier stages' values, never their code
     from predispatch.frontend import PreparedInputs
@@ -191,14 +191,13 @@ def training_flags(module: nn.Module) -> tuple[tuple[str, bool], ...]:
 
 def outside_tree(module: nn.Module, inputs: tuple[InputSpec, ...]) -> tuple[str, ...]:
     """Where lifted state's paths leave the registered tree (`ExportSignature.outside_tree`)."""
-    exits = (tree_exit(module, fqn) for spec in inputs if spec.kind is not InputKind.USER_INPUT
-             for fqn in (spec.target, *spec.aliases))
+    exits = (tree_exit(module, fqn) for fqn in state_names(inputs))
     return tuple(dict.fromkeys(e for e in exits if e is not None))
 
 
 def state_order(module: nn.Module, inputs: tuple[InputSpec, ...]) -> tuple[str, ...]:
     """The lifted state's names in the module's own order (`ExportSignature.state_order`)."""
-    lifted = {fqn for spec in inputs if spec.kind is not InputKind.USER_INPUT for fqn in (spec.target, *spec.aliases)}
+    lifted = set(state_names(inputs))
     names = (
         f"{path}.{name}" if path else name
         for path, m in module.named_modules(remove_duplicate=False)

@@ -252,7 +252,7 @@ class _TorchGraph:
     def _add_state(self, spec: InputSpec, node: fx.Node, mutated: bool) -> None:
         """One placeholder per name of the tensor (tied names share the tensor, as in torch)."""
         tensor = _copy(self.ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else self.ep.state_dict[spec.target])
-        for i, fqn in enumerate((spec.target, *spec.aliases)):
+        for i, fqn in enumerate(spec.names):
             name = node.name if i == 0 else unique_identifier(PLACEHOLDER_PREFIX[spec.kind] + fqn, self._taken)
             placeholder = self._placeholder(name, node.meta)
             if i == 0:

@@ -253,7 +253,7 @@ def _joint_signature(ep: ExportedProgram, gm: fx.GraphModule, has_grad: list[boo
         if not wanted:
             continue
         node = next(grad_nodes) if got else None
-        for name in (spec.target, *spec.aliases):
+        for name in spec.names:
             grads[name] = node
             if node is not None:
                 new_outputs.append(node)

@@ -71,6 +71,16 @@ class InputSpec:
     aliases: tuple[str, ...] = ()
     persistent: bool | None = None
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name the tensor is bound to: the target, then its aliases."""
+        return (self.target, *self.aliases)
+
+
+def state_names(inputs: tuple[InputSpec, ...]) -> tuple[str, ...]:
+    """Every fully qualified name of the lifted state among `inputs` (targets and aliases)."""
+    return tuple(fqn for spec in inputs if spec.kind is not InputKind.USER_INPUT for fqn in spec.names)
+
 
 @dataclass(frozen=True)
 class OutputSpec:

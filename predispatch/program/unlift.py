@@ -246,7 +246,7 @@ def _install_state(module: ProgramModule, ep: ExportedProgram) -> None:
     for spec in ep.signature.inputs_of(*_STATE_KINDS):
         source = ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else ep.state_dict[spec.target]
         tensor = _copy(source, spec.kind)
-        names.update((fqn, (tensor, spec)) for fqn in (spec.target, *spec.aliases))
+        names.update((fqn, (tensor, spec)) for fqn in spec.names)
     # the exported module's order first (ExportSignature.state_order), then any other name
     for fqn in dict.fromkeys((*(n for n in ep.signature.state_order if n in names), *names)):
         tensor, spec = names[fqn]

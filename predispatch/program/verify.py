@@ -40,7 +40,7 @@ from torch import fx, nn
 from predispatch.errors import SerializationError
 from predispatch.program._serialize_values import STORED_DEVICE_TYPES
 from predispatch.program.op_allowlist import decide
-from predispatch.program.signature import MUTATION_KINDS, ExportSignature, InputKind
+from predispatch.program.signature import MUTATION_KINDS, ExportSignature, InputKind, state_names
 
 if TYPE_CHECKING:
     from predispatch.program.exported_program import ExportedProgram
@@ -444,7 +444,7 @@ def _signature_problems(ep: ExportedProgram) -> Iterator[Problem]:
 def _outside_tree_problems(sig: ExportSignature) -> Iterator[Problem]:
     """Each `outside_tree` path is an owner path some lifted state lies under (`helpers` for
     `helpers.0.weight`): `module()` makes a plain attribute there, nothing else."""
-    names = [fqn for s in sig.inputs if s.kind is not InputKind.USER_INPUT for fqn in (s.target, *s.aliases)]
+    names = state_names(sig.inputs)
     for path in sig.outside_tree:
         if not isinstance(path, str) or not any(fqn.startswith(f"{path}.") for fqn in names):
             shown = repr(path) if isinstance(path, str) else _describe(path)
@@ -453,7 +453,7 @@ def _outside_tree_problems(sig: ExportSignature) -> Iterator[Problem]:
 
 def _state_order_problems(sig: ExportSignature) -> Iterator[Problem]:
     """`state_order` names each lifted state name at most once, and nothing else."""
-    names = {fqn for s in sig.inputs if s.kind is not InputKind.USER_INPUT for fqn in (s.target, *s.aliases)}
+    names = set(state_names(sig.inputs))
     order = sig.state_order
     if len(set(order)) != len(order) or not set(order) <= names:
         stray = sorted(set(order) - names)

@@ -87,7 +87,7 @@ class _Program:
         bound = {
             fqn: tensor
             for lifted, tensor in zip(prepared.state, state)
-            for fqn in (lifted.spec.target, *lifted.spec.aliases, *lifted.bind_also)
+            for fqn in (*lifted.spec.names, *lifted.bind_also)
         }
         # buffers and constants that do not require grad: their updates need no history kept
         without_history = [
@@ -232,7 +232,7 @@ def _buffer_places(prepared: PreparedInputs) -> dict[tuple[int, str], int]:
     places = {}
     for index, lifted in enumerate(prepared.state):
         if lifted.spec.kind is InputKind.BUFFER:
-            for fqn in (lifted.spec.target, *lifted.spec.aliases):
+            for fqn in lifted.spec.names:
                 owner, _, attr = fqn.rpartition(".")
                 places[(id(resolve(prepared.module, owner)), attr)] = index
     return places
