@@ -41,23 +41,15 @@ import predispatch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
 
+from helpers import StraightThrough  # noqa: E402  (the test suite's straight-through estimator)
 from models import BENCHES  # noqa: E402  (a sibling file, not a package)
 
 SECTION = "## Joint forward-backward program (`ep.joint()`) vs `_export_forward_backward`"
 
 
 # --- the small modules: what torch's joint cannot see ------------------------------------------
-
-
-class StraightThrough(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.round()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
 
 
 class QuantizedMLP(nn.Module):

@@ -140,7 +140,7 @@ def _live(region: Region) -> set[fx.Node]:
     return live
 
 
-def compiled(body: fx.GraphModule, class_name: str) -> fx.GraphModule:
+def named(body: fx.GraphModule, class_name: str) -> fx.GraphModule:
     """`body` (from `extract`) as the shared body named `class_name`, on the same graph and
     attributes, which the program keeps, prints, saves and runs.  Still lazy: replays never run
     it, and build generates the code of every graph once (`ti.generate_code`)."""

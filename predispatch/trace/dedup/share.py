@@ -57,7 +57,7 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch.errors import DedupVerificationError, user_frame
 from predispatch.frontend.reachable import is_filled
-from predispatch.trace.dedup.body import NotClosed, compiled, extract, find_region, first_difference
+from predispatch.trace.dedup.body import NotClosed, extract, find_region, first_difference, named
 from predispatch.trace.dedup.fold import CallSite, fold_traced_calls
 from predispatch.trace.dedup.reads import _PLAIN, matches, recording_reads, snapshot
 from predispatch.trace.hooks.inspection import side_effect
@@ -185,18 +185,19 @@ class _Sharing:
         if entry is not None and entry.report.not_shared is not None:
             entry.report.calls.append(path)
             return run(*args, **kwargs)
-        out, recorded, reads, reason = self._record(module, run, args, kwargs, operands, labels)
+        out, recorded, reads, refusal = self._record(module, run, args, kwargs, operands, labels)
+        reason = None if refusal is None else str(refusal)
         if entry is None:
-            report = BlockReport(type(module).__qualname__, [path], not_shared=reason and str(reason))
+            report = BlockReport(type(module).__qualname__, [path], not_shared=reason)
             self.reports.append(report)
-            if isinstance(reason, _TooSmall) and id(module) in self.signatures:
+            if isinstance(refusal, _TooSmall) and id(module) in self.signatures:
                 self.declined[self.signatures[id(module)]] = report
                 return out
             if recorded is not None or reason is not None:
                 self.entries.setdefault(static, []).append(_Entry(reads, recorded, report))
             return out
         entry.report.calls.append(path)
-        self._compare(entry, recorded, reads, reason and str(reason), path)
+        self._compare(entry, recorded, reads, reason, path)
         return out
 
     @_unobserved
@@ -246,7 +247,7 @@ class _Sharing:
         end = next(iter(reversed(tracer.graph.nodes)))
         try:
             recorded = _recorded(module, tracer, log, out, operands, operand_nodes, counts, labels, start, end)
-        except (_NoShare, NotClosed) as exc:  # the reason, kept as the exception (see `call`)
+        except (_NoShare, NotClosed) as exc:  # the refusal itself: `call` tells a too-small body by its class
             return out, None, dict(log.reads), exc
         return out, recorded, dict(log.reads), None
 
@@ -274,7 +275,7 @@ class _Sharing:
         entry.traced += [first, recorded] if not entry.traced else [recorded]
         if entry.shared is None:
             name = f"repeated_body_{len([e for es in self.entries.values() for e in es if e.shared])}"
-            entry.shared = SharedBody(compiled(first.body, name), name, first.outputs)
+            entry.shared = SharedBody(named(first.body, name), name, first.outputs)
 
 
 @_unobserved
