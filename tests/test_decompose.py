@@ -423,3 +423,49 @@ def test_batch_norm_rewrite_runs_only_where_it_is_known():
     assert not _native_batch_norm_call(torch.randn(2, 3), None, None, torch.zeros(3), None)
     assert not _native_batch_norm_call(torch.randn(2, 4), *stats)
     assert _native_batch_norm_call(torch.empty(2, 3, device="meta"), *(t.to("meta") for t in stats))
+
+
+class _Activations(nn.Module):
+    def forward(self, x):
+        y = F.relu6(x * 2, inplace=True)
+        return F.silu(y, inplace=True) + F.hardswish(y.clone(), inplace=True)
+
+
+def test_inplace_activations_skip_torchs_meta_kernel_with_the_same_graph(monkeypatch):
+    """Note [Meta kernels of in-place activations]: while export traces, torch's Python Meta
+    kernel of `hardtanh_` is not run for a float tensor (it is without the fast kernels), and the
+    program is the same either way, and eager's."""
+    from predispatch.trace import functional
+
+    op, meta = torch.ops.aten.hardtanh_.default, torch._C.DispatchKey.Meta
+    calls = []
+    original = op.py_kernels[meta]
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return original(*args, **kwargs)
+
+    monkeypatch.setitem(op.py_kernels, meta, counted)
+    op._dispatch_cache.clear()
+    try:
+        x = torch.randn(2, 5)
+        fast = export_and_check(_Activations(), (x,))
+        assert calls == []
+        monkeypatch.setattr(functional, "FAST_INPLACE_META", {})
+        slow = export_and_check(_Activations(), (x,))
+        assert calls == [torch.float32]
+        assert graph(fast) == graph(slow)
+    finally:
+        monkeypatch.undo()
+        op._dispatch_cache.clear()
+
+
+def test_program_graph_modules_are_plain_after_export():
+    """The trace builds its graphs lazily; build generates every graph's code once
+    (`ti.generate_code`), so the program holds no lazy GraphModule and prints its code."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    ep = export_and_check(_Activations(), (torch.randn(2, 5),))
+    modules = [m for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    assert modules and not any(isinstance(m, _LazyGraphModule) for m in modules)
+    assert "hardtanh" in ep.graph_module.code

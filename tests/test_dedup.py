@@ -629,15 +629,19 @@ class WideBlock(nn.Module):
         return self.second(self.first(x))
 
 
-def test_real_threshold_inlines_small_bodies_and_every_module_like_them():
+def test_real_threshold_inlines_small_bodies_and_every_module_like_them(monkeypatch):
     """At `MIN_BODY_OPS` a 6-op block is traced inline, once decided: its later calls are not
     keyed again, all are listed on one report, and the program is the one dedup=False gives."""
     from predispatch.trace.dedup import share
 
     assert share.MIN_BODY_OPS == 12
+    keyed = []
+    describe = share._describe
+    monkeypatch.setattr(share, "_describe", lambda module, *a: keyed.append(module) or describe(module, *a))
     torch.manual_seed(0)
     model, x = Stack(5), torch.randn(2, 3, 8)
     ep = check_gradients(model, (x,))
+    assert keyed == [model.layers[0]]  # the later layers are declined by signature (`_Sharing.declined`)
     assert _calls(ep) == 0
     [report] = _report(ep)
     assert report.calls == [f"layers.{i}" for i in range(5)] and report.replayed == []
