@@ -7,6 +7,7 @@
 """
 
 from predispatch import errors
+from predispatch._torch_internals.versions import warn_if_untested
 from predispatch._export import export, export_train_eval
 from predispatch.program import (
     ExportedProgram,
@@ -20,6 +21,8 @@ from predispatch.program.modes import TrainEvalProgram
 from predispatch.program.serialize import load, save
 
 __version__ = "0.1.0"
+
+warn_if_untested()
 
 __all__ = [
     "ExportSignature",

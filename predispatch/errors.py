@@ -316,3 +316,21 @@ class DedupVerificationError(PredispatchError):
     """
 
     anchor = "dedupverificationerror"
+
+
+class TorchDriftError(PredispatchError):
+    """A hook predispatch places in torch did not engage on the running torch.
+
+    Cause: export replaces a few of torch's private functions for the length of a trace (the
+    `Function.apply` capture, the decomposition question, the dispatch observers, tensor and
+    module hook capture, ...), and proves each one engaged.  On a torch release where the
+    function moved, changed its signature, or is no longer what torch calls, the proof fails:
+    export stops rather than return a program that silently lacks what the hook provides (a
+    custom backward dropped, a mutation missed).  The message names the mechanism and the torch
+    version.
+    Example: a future torch renames `FunctionalTensorMode._can_decompose`.
+    Fix: use a torch release predispatch is tested on (2.11 to 2.15:
+    `pip install 'torch>=2.11,<2.16'`), and report the message to predispatch.
+    """
+
+    anchor = "torchdrifterror"

@@ -1,7 +1,8 @@
 """Command line: ``python -m predispatch.audit [--write | --check | --torch] [--show N] [--quiet]``.
 
 Without flags it audits the installed torch and prints a summary; ``--write`` regenerates
-``predispatch/audit/audit_table.json`` and ``docs/audit.md``; ``--check`` exits 1 when the
+the running torch's ``predispatch/audit/audit_table_<major>.<minor>.json`` (and
+``docs/audit.md`` on the development torch, ``DOCS_TORCH``); ``--check`` exits 1 when the
 shipped table differs from a fresh run; ``--torch`` lists, from the shipped table, the liars
 torch's own pre-dispatch export would still keep whole.
 """
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from predispatch.audit.auditor import run_audit
 from predispatch.audit.render import render_markdown, render_summary
-from predispatch.audit.table import TABLE_PATH, AuditTable, dumps_table, loads_table
+from predispatch._torch_internals import TORCH
+from predispatch.audit.table import DOCS_TORCH, TABLE_PATH, AuditTable, dumps_table, loads_table
 
 DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "audit.md"
 
@@ -33,9 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         return _check(fresh)
     if args.write:
         TABLE_PATH.write_text(dumps_table(fresh))
-        DOCS_PATH.parent.mkdir(exist_ok=True)
-        DOCS_PATH.write_text(render_markdown(fresh))
-        print(f"wrote {TABLE_PATH} and {DOCS_PATH}")
+        print(f"wrote {TABLE_PATH}")
+        if TORCH == DOCS_TORCH:
+            DOCS_PATH.parent.mkdir(exist_ok=True)
+            DOCS_PATH.write_text(render_markdown(fresh))
+            print(f"wrote {DOCS_PATH}")
     print(render_summary(fresh, show=args.show))
     return 0
 

@@ -19,7 +19,7 @@ from predispatch.audit.hand import HAND_PROGRAMS
 from predispatch.audit.isolation import run_isolated
 from predispatch.audit.ops import Kernel, cia_ops, kernels_of, schema_findings
 from predispatch.audit.samples import Sample, SampleBank, op_db_programs, record, schema_samples
-from predispatch.audit.table import AuditEntry, AuditTable, Reason, Verdict, make_table, op_key
+from predispatch.audit.table import AuditEntry, AuditTable, Reason, Verdict, make_table, op_key, public_version
 
 POLICY = (
     "An op is PRESERVED only on evidence: every CompositeImplicitAutograd kernel it has "
@@ -65,7 +65,7 @@ def run_audit(
     for (op, _, _), result in zip(jobs, results):
         by_op[str(op)].append(result)
     entries = [judge(op, by_op[str(op)]) for op in targets]
-    return make_table(torch.__version__, POLICY, entries)
+    return make_table(public_version(), POLICY, entries)
 
 
 def collect_samples(

@@ -4,7 +4,11 @@ Ops are named by overload in the form ``str(OpOverload)`` prints: ``"aten.to.dty
 ``"aten.reshape.default"``.  Names given in the dispatcher's form (``"aten::to.dtype"``,
 ``"aten::reshape"``) are accepted at the edges and normalised by ``op_key``.
 
-The table ships as ``audit_table.json`` next to this file; ``load_table()`` reads it.
+One table ships per tested torch release, ``audit_table_<major>.<minor>.json`` next to this
+file (composites and their kernels change between releases); ``load_table()`` reads the running
+torch's.  On a torch with no table every aten composite decomposes ("not in the audit table of
+this torch version"), the safe answer.  ``docs/audit.md`` is rendered from the table of
+``DOCS_TORCH``, the development torch.
 """
 
 from __future__ import annotations
@@ -18,9 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from predispatch._torch_internals import OpOverload
+from predispatch._torch_internals import TORCH, OpOverload
 
-TABLE_PATH = Path(__file__).with_name("audit_table.json")
+#: The torch release docs/audit.md shows (the development torch, README's quick path).
+DOCS_TORCH = (2, 13)
+
+
+def table_path(version: tuple[int, int] = TORCH) -> Path:
+    """Where the table of torch `version` (major, minor) ships."""
+    return Path(__file__).with_name(f"audit_table_{version[0]}.{version[1]}.json")
+
+
+#: The running torch's table.
+TABLE_PATH = table_path()
 FORMAT_VERSION = 1
 
 
@@ -69,7 +83,7 @@ class AuditEntry:
 class AuditTable:
     """Verdicts for every CIA aten overload of one torch version."""
 
-    torch_version: str  # torch.__version__ the table was generated with
+    torch_version: str  # torch.__version__ the table was generated with, without its build (+cpu)
     policy: str  # how verdicts follow from evidence, UNVERIFIED ops included
     entries: Mapping[str, AuditEntry]  # op_key(op) -> entry, read-only
 
@@ -146,8 +160,17 @@ def loads_table(text: str) -> AuditTable:
 
 @functools.lru_cache(maxsize=1)
 def load_table() -> AuditTable:
-    """The table shipped with predispatch (``audit_table.json``), read once."""
+    """The table shipped for the running torch, read once; an empty one where none ships."""
+    if not TABLE_PATH.exists():
+        return make_table(public_version(), "no audit table ships for this torch: every aten composite decomposes", [])
     return loads_table(TABLE_PATH.read_text())
+
+
+def public_version() -> str:
+    """torch's version without its build suffix: `2.13.0+cpu` and `2.13.0+cu130` audit alike."""
+    import torch
+
+    return torch.__version__.split("+")[0]
 
 
 def _entry_to_dict(entry: AuditEntry) -> dict[str, object]:

@@ -1,7 +1,7 @@
 """Which ops a program may call: every op packet of `aten`, `prims` and `predispatch`, decided.
 
 The decision is data.  `FAMILIES` names each family of ops, allowed or refused, with the
-reason; `_op_families.py` lists, for this torch, which packet (`aten.add`, `prims.mul`) falls
+reason; `_op_families.py` lists, for this torch (one generated table per release), which packet (`aten.add`, `prims.mul`) falls
 in which family.  That file is generated from torch's registry by the rules below and checked
 in, so reviewing a torch upgrade is reading its diff:
 
@@ -189,7 +189,10 @@ def render(families: Mapping[str, list[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_op_families.py")
+#: The generated table of the running torch's release.
+TABLE_PATH = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "_op_families_by_torch", f"torch_{ti.TORCH[0]}_{ti.TORCH[1]}.py"
+)
 
 
 # --------------------------------------------------------------------------- decisions
@@ -224,7 +227,7 @@ def decide(op: torch._ops.OpOverload, extra_namespaces: tuple[str, ...] = (), *,
         family_name = _family_of_packet().get(f"{namespace}.{packet}")
         if family_name is None:
             return Decision(False, "undecided", f"this torch's {namespace}.{packet} is not in the allow list "
-                            "(a newer torch's op: regenerate predispatch/program/_op_families.py and review it)")
+                            "(a newer torch's op: regenerate the table: python -m predispatch.program.op_allowlist --write)")
         family = FAMILY_BY_NAME[family_name]
         if not family.allowed and (stored or not family.files_only):
             return Decision(False, family.name, family.reason)

@@ -21,8 +21,16 @@ from predispatch.trace.autograd_function.subgraphs import CallSite, capture_call
 
 
 def _torch_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-    """torch's own apply for a call not captured: the C++ `apply` that `Function.apply` ends in."""
-    return super(ti.SingleLevelFunction, cls).apply(*args, **kwargs)
+    """torch's own apply for a call not captured: its forward runs inline, and the forward
+    detector lets it (`_Calls.torch_runs`)."""
+    calls = _ACTIVE[-1] if _ACTIVE else None
+    if calls is None:
+        return ti.torch_apply(cls, *args, **kwargs)
+    calls.torch_runs += 1
+    try:
+        return ti.torch_apply(cls, *args, **kwargs)
+    finally:
+        calls.torch_runs -= 1
 
 
 def _run_checkpointed(cls, function, preserve_rng_state, *args):
@@ -53,12 +61,19 @@ class _Calls:
         program's own Python runs; see Note [Which Functions are captured].
     depth: > 0 while a Function's own forward or backward is being traced: Functions they call
         are inlined (eager runs them under no_grad, so their backward is never used).
+    torch_runs: > 0 while torch's own apply runs a call the capture decided to leave to torch
+        (or while `torch_applies` is active): the forward detector lets its forward run.
     pairs: `autograd_function_apply` graph pairs met in the trace, as Functions (`_pair_function`).
     """
 
     program_modes: tuple[Any, Any]
     depth: int = 0
+    torch_runs: int = 0
     pairs: dict[tuple[int, int], tuple[type, Any, Any]] = field(default_factory=dict)
+
+
+#: The running exports' interceptions, innermost last (an export nested in an export).
+_ACTIVE: list[_Calls] = []
 
 
 @contextlib.contextmanager
@@ -66,34 +81,40 @@ def capture_autograd_functions() -> Iterator[None]:
     """While active, each `Function.apply` becomes one `autograd_function_apply` node.
 
     Each call is traced as it is met, its forward once and its backward from fakes; see
-    Note [Capturing autograd.Function].
+    Note [Capturing autograd.Function].  A Function forward that torch's apply runs without the
+    capture having seen the call (an `apply` bound before export, on torch >= 2.14) is refused by
+    name (`_refuse_unseen_forward`): a program never silently loses a custom backward.
     """
     calls = _Calls(ti.pre_dispatch_modes())
     hop_type = type(ti.autograd_function_apply)
     original_hop_call = hop_type.__dict__["__call__"]
 
-    def apply(cls, *args, **kwargs):
+    def apply(cls, args, kwargs):
+        if calls.torch_runs > 0:
+            return ti.torch_apply(cls, *args, **kwargs)
         if cls in RUN_INSTEAD:
             return RUN_INSTEAD[cls][0](cls, *args, **kwargs)
         if _left_to_torch(calls, cls):
             return _torch_apply(cls, *args, **kwargs)
         return _apply(calls, cls, _bind(cls, args, kwargs))
 
+    def on_forward(cls):
+        if calls.depth == 0 and calls.torch_runs == 0:
+            _refuse_unseen_forward(cls)
+
     def hop_call(hop, fwd, bwd, *args, **kwargs):
         if calls.depth > 0 or not any(isinstance(a, ti.FunctionalTensor) for a in args):
             return original_hop_call(hop, fwd, bwd, *args, **kwargs)
         return _apply(calls, _pair_function(calls, fwd, bwd, kwargs), args)
 
-    # `Function.apply` binds defaults, then calls `super().apply`: found here, below it, every
-    # call is seen, also through an `apply` bound before export (`cube = Cube.apply`).
-    previous = ti.SingleLevelFunction.__dict__.get("apply")
-    ti.SingleLevelFunction.apply = classmethod(apply)
+    _ACTIVE.append(calls)
     hop_type.__call__ = hop_call
     try:
-        yield
+        with ti.intercepted_applies(apply), ti.detected_forwards(on_forward):
+            yield
     finally:
-        _restore_apply(previous)
         hop_type.__call__ = original_hop_call
+        _ACTIVE.pop()
 
 
 @contextlib.contextmanager
@@ -102,20 +123,27 @@ def torch_applies() -> Iterator[None]:
 
     For code that runs during the trace but is not traced (the hooks' shape probe).
     """
-    hook = ti.SingleLevelFunction.__dict__.get("apply")
-    _restore_apply(None)
+    calls = _ACTIVE[-1] if _ACTIVE else None
+    if calls is None:
+        yield
+        return
+    calls.torch_runs += 1
     try:
         yield
     finally:
-        _restore_apply(hook)
+        calls.torch_runs -= 1
 
 
-def _restore_apply(hook: Any) -> None:
-    """Put `hook` back as the interception (None: torch's own apply, no attribute of ours)."""
-    if hook is not None:
-        ti.SingleLevelFunction.apply = hook
-    elif "apply" in ti.SingleLevelFunction.__dict__:
-        del ti.SingleLevelFunction.apply
+def _refuse_unseen_forward(cls: type) -> None:
+    """A Function's forward is about to run inline, its backward lost: refuse it by name."""
+    raise AutogradFunctionError(
+        f"{cls.__qualname__}.forward ran through an apply export could not intercept, so its custom "
+        f"backward would be lost. On torch {torch.__version__}, an `apply` bound before export "
+        f"(`op = {cls.__name__}.apply` at module level or in __init__) calls torch's C++ apply directly.",
+        where=user_frame(),
+        fix=f"call {cls.__name__}.apply(...) inside forward, so export sees the call; a helper "
+        f"`def op(*a): return {cls.__name__}.apply(*a)` works too.",
+    )
 
 
 def _left_to_torch(calls: _Calls, cls: type) -> bool:

@@ -487,7 +487,7 @@ def _torch_only(function: type, phase: str) -> Iterator[None]:
             fix=_CUSTOM_OP_FIX,
         )
 
-    with ti.patched(torch.Tensor, "numpy", lambda _: numpy):
+    with ti.patched(torch.Tensor, "numpy", lambda _: numpy, mechanism="Tensor.numpy() refusal in a Function's subgraphs"):
         yield
 
 

@@ -101,7 +101,7 @@ def _plain_autograd() -> Iterator[None]:
     probe calls must not be captured (its subgraphs would be traced for a run nothing records),
     and a tensor hook changes no shape, while torch's would refuse a stand-in without grad.
     """
-    with ti.patched(torch.Tensor, "register_hook", lambda _: lambda tensor, hook: _ProbeHandle()), torch_applies():
+    with ti.patched(torch.Tensor, "register_hook", lambda _: lambda tensor, hook: _ProbeHandle(), mechanism=ti.TENSOR_HOOKS), torch_applies():
         yield
 
 

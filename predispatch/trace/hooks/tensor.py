@@ -24,7 +24,7 @@ from predispatch.trace.hooks.inspection import describe, side_effect
 def captured_tensor_hooks(keeper: Any) -> Iterator[None]:
     """While active, `Tensor.register_hook` captures the hook or refuses it (restored on exit).
     `keeper` tells which tensors ops have read."""
-    with ti.patched(torch.Tensor, "register_hook", lambda _: lambda tensor, hook: _capture_tensor_hook(tensor, hook, keeper)):
+    with ti.patched(torch.Tensor, "register_hook", lambda _: lambda tensor, hook: _capture_tensor_hook(tensor, hook, keeper), mechanism=ti.TENSOR_HOOKS, probe=ti.probe_register_hook):
         yield
 
 

@@ -22,7 +22,6 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._ops import OpOverload
 from torch._subclasses.schema_check_mode import SchemaCheckMode
 from torch.fx.node import _side_effectful_functions
-from torch.fx.proxy import _STACK_TRACE_ANCHORS
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch._functorch._aot_autograd.functional_utils import (
@@ -33,7 +32,7 @@ from torch._higher_order_ops.effects import _EffectType
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
-from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode, _can_decompose_fast
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch._higher_order_ops.effects import with_effects
 from torch.export._remove_effect_tokens_pass import _replace_with_effects_node
@@ -44,9 +43,14 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 # custom autograd.Function capture (trace/autograd_function.py)
 from torch._functorch.autograd_function import autograd_function_apply
-# The class `Function.apply`'s Python hands every call to (`super().apply(...)`, the C++ apply
-# below it), also for a `Function.apply` bound before export started (`op = MyFn.apply`).
-from torch.autograd.function import _SingleLevelFunction as SingleLevelFunction
+from predispatch._torch_internals.autograd_function import (  # noqa: E402  (see its docstring)
+    APPLY_CAPTURE,
+    FORWARD_DETECTOR,
+    SingleLevelFunction,
+    detected_forwards,
+    intercepted_applies,
+    torch_apply,
+)
 from torch._guards import detect_fake_mode
 from torch._ops import HigherOrderOperator
 from torch.fx.experimental.proxy_tensor import (
@@ -57,7 +61,21 @@ from torch.fx.experimental.proxy_tensor import (
 )
 from torch.utils._python_dispatch import _disable_current_modes
 
+from predispatch._torch_internals.decomposition import ask as ask_decompose
+from predispatch._torch_internals.decomposition import decomposition_hook, pristine_dispatch, torch_can_decompose_fast
+from predispatch._torch_internals.mechanism import Hook, drift, patched, require
+from predispatch._torch_internals.versions import HAS, TESTED, TORCH, tested, warn_if_untested
+
 __all__ = [
+    "HAS",
+    "ask_decompose",
+    "Hook",
+    "TESTED",
+    "TORCH",
+    "drift",
+    "require",
+    "tested",
+    "warn_if_untested",
     "fake_of_meta",
     "GLOBAL_SWITCHES",
     "GlobalSwitch",
@@ -120,6 +138,16 @@ __all__ = [
     "pop_modes_to",
     "pre_dispatch_modes",
     "SingleLevelFunction",
+    "APPLY_CAPTURE",
+    "FORWARD_DETECTOR",
+    "detected_forwards",
+    "intercepted_applies",
+    "torch_apply",
+    "TENSOR_HOOKS",
+    "probe_register_hook",
+    "DISPATCH_OBSERVER",
+    "FUNCTIONAL_REWRITES",
+    "MODULE_CALLS",
     "inside_op_call",
     "generator_identity",
     "import_dynamo",
@@ -149,23 +177,6 @@ def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor], *, 
 
 
 @contextlib.contextmanager
-def patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
-    """`owner.name` is `make(original)` while active, and what it was afterwards (removed again
-    where `owner` only inherited it): the one way predispatch swaps a torch function, method or
-    global for the length of a trace, so every swap is undone on success and on failure."""
-    held = name in vars(owner)
-    saved = vars(owner).get(name)
-    setattr(owner, name, make(getattr(owner, name, None)))
-    try:
-        yield
-    finally:
-        if held:
-            setattr(owner, name, saved)
-        else:
-            delattr(owner, name)
-
-
-@contextlib.contextmanager
 def exporting_flags() -> Iterator[None]:
     """Make `torch.compiler.is_exporting()` and `is_compiling()` answer True while tracing.
 
@@ -180,30 +191,24 @@ def exporting_flags() -> Iterator[None]:
         compiler._is_compiling_flag, compiler._is_exporting_flag = old
 
 
-@contextlib.contextmanager
-def decomposition_hook(should_decompose: Callable[[Any, Callable[[], bool], tuple, dict], bool]) -> Iterator[None]:
-    """Route FunctionalTensorMode's "decompose this composite?" question to `should_decompose`
-    (with the call's args and kwargs: some composites alias their input only for some calls).
+TENSOR_HOOKS = "tensor hook capture (Tensor.register_hook)"
+_PROBE_TENSOR = torch.empty(0)
 
-    FunctionalTensorMode sits on the PreDispatch stack and sees every op before its
-    CompositeImplicitAutograd kernel would run.  It asks `_can_decompose` whether to inline
-    the composite; we answer from predispatch's policy, handing it torch's own answer as a
-    thunk so the policy can defer to it (for example for ops with aliasing schemas).
-    """
 
-    def hook(original):
-        def _can_decompose(self, func, args, kwargs):
-            return should_decompose(func, lambda: original(self, func, args, kwargs), args, kwargs)
+def probe_register_hook() -> None:
+    """Register a hook the way user code does (the patch answers it; nothing is registered)."""
+    _PROBE_TENSOR.register_hook(None)
 
-        return _can_decompose
 
-    with patched(FunctionalTensorMode, "_can_decompose", hook):
-        yield
-
+DISPATCH_OBSERVER = "the dispatch observer (in-place ops seen at FunctionalTensorMode.__torch_dispatch__)"
+FUNCTIONAL_REWRITES = "the functional rewrites (trace/decompose.py REWRITES, at FunctionalTensorMode.__torch_dispatch__)"
+MODULE_CALLS = "module-call interception for repeated blocks (make_fx's _ModuleStackTracer.call_module)"
 
 #: FunctionalTensorMode's own methods, before predispatch patches any (see `outside_trace`).
 _PRISTINE_FUNCTIONAL_MODE = {
-    name: FunctionalTensorMode.__dict__[name] for name in ("__torch_dispatch__", "_can_decompose")
+    name: FunctionalTensorMode.__dict__[name]
+    for name in ("__torch_dispatch__", "_can_decompose")
+    if name in FunctionalTensorMode.__dict__
 }
 
 
@@ -218,11 +223,12 @@ def outside_trace(*, keep_decomposition_policy: bool = True) -> Iterator[None]:
     else that must run as if no trace were active, passes `keep_decomposition_policy=False`.
     """
     names = ["__torch_dispatch__"] if keep_decomposition_policy else list(_PRISTINE_FUNCTIONAL_MODE)
+    outside = {**_PRISTINE_FUNCTIONAL_MODE, "__torch_dispatch__": pristine_dispatch(keep_decomposition_policy)}
     patched = {name: FunctionalTensorMode.__dict__[name] for name in names}
     function_modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
     try:
         for name in names:
-            setattr(FunctionalTensorMode, name, _PRISTINE_FUNCTIONAL_MODE[name])
+            setattr(FunctionalTensorMode, name, outside[name])
         with _disable_current_modes():
             yield
     finally:
@@ -272,8 +278,8 @@ def functional_dispatch_observer(
 
         return __torch_dispatch__
 
-    with patched(FunctionalTensorMode, "__torch_dispatch__", observed):
-        yield
+    with patched(FunctionalTensorMode, "__torch_dispatch__", observed, mechanism=DISPATCH_OBSERVER) as hook:
+        yield hook
 
 
 @contextlib.contextmanager
@@ -298,8 +304,8 @@ def functional_rewrites(table: dict[OpOverload, tuple[Callable[..., Any], tuple[
 
         return __torch_dispatch__
 
-    with patched(FunctionalTensorMode, "__torch_dispatch__", rewriting):
-        yield
+    with patched(FunctionalTensorMode, "__torch_dispatch__", rewriting, mechanism=FUNCTIONAL_REWRITES) as hook:
+        yield hook
 
 
 @contextlib.contextmanager
@@ -328,7 +334,7 @@ def has_no_internal_overlap(t: torch.Tensor) -> bool:
 def _rewrites(mode: FunctionalTensorMode, func: OpOverload, skips: tuple[OpOverload, ...], args: tuple, kwargs: dict) -> bool:
     """Whether the policy lets `func`'s rewrite run: a composite and everything it skips decompose."""
     composite = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), CIA)
-    return not composite or all(mode._can_decompose(op, args, kwargs) for op in (func, *skips))
+    return not composite or all(ask_decompose(mode, op, args, kwargs) for op in (func, *skips))
 
 
 def functional_value(t: FunctionalTensor) -> torch.Tensor:
@@ -455,6 +461,11 @@ def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn
     return ProgramTrace(gm, tuple(mutated), tuple(metadata), tuple(storage))
 
 
+def _stack_trace_anchors() -> Any:
+    """Frames FX keeps in a node's stack trace besides `forward` ones (none before torch 2.13)."""
+    return torch.fx.proxy._STACK_TRACE_ANCHORS if HAS.stack_trace_anchors else ()
+
+
 class _ForwardFrames:
     """FX's per-node stack trace at a fraction of the cost: only the frames FX keeps.
 
@@ -480,7 +491,7 @@ class _ForwardFrames:
             if (
                 code.co_name == "forward"
                 or code.co_filename.endswith("torch/__init__.py")
-                or (code.co_filename, code.co_name) in _STACK_TRACE_ANCHORS
+                or (code.co_filename, code.co_name) in _stack_trace_anchors()
             ):
                 frames.append((code.co_filename, frame.f_lineno, code.co_name))
             frame = frame.f_back
@@ -497,7 +508,7 @@ def forward_frames_only() -> Iterator[None]:
     It patches FX's module global, so a tracer running meanwhile in another thread gets it too;
     only a tracer not filtering to `forward` frames would then see a shorter stack trace.
     """
-    with patched(torch.fx.proxy, "CapturedTraceback", lambda _: _ForwardFrames):
+    with patched(torch.fx.proxy, "CapturedTraceback", lambda _: _ForwardFrames, mechanism="node stack traces (torch.fx.proxy.CapturedTraceback)"):
         yield
 
 
@@ -561,7 +572,8 @@ def aten_overloads() -> list[OpOverload]:
     """
     found = []
     for name in list(torch.ops.aten):
-        for overload in getattr(torch.ops.aten, name).op_overloads():
+        packet = getattr(torch.ops.aten, name)
+        for overload in (getattr(packet, n) for n in packet.overloads()):  # `op_overloads()` is 2.13+
             if torch._C._dispatch_has_kernel(overload.name()):
                 found.append(overload)
     return found
@@ -622,7 +634,7 @@ class PreDispatchMode(SchemaCheckMode):
 
 def torch_keeps_whole_in_export(op: OpOverload) -> bool:
     """Whether torch's own pre-dispatch export would keep `op` whole (its `_can_decompose` says no)."""
-    return _can_decompose_fast(op, True, True) is False
+    return torch_can_decompose_fast(op, True, True) is False
 
 
 def fake_of_meta(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -787,10 +799,12 @@ def _setting_of(obj: Any, attr: str) -> GlobalSwitch:
     return GlobalSwitch(f"{obj.__name__}.{attr}", lambda: getattr(obj, attr), lambda v: setattr(obj, attr, v))
 
 
-def _c_switch(name: str, getter: str, setter: str) -> GlobalSwitch:
+def _c_switch(name: str, getter: str, setter: str) -> GlobalSwitch | None:
     """A `torch._C` getter/setter pair; a getter returning a tuple is set with it spread
     (`_get_cublas_allow_fp16_reduced_precision_reduction` gives `(allow, allow_splitk)`)."""
-    read, write = getattr(torch._C, getter), getattr(torch._C, setter)
+    read, write = getattr(torch._C, getter, None), getattr(torch._C, setter, None)
+    if read is None or write is None:  # not in this torch (2.11 has no grad layout switch): nothing to restore
+        return None
     return GlobalSwitch(name, lambda: _readable(read), lambda v: write(*v) if isinstance(v, tuple) else write(v))
 
 
@@ -817,7 +831,7 @@ def _float32_matmul_precision() -> str:
 #: `cpu.get_cpu_capability`, `mkl`/`openmp`/`mps`/`kleidiai`/`cusparselt` (read-only), the cuFFT
 #: plan cache and workspace sizes (CUDA allocations, not switches), the mode stacks (popped to
 #: their depths by `_isolation`), and the JIT's executor switches (TorchScript only).
-GLOBAL_SWITCHES: tuple[GlobalSwitch, ...] = (
+_SWITCHES: tuple[GlobalSwitch | None, ...] = (
     GlobalSwitch(
         "torch.use_deterministic_algorithms",
         lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
@@ -907,6 +921,7 @@ GLOBAL_SWITCHES: tuple[GlobalSwitch, ...] = (
         for op in ops
     ),
 )
+GLOBAL_SWITCHES: tuple[GlobalSwitch, ...] = tuple(switch for switch in _SWITCHES if switch is not None)
 
 
 def global_module_hook_tables() -> tuple[dict, ...]:
@@ -1041,8 +1056,8 @@ def intercept_module_calls(handler: Callable[[torch.nn.Module, Callable[..., Any
 
         return call_module
 
-    with patched(_ModuleStackTracer, "call_module", intercepting):
-        yield
+    with patched(_ModuleStackTracer, "call_module", intercepting, mechanism=MODULE_CALLS) as hook:
+        yield hook
 
 
 def current_tracer() -> torch.fx.Tracer | None:

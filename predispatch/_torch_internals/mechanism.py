@@ -1,0 +1,135 @@
+"""How predispatch swaps a torch function for the length of a trace, and proves the swap engaged.
+
+Note [Drift is loud]
+--------------------
+Every hook predispatch places in torch is a `patched(...)` with the mechanism's name.  Three
+things make a change inside torch loud instead of silently wrong:
+
+1. The hook point must exist: an attribute gone raises `TorchDriftError` naming the mechanism
+   and the torch version before anything is traced.
+2. A `probe` (where the mechanism has one) calls the hook point the way torch does, right after
+   the swap; a swap torch does not reach raises the same error.
+3. `Hook.calls` counts the calls that reached the replacement: the trace checks afterwards that
+   the mechanisms which must have run did run (trace/functional.py, `check_engaged`).
+
+The replacement runs on the exporting thread only: another thread calling the same function
+meanwhile gets torch's own (Note [Export touches only its own thread]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from predispatch.errors import TorchDriftError
+
+__all__ = ["Hook", "drift", "patched", "require"]
+
+
+def drift(mechanism: str, what: str) -> TorchDriftError:
+    """The error for a mechanism that cannot engage on this torch."""
+    return TorchDriftError(
+        f"{mechanism} cannot engage on torch {torch.__version__}: {what}. predispatch stops here rather "
+        f"than return a program without it.",
+        fix="use a torch release predispatch is tested on (2.11 to 2.15: pip install 'torch>=2.11,<2.16'), "
+        "and report this message to predispatch.",
+    )
+
+
+def require(owner: Any, name: str, mechanism: str) -> Any:
+    """`owner.name`, or `TorchDriftError` for `mechanism` when this torch has no such attribute."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        where = getattr(owner, "__qualname__", getattr(owner, "__name__", type(owner).__name__))
+        raise drift(mechanism, f"{where}.{name} does not exist") from None
+
+
+class Hook:
+    """One placed hook: its mechanism's name, the thread it serves, and how often it was reached.
+
+    probing: True while the probe runs; the replacement is then not called (a probe call is not
+        part of any program), only counted.
+    """
+
+    def __init__(self, mechanism: str):
+        self.mechanism = mechanism
+        self.thread = threading.get_ident()
+        self.calls = 0
+        self.probing = False
+
+    def expect_calls(self, what: str) -> None:
+        """Raise unless the replacement was reached since it was placed (`what`: when it must have been)."""
+        if self.calls == 0:
+            raise drift(self.mechanism, f"torch never called the replaced function, though {what}")
+
+
+@contextlib.contextmanager
+def patched(
+    owner: Any,
+    name: str,
+    make: Callable[[Any], Any],
+    *,
+    mechanism: str,
+    probe: Callable[[], Any] | None = None,
+    hook: Hook | None = None,
+) -> Iterator[Hook]:
+    """`owner.name` is `make(original)` while active, and what it was afterwards (removed again
+    where `owner` only inherited it): the one way predispatch swaps a torch function, method or
+    global for the length of a trace, so every swap is undone on success and on failure.
+
+    A function replacement is served to the exporting thread only and counted (`Hook.calls`);
+    `probe()`, run right after the swap, must reach it (Note [Drift is loud]).  A replacement
+    that is not a plain function (a classmethod) counts its calls on `hook` itself.
+    """
+    original = require(owner, name, mechanism)
+    hook = hook if hook is not None else Hook(mechanism)
+    replacement = make(original)
+    if isinstance(replacement, types.FunctionType):
+        replacement = _served(hook, replacement, original)
+    held = name in vars(owner)
+    saved = vars(owner).get(name)
+    setattr(owner, name, replacement)
+    try:
+        if probe is not None:
+            _run_probe(hook, probe)
+        yield hook
+    finally:
+        if held:
+            setattr(owner, name, saved)
+        else:
+            delattr(owner, name)
+
+
+def _served(hook: Hook, replacement: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    """`replacement` for the hook's thread (counted), torch's `original` for every other thread."""
+
+    def serve(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != hook.thread:
+            return original(*args, **kwargs)
+        hook.calls += 1
+        if hook.probing:
+            return None
+        return replacement(*args, **kwargs)
+
+    serve.__name__ = getattr(replacement, "__name__", "serve")
+    serve.__wrapped__ = replacement  # type: ignore[attr-defined]
+    return serve
+
+
+def _run_probe(hook: Hook, probe: Callable[[], Any]) -> None:
+    """Call the hook point as torch would; it must reach the replacement."""
+    before = hook.calls
+    hook.probing = True
+    try:
+        probe()
+    finally:
+        hook.probing = False
+    if hook.calls == before:
+        raise drift(hook.mechanism, "the probe call did not reach predispatch's replacement")
+    hook.calls = before

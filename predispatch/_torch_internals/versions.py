@@ -1,0 +1,92 @@
+"""Which torch is running, which releases predispatch is tested on, and what differs between them.
+
+The one place that asks for torch's version.  Every other module asks this one a question by
+name (`HAS.python_function_apply`, ...), never `torch.__version__`, so the table below is the
+whole story of what changes from release to release.
+
+Note [Variants by torch version]
+--------------------------------
+| mechanism                         | 2.11 | 2.12 | 2.13 | 2.14 | 2.15 | why                                        |
+|-----------------------------------|------|------|------|------|------|--------------------------------------------|
+| `Function.apply` interception     | A    | A    | A    | B    | B    | A: `Function.apply` is Python and ends in  |
+|                                   |      |      |      |      |      | `super().apply`, so a classmethod on       |
+|                                   |      |      |      |      |      | `_SingleLevelFunction` sees every call,    |
+|                                   |      |      |      |      |      | also an `apply` bound before export.  B:   |
+|                                   |      |      |      |      |      | `Function.apply` *is* the C++ apply        |
+|                                   |      |      |      |      |      | (`_C._FunctionBase.__dict__["apply"]`);    |
+|                                   |      |      |      |      |      | only `Function.apply` itself can be        |
+|                                   |      |      |      |      |      | replaced, and a bound-before-export apply  |
+|                                   |      |      |      |      |      | is refused by the forward detector.        |
+| decomposition question            | C    | M    | M    | M    | M    | M: `FunctionalTensorMode._can_decompose`,  |
+|                                   |      |      |      |      |      | a method we replace for the trace.  C:     |
+|                                   |      |      |      |      |      | a closure inside `__torch_dispatch__`; an  |
+|                                   |      |      |      |      |      | adapter around `__torch_dispatch__` asks   |
+|                                   |      |      |      |      |      | the method first and decomposes itself     |
+|                                   |      |      |      |      |      | where the policy says so (torch's own      |
+|                                   |      |      |      |      |      | lines), refusing loudly where it cannot.   |
+| torch's fast decomposition answer | own  | T    | T    | T    | T    | T: `_can_decompose_fast`.  own: the same   |
+|                                   |      |      |      |      |      | rules, written out here (2.11 has them     |
+|                                   |      |      |      |      |      | only inside the closure above).            |
+| stack-trace anchors               | none | none | T    | T    | T    | `torch.fx.proxy._STACK_TRACE_ANCHORS`      |
+|                                   |      |      |      |      |      | (frames FX keeps besides `forward`) came   |
+|                                   |      |      |      |      |      | in 2.13; before it FX keeps none.          |
+
+A mechanism whose hook point is gone on a future torch raises `TorchDriftError` naming it and
+the running version (`mechanism.py`); it never runs without the hook.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+
+__all__ = ["TESTED", "TORCH", "HAS", "tested", "warn_if_untested"]
+
+#: The torch releases CI runs the default suite on (.ci/run); pyproject.toml admits this range.
+TESTED = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
+
+
+def _parse(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+#: (major, minor) of the running torch.
+TORCH = _parse(torch.__version__)
+
+
+class _Has:
+    """The answers to "which variant does this torch need?", one attribute per row of the table."""
+
+    #: `Function.apply` is Python and calls `super().apply` (variant A); else it is the C++ apply.
+    python_function_apply = TORCH < (2, 14)
+    #: `FunctionalTensorMode._can_decompose` is a method (variant M); else a closure (variant C).
+    can_decompose_method = TORCH >= (2, 12)
+    #: `torch._subclasses.functional_tensor._can_decompose_fast` exists.
+    can_decompose_fast = TORCH >= (2, 12)
+    #: `torch.fx.proxy._STACK_TRACE_ANCHORS` exists.
+    stack_trace_anchors = TORCH >= (2, 13)
+
+
+HAS = _Has()
+
+
+def tested() -> bool:
+    """Whether the running torch is one CI tests predispatch on."""
+    return TORCH in TESTED
+
+
+def warn_if_untested() -> None:
+    """Warn once per process when torch is outside the tested range (called by `import predispatch`)."""
+    if not tested():
+        low, high = TESTED[0], TESTED[-1]
+        warnings.warn(
+            f"predispatch is tested with torch {low[0]}.{low[1]} to {high[0]}.{high[1]}; this is torch "
+            f"{torch.__version__}. Every hook predispatch places in torch checks that it engaged and "
+            f"raises TorchDriftError if not, but untested releases may refuse programs the tested ones "
+            f"export. Install a tested torch (pip install 'torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}').",
+            UserWarning,
+            stacklevel=3,
+        )
