@@ -141,7 +141,7 @@ def _overloads(packet: str) -> list[str]:
 def base_programs() -> dict[str, bytes]:
     from test_serialize import export_case, saved
 
-    return {name: saved(export_case(name)[0]) for name in ("autograd_functions", "buffer_mutation", "graph_tensors")}
+    return {name: saved(export_case(name)[0]) for name in ("autograd_functions", "buffer_mutation", "graph_tensors", "kwargs")}
 
 
 # --------------------------------------------------------------------------- attack classes
@@ -395,6 +395,129 @@ def registration_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterato
                  ("the output spec, output leaves and user outputs disagree",))
 
 
+# --------------------------------------------------------------------------- names (issue 21)
+
+#: The marker file an injected name would write: the tests check it never appears.
+MARKER = os.path.join(os.environ.get("PD_ATTACK_DIR", "/tmp"), "predispatch_attack_ran_code")
+#: Two keyword names that close and reopen a string literal in the code FX generates for
+#: `ep.module()`: the first makes the rest of `def forward(...)` a default value that runs
+#: when the code is compiled, the second ends the signature and comments out the rest.
+INJECTED_KWARGS = (f'a=__import__("os").system("touch {MARKER}"), b="""', "):\n    pass\n#")
+
+
+def inject_kwargs(data: bytes, names: list) -> bytes:
+    """A program with keyword arguments whose names are `names`."""
+    return edited(data, lambda p: p["signature"]["in_spec"]["children"][1].update(context=list(names)))
+
+
+def renamed_state(data: bytes, old: str, new: str, *, outside: tuple[str, ...] = (), constant: bool = False) -> bytes:
+    """`data` with state `old` renamed to `new` everywhere it is named (the signature, its
+    tensor record, state.safetensors), optionally made a constant tensor or put outside the tree."""
+    import safetensors.torch
+
+    members = members_of(data)
+    program = json.loads(members["program.json"])
+    sig = program["signature"]
+    for spec in (*sig["inputs"], *sig["outputs"]):
+        if spec["target"] == old:
+            spec["target"] = new
+            if constant and spec in sig["inputs"]:
+                spec.update(kind="constant_tensor", persistent=None)
+    group = "constants" if constant else "state"
+    record = program["tensors"]["state"].pop(old)
+    program["tensors"][group][new] = record
+    sig["outside_tree"], sig["state_order"] = list(outside), []
+    state = safetensors.torch.load(members["state.safetensors"])
+    tensors = {"state": state, "constants": safetensors.torch.load(members["constants.safetensors"])}
+    tensors[group][new] = state.pop(old)
+    members.update({"program.json": json.dumps(program).encode(),
+                    "state.safetensors": safetensors.torch.save(tensors["state"]),
+                    "constants.safetensors": safetensors.torch.save(tensors["constants"])})
+    return zip_of(checksummed(members))
+
+
+def name_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    """Every name a file supplies that reaches generated code or an attribute."""
+    kwargs, state, data = bases["kwargs"], bases["buffer_mutation"], bases["autograd_functions"]
+    yield Attack("names", "keyword names that close a string literal (the issue's file)", inject_kwargs(kwargs, list(INJECTED_KWARGS)),
+                 ("signature in_spec", "is not a Python identifier"))
+    for name, why in (("lambda", "is a Python keyword"), ("self", "a name the generated code uses itself"),
+                      ("torch", "a name the generated code uses itself"), ("x y", "is not a Python identifier"), (3, "is not a Python identifier")):
+        yield Attack("names", f"keyword name {name!r}", inject_kwargs(kwargs, [name, "scale"]), ("signature in_spec", why))
+    yield Attack("names", "a keyword name twice", inject_kwargs(kwargs, ["mask", "mask"]), ("signature in_spec", "a parameter twice"))
+    yield Attack("names", "an input spec that is not (args, kwargs)", edited(kwargs, lambda p: p["signature"]["in_spec"].update(type="builtins:list")),
+                 ("signature in_spec", "is not (positional arguments, keyword arguments)"))
+    for attribute in ("forward", "training", "_compiled_call_impl", "graph", "_parameters", "__class__", "call_contract", "meta"):
+        yield Attack("names", f"a buffer named {attribute}", renamed_state(state, "count", attribute),
+                     ("signature inputs", f"state {attribute!r}", "is an attribute ep.module() has of its own" if not attribute.startswith("__") else "starts with '__'"))
+        yield Attack("names", f"a constant named {attribute}", renamed_state(state, "count", attribute, constant=True), ("signature inputs", f"state {attribute!r}"))
+    yield Attack("names", "a container outside the tree named _compiled_call_impl",
+                 renamed_state(state, "count", "_compiled_call_impl.count", outside=("_compiled_call_impl",)),
+                 ("signature inputs", "'_compiled_call_impl' is an attribute ep.module() has"))
+    yield Attack("names", "a nested state named forward", renamed_state(state, "count", "inner.forward"),
+                 ("signature inputs", "'forward' is an attribute a module has of its own"))
+    payload = f'w"),__import__("os").system("touch {MARKER}"),getattr(self,"w'
+    yield Attack("names", "a state name that closes getattr's quotes", renamed_state(state, "count", payload),
+                 ("signature inputs", "is not a Python identifier"))
+    yield Attack("names", "a state under another state", renamed_state(state, "count", "total.count"), ("signature inputs", "lies under another state"))
+    yield Attack("names", "a state named like a subgraph", renamed_state(state, "count", "_constant_total"), ("signature inputs", "takes a name ep.module() gives"))
+    for name in ("forward", "training", "graph", "class"):
+        yield Attack("names", f"a subgraph named {name}", edited(data, lambda p, name=name: _rename_subgraph(p, "grad_region_0", name)),
+                     ("graph module <root>", f"{name!r}"))
+    yield Attack("names", "a held tensor named training", renamed_held(bases["graph_tensors"], "_tensor_constant1", "training"),
+                 ("graph module <root>", "'training' is not a valid attribute name"))
+    for name in ("class", "G(os)", "__init__"):
+        yield Attack("names", f"a class named {name!r}", edited(data, lambda p, name=name: module_of(p, "grad_region_0").update(class_name=name)),
+                     ("graph module grad_region_0", "is not a valid name"))
+    yield Attack("names", "a node keyword that is a keyword", edited(data, lambda p: node(p, "mul").update(kwargs={"lambda": 1})),
+                 ("(mul)", "'lambda' is a Python keyword"))
+    yield Attack("names", "a node named with a keyword", edited(data, lambda p: _rename_node(p, "mul", "return")),
+                 ("'return' is not a valid, unique node name",))
+
+
+def _rename_subgraph(program: dict, old: str, new: str) -> None:
+    for entry in program["graph_module"]["submodules"]:
+        if entry["name"] == old:
+            entry["name"] = new
+    node(program, old).update(name=new, target=new)
+    _replace_refs(program["graph_module"]["nodes"], old, new)
+
+
+def renamed_held(data: bytes, old: str, new: str) -> bytes:
+    """`data` with the root graph's tensor `old` renamed (its node, record and data)."""
+    import safetensors.torch
+
+    members = members_of(data)
+    program = json.loads(members["program.json"])
+    module = program["graph_module"]
+    next(t for t in module["tensors"] if t["name"] == old)["name"] = new
+    node(program, old).update(name=new, target=new)
+    _replace_refs(module["nodes"], old, new)
+    graph = program["tensors"]["graph"]
+    graph[new] = graph.pop(old)
+    tensors = safetensors.torch.load(members["graph.safetensors"])
+    tensors[new] = tensors.pop(old)
+    members.update({"program.json": json.dumps(program).encode(), "graph.safetensors": safetensors.torch.save(tensors)})
+    return zip_of(checksummed(members))
+
+
+def _rename_node(program: dict, old: str, new: str) -> None:
+    node(program, old)["name"] = new
+    _replace_refs(program["graph_module"]["nodes"], old, new)
+
+
+def _replace_refs(value, old: str, new: str):
+    """Every `{"node": old}` reference in a JSON tree, renamed."""
+    if isinstance(value, dict):
+        if value.get("node") == old and len(value) == 1:
+            value["node"] = new
+        for item in value.values():
+            _replace_refs(item, old, new)
+    elif isinstance(value, list):
+        for item in value:
+            _replace_refs(item, old, new)
+
+
 ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[Attack]]] = {
     "io": io_attacks,
     "unsafe_constructor": unsafe_constructor_attacks,
@@ -406,6 +529,7 @@ ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[A
     "duplicate_key": duplicate_key_attacks,
     "compression_bomb": compression_bomb_attacks,
     "registration": registration_attacks,
+    "names": name_attacks,
 }
 
 

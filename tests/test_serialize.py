@@ -369,6 +369,53 @@ signature in_spec[0][0]: the program names 'Batch' from module 'test_export', wh
         self.assertIn("placeholders ['x'] differ from the signature's inputs", load_error(rewrite(self.data, dropped_input)))
 
 
+def test_keyword_names_in_a_file_never_run_code(tmp_path):
+    """Issue 21's file: two keyword names that close and reopen the string literal FX writes
+    for `ep.module()`'s keyword dict.  Before the names were checked, `load` accepted it and
+    `module()` ran the file's code while compiling; now `load` refuses it by name."""
+    import load_attacks
+
+    marker = tmp_path / "ran"
+    names = [f'a=__import__("os").system("touch {marker}"), b="""', "):\n    pass\n#"]
+    message = load_error(load_attacks.inject_kwargs(saved(export_case("kwargs")[0]), names))
+    assert "signature in_spec: keyword argument: 'a=__import__" in message and "is not a Python identifier" in message
+    assert not marker.exists()
+
+
+def test_state_names_never_replace_the_modules_own_attributes():
+    """A state named like an attribute `ep.module()` has of its own would replace it when
+    installed (a constant tensor named `forward` or `_compiled_call_impl`): refused at load."""
+    import load_attacks
+
+    data = saved(export_case("buffer_mutation")[0])
+    for name in ("forward", "_compiled_call_impl", "training"):
+        message = load_error(load_attacks.renamed_state(data, "count", name, constant=True))
+        assert f"state {name!r}: {name!r} is an attribute ep.module() has of its own" in message, message
+    assert "'forward' is an attribute a module has of its own" in load_error(load_attacks.renamed_state(data, "count", "inner.forward"))
+    loaded = predispatch.load(io.BytesIO(load_attacks.renamed_state(data, "count", "layers.0.count")))  # a Sequential's index is fine
+    assert "layers.0.count" in loaded.module().state_dict()
+
+
+class BitOps(nn.Module):
+    """What Hugging Face attention masks trace to: `aten.__and__.Tensor`, `__or__`, `__xor__`,
+    `__lshift__`, `__rshift__` (issue 26)."""
+
+    def forward(self, a, b, mask):
+        return (a & b) | (a ^ b), a << 2, b >> 1, mask & (a > 1), (mask | (b > 2)) ^ mask
+
+
+def test_dunder_ops_of_the_allow_list_load():
+    """`_resolve_target` refused every `__` op name before the allow list; the allow list's
+    own dunder packets now resolve (other dunders still never reach `getattr`)."""
+    args = (torch.tensor([1, 2, 3, 12]), torch.tensor([3, 3, 1, 5]), torch.tensor([True, False, True, False]))
+    ep = predispatch.export(BitOps(), args)
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert {"aten.__and__.Tensor", "aten.__or__.Tensor", "aten.__xor__.Tensor", "aten.__lshift__.Scalar", "aten.__rshift__.Scalar"} <= targets
+    loaded = predispatch.load(io.BytesIO(saved(ep)))
+    assert_same_tree(loaded.module()(*args), BitOps()(*args))
+    assert str(loaded) == str(ep)
+
+
 def test_custom_op_namespace_is_opt_in():
     @torch.library.custom_op("pdtest::double", mutates_args=())
     def double(x: torch.Tensor) -> torch.Tensor:
@@ -577,7 +624,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 ATTACK_CLASSES = (
     "io", "unsafe_constructor", "mutable", "global_state", "uninitialised", "output_type_lie",
-    "hop_operand_lie", "duplicate_key", "compression_bomb", "registration",
+    "hop_operand_lie", "duplicate_key", "compression_bomb", "registration", "names",
 )
 
 

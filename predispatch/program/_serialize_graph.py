@@ -31,6 +31,7 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch import ops  # noqa: F401 - registers predispatch::keep_history, which graphs call
 from predispatch.errors import SerializationError
+from predispatch.program import names as naming
 from predispatch.program._serialize_values import Refs, decode, encode, expect, short
 from predispatch.trace.decompose import op_name
 
@@ -89,7 +90,7 @@ def _resolve_target(name: Any, where: str, namespaces: tuple[str, ...]) -> Any:
     parts = name.split(".")
     if len(parts) == 2 and parts[0] == "higher_order" and parts[1] in HIGHER_ORDER_OPS:
         return HIGHER_ORDER_OPS[parts[1]]()
-    if len(parts) == 3 and parts[0] in namespaces and all(_IDENTIFIER.match(p) and not p.startswith("__") for p in parts):
+    if len(parts) == 3 and parts[0] in namespaces and all(_IDENTIFIER.match(p) for p in parts) and _lookup_allowed(*parts):
         op = _lookup_op(*parts)
         if op is None:
             raise SerializationError(
@@ -103,6 +104,18 @@ def _resolve_target(name: Any, where: str, namespaces: tuple[str, ...]) -> Any:
         f"namespaces {list(namespaces)}, higher-order ops {sorted(HIGHER_ORDER_OPS)}, and {sorted(PYTHON_CALLABLES)}.",
         fix="for custom ops of a library you trust, import it and pass load(..., op_namespaces=('mylib',)).",
     )
+
+
+def _lookup_allowed(namespace: str, name: str, overload: str) -> bool:
+    """Whether a name may be looked up on `torch.ops` at all.  A `__` name is looked up only
+    when it is an op packet the allow list decides (`aten.__and__`, what `a & b` on tensors
+    traces to): `getattr` of any other dunder on torch's namespaces reaches Python's own
+    attributes (`aten.__class__`), not the op registry."""
+    from predispatch.program.op_allowlist import is_known_packet
+
+    if overload.startswith("__"):
+        return False
+    return not (namespace.startswith("__") or name.startswith("__")) or is_known_packet(f"{namespace}.{name}")
 
 
 def _lookup_op(namespace: str, name: str, overload: str) -> torch._ops.OpOverload | None:
@@ -210,7 +223,7 @@ def decode_module(data: Any, path: str, loading: GraphLoading) -> fx.GraphModule
     gm = fx.GraphModule(nn.Module(), fx.Graph(), class_name=class_name)
     for entry in expect(data.get("submodules"), list, where):
         name = expect(expect(entry, dict, where).get("name"), str, where)
-        check_identifier(name, where)
+        check_attribute(name, where)
         gm.add_module(name, decode_module(entry.get("module"), f"{path}.{name}".lstrip("."), loading))
     for entry in expect(data.get("tensors"), list, where):
         _hold_tensor(gm, expect(entry, dict, where), path, loading, where)
@@ -220,7 +233,7 @@ def decode_module(data: Any, path: str, loading: GraphLoading) -> fx.GraphModule
 
 def _hold_tensor(gm: fx.GraphModule, entry: dict, path: str, loading: GraphLoading, where: str) -> None:
     name = expect(entry.get("name"), str, where)
-    check_identifier(name, where)
+    check_attribute(name, where)
     tensor = loading.graph_tensors.get(f"{path}.{name}".lstrip("."))
     if tensor is None:
         raise SerializationError(f"{where}: tensor {name!r} is not in graph.safetensors.")
@@ -231,8 +244,22 @@ def _hold_tensor(gm: fx.GraphModule, entry: dict, path: str, loading: GraphLoadi
 
 
 def check_identifier(name: str, where: str) -> None:
-    if not _IDENTIFIER.match(name) or name.startswith("__"):
-        raise SerializationError(f"{where}: {short(name)} is not a valid attribute name.")
+    """A name FX pastes into code: an identifier, not a keyword, not Python's own `__x`
+    (Note [Names that reach code] in names.py)."""
+    why = naming.identifier_problem(name) if _IDENTIFIER.match(name) else f"{short(name)} is not an identifier"
+    if why is None and name.startswith("__"):
+        why = f"{name!r} starts with '__'"
+    if why:
+        raise SerializationError(f"{where}: {short(name)} is not a valid name ({why}).")
+
+
+def check_attribute(name: str, where: str) -> None:
+    """A subgraph or graph tensor name: also never an attribute a graph module has of its own
+    (`forward`, `training`, `graph`), which installing it would replace."""
+    check_identifier(name, where)
+    why = naming.attribute_problem(name, root=True)
+    if why:
+        raise SerializationError(f"{where}: {short(name)} is not a valid attribute name ({why}).")
 
 
 def _decode_graph(records: Any, gm: fx.GraphModule, where: str, loading: GraphLoading) -> fx.Graph:

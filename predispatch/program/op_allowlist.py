@@ -211,6 +211,11 @@ def _registered() -> frozenset[str]:
     return ti.dispatcher_op_names()
 
 
+def is_known_packet(name: str) -> bool:
+    """Whether the table decides packet `name` (`aten.__and__`), allowed or refused."""
+    return name in _family_of_packet()
+
+
 def decide(op: torch._ops.OpOverload, extra_namespaces: tuple[str, ...] = (), *, stored: bool = True) -> Decision:
     """May `op` appear in a program?  Its packet's family first, then its own schema.
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import keyword
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +36,7 @@ from predispatch import _torch_internals as ti
 from predispatch.frontend.reachable import in_tree
 from predispatch.passes import inline_subgraphs
 from predispatch.program import interop, runner
+from predispatch.program.names import argument_names
 from predispatch.program.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
 from predispatch.program.modes import set_exported_modes
 from predispatch.program.signature import InputKind
@@ -44,10 +44,6 @@ from predispatch.program.writes import WritePlan, plan_writes
 
 if TYPE_CHECKING:
     from predispatch.program.exported_program import ExportedProgram
-
-#: Names the generated code uses as globals; a positional parameter must not shadow them.
-_RESERVED = frozenset({"self", "torch", "fx_pytree", "pytree", "inf", "nan", "NoneType", "device", "math"})
-
 
 def module_of(ep: ExportedProgram) -> ProgramModule:
     """Build `ep.module()`; see the module docstring."""
@@ -67,7 +63,7 @@ def module_of(ep: ExportedProgram) -> ProgramModule:
         if isinstance(gm, fx.GraphModule):
             _lift_region_constants(gm)
             _call_functions_through_runner(gm, top=gm is source)
-    graph._codegen = ti.PyTreeCodeGen(ti.PyTreeInfo(_argument_names(ep), sig.in_spec, sig.out_spec))
+    graph._codegen = ti.PyTreeCodeGen(ti.PyTreeInfo(argument_names(sig.in_spec, sig.arg_names), sig.in_spec, sig.out_spec))
     module = ProgramModule(nn.Module(), fx.Graph())
     _install_state(module, ep)
     _install_subgraphs(module, source)
@@ -206,25 +202,6 @@ def _call_functions_through_runner(gm: fx.GraphModule, *, top: bool) -> None:
             node.target = runner.run_autograd_function
     if not top:  # the top graph's code is generated once, by the module
         gm.recompile()
-
-
-def _argument_names(ep: ExportedProgram) -> list[str]:
-    """The parameters of the generated `forward`: positional names, then keyword names.
-
-    Keyword names are the call's keys; a positional name that is not a usable parameter (or
-    would shadow a global of the generated code) becomes `arg_<i>`.
-    """
-    in_spec, names = ep.signature.in_spec, list(ep.signature.arg_names)
-    count = in_spec.child(0).num_children
-    if len(names) != count:
-        names = [f"arg_{i}" for i in range(count)]
-    keywords = list(in_spec.child(1).context)
-    usable = [n if _usable(n) and n not in keywords else f"arg_{i}" for i, n in enumerate(names)]
-    return usable + keywords
-
-
-def _usable(name: str) -> bool:
-    return name.isidentifier() and not keyword.iskeyword(name) and name not in _RESERVED
 
 
 def _identifier(path: str) -> str:

@@ -38,6 +38,7 @@ import torch
 from torch import fx, nn
 
 from predispatch.errors import SerializationError
+from predispatch.program import names as naming
 from predispatch.program._serialize_values import STORED_DEVICE_TYPES
 from predispatch.program.op_allowlist import decide
 from predispatch.program.signature import MUTATION_KINDS, ExportSignature, InputKind, state_names
@@ -483,6 +484,42 @@ def _output_problems(ep: ExportedProgram) -> Iterator[Problem]:
         yield Problem("signature output_leaves", "the output spec, output leaves and user outputs disagree")
 
 
+#: Root attribute names `ep.module()` gives its own objects (unlift.py, runner.py): a state
+#: or subgraph of the file must not take them.
+_BUILDER_PREFIXES = ("_constant_", "_lifted_", "_live_root", "_state_dict_owner")
+
+
+def _name_problems(ep: ExportedProgram) -> Iterator[Problem]:
+    """Every name `ep.module()` compiles or installs is safe there (Note [Names that reach
+    code] in names.py): keyword names, state names, and no two things at one attribute."""
+    sig = ep.signature
+    for why in naming.call_spec_problems(sig.in_spec, sig.arg_names):
+        yield Problem("signature in_spec", why)
+    fqns = state_names(sig.inputs)
+    for fqn in fqns:
+        for why in naming.state_name_problems(fqn):
+            yield Problem("signature inputs", why)
+    yield from _collision_problems(ep, fqns)
+
+
+def _collision_problems(ep: ExportedProgram, fqns: tuple[str, ...]) -> Iterator[Problem]:
+    """No state is named twice or lies under another state (`a` and `a.b`), and no state's
+    first part is a subgraph's or graph tensor's name or one the builder uses itself."""
+    where = "signature inputs"
+    if len(set(fqns)) != len(fqns):
+        yield Problem(where, f"a state name appears twice: {sorted(n for n in set(fqns) if fqns.count(n) > 1)[:3]}")
+    paths = set(fqns)
+    for fqn in fqns:
+        parts = fqn.split(".") if isinstance(fqn, str) else []
+        owners = [".".join(parts[:i]) for i in range(1, len(parts))]
+        if any(owner in paths for owner in owners):
+            yield Problem(where, f"state {fqn!r} lies under another state of the program")
+    held = {*ep.graph_module._modules, *ep.graph_module._parameters, *ep.graph_module._buffers}
+    for head in {fqn.split(".")[0] for fqn in fqns if isinstance(fqn, str)}:
+        if head in held or head.startswith(_BUILDER_PREFIXES):
+            yield Problem(where, f"state {head!r} takes a name ep.module() gives a subgraph or graph tensor")
+
+
 def program_problems(ep: ExportedProgram, *, op_namespaces: tuple[str, ...] = (), stored: bool = False) -> list[Problem]:
     """Every way `ep` breaks the IR contract ([] for a good program).
 
@@ -492,6 +529,7 @@ def program_problems(ep: ExportedProgram, *, op_namespaces: tuple[str, ...] = ()
     problems = graph_problems(ep.graph_module, op_namespaces=op_namespaces, stored=stored)
     problems += list(_signature_problems(ep))
     if stored:
+        problems += list(_name_problems(ep))
         for group, tensors in (("state_dict", ep.state_dict), ("constants", ep.constants)):
             problems += [Problem(f"{group}[{name!r}]", why) for name, t in tensors.items() for why in stored_tensor_problems(t)]
     return problems
