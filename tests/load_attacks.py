@@ -300,6 +300,42 @@ def hop_operand_lie_attacks(bases: dict[str, bytes], rng: random.Random) -> Iter
                  ("node autograd_function_apply", "argument 1 must be a subgraph"))
 
 
+def function_structure_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    """An `autograd_function_apply` whose graphs do not fit together (issue 21): each used to
+    load and fail at backward with a raw error."""
+    data = bases["autograd_functions"]
+    fwd, bwd, apply = "setup_context_linear_fwd_0", "setup_context_linear_bwd_0", "autograd_function_apply_1"
+
+    def placeholders(p, path):
+        return [n for n in module_of(p, path)["nodes"] if n["op"] == "placeholder"]
+
+    def drop_placeholder(p):
+        nodes = module_of(p, bwd)["nodes"]
+        nodes.remove(placeholders(p, bwd)[-1])
+        _replace_refs(nodes, "saved_weight", "saved_x")
+
+    yield Attack("function_structure", "a backward that takes one value too few", edited(data, drop_placeholder),
+                 (f"node {apply}", "its backward 'setup_context_linear_bwd_0' takes 2 values; forward gives 1 gradients and 2 saved values"))
+    yield Attack("function_structure", "a backward that returns one gradient too few",
+                 edited(data, lambda p: node(p, "output", bwd).update(args=[{"tuple": [{"node": "matmul"}]}])),
+                 (f"node {apply}", "must return one gradient or None per operand (2)"))
+    yield Attack("function_structure", "a backward that returns a string",
+                 edited(data, lambda p: node(p, "output", bwd).update(args=[{"tuple": ["g", {"node": "matmul"}]}])),
+                 (f"node {apply}", "must return one gradient or None per operand"))
+    yield Attack("function_structure", "saved indices past the saved values",
+                 edited(data, lambda p: node(p, apply)["kwargs"].update(saved_for_backward_idx=[0, 7])),
+                 (f"node {apply}", "keyword 'saved_for_backward_idx' is [0, 7]: distinct indices below 2 expected"))
+    yield Attack("function_structure", "a non-differentiable index past the outputs",
+                 edited(data, lambda p: node(p, apply)["kwargs"].update(non_differentiable_idx=[3])),
+                 (f"node {apply}", "'non_differentiable_idx'", "below 1"))
+    yield Attack("function_structure", "a forward that returns its outputs only",
+                 edited(data, lambda p: node(p, "output", fwd).update(args=[{"tuple": [{"node": "matmul"}]}])),
+                 (f"node {apply}", "must return ((*outputs), (*saved))"))
+    yield Attack("function_structure", "a getitem past a multi-output value",
+                 edited(data, lambda p: node(p, "round_1").update(args=[{"node": "autograd_function_apply"}, 5])),
+                 ("node round_1", "calls getitem with arguments"))
+
+
 def _inject_duplicate(text: bytes, needle: bytes, duplicate: bytes) -> bytes:
     assert needle in text, needle
     return text.replace(needle, needle + duplicate, 1)
@@ -530,6 +566,7 @@ ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[A
     "compression_bomb": compression_bomb_attacks,
     "registration": registration_attacks,
     "names": name_attacks,
+    "function_structure": function_structure_attacks,
 }
 
 

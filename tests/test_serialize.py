@@ -485,6 +485,50 @@ def test_dynamic_shape_expressions_run_no_code(expression):
     assert "is not a size expression" in load_error(rewrite(saved(ep), edit))
 
 
+class Concatenated(nn.Module):
+    def forward(self, x, y):
+        return torch.cat([x, y], 0)
+
+
+@pytest.mark.parametrize("size, why", [
+    ("FloorDiv(SYM, 2)", "calls FloorDiv, which an input size may not"),
+    ("Mod(SYM, 0)", "divides by something other than a positive integer"),
+    ("SYM // 0", "divides by something other than a positive integer"),
+    ("SYM % SYM", "divides by something other than a positive integer"),
+    ("Max()", "calls Max/Min with no argument"),
+    ("2*SYM + s99", "is not a size expression over the program's symbols"),
+])
+def test_input_size_expressions_a_call_cannot_evaluate_are_refused(size, why):
+    """Issue 21: the grammar accepted input sizes the call check (sympy, at every call) cannot
+    evaluate; the file loaded and every call raised a raw TypeError or ZeroDivisionError."""
+    from torch.export import Dim
+
+    batch = Dim("batch", min=2, max=64)
+    ep = predispatch.export(Concatenated(), (torch.randn(3, 4), torch.randn(6, 4)), dynamic_shapes=({0: batch}, {0: 2 * batch}))
+    (symbol, _, _), = ep.signature.shapes.ranges
+
+    def edit(program, manifest):
+        program["signature"]["shapes"]["input_shapes"]["tuple"][1]["tuple"][0] = size.replace("SYM", symbol)
+
+    assert why in load_error(rewrite(saved(ep), edit))
+
+
+def test_input_size_over_a_symbol_no_input_binds_is_refused():
+    """A derived size over a declared symbol that no input dimension gives a value."""
+    from torch.export import Dim
+
+    batch = Dim("batch", min=2, max=64)
+    ep = predispatch.export(Concatenated(), (torch.randn(3, 4), torch.randn(6, 4)), dynamic_shapes=({0: batch}, {0: 2 * batch}))
+    (symbol, _, _), = ep.signature.shapes.ranges
+
+    def edit(program, manifest):
+        shapes = program["signature"]["shapes"]
+        shapes["ranges"]["tuple"].append({"tuple": ["s5", 2, 8]})
+        shapes["input_shapes"]["tuple"][1]["tuple"][0] = f"{symbol} + s5"
+
+    assert "uses ['s5'], which no input dimension gives a value" in load_error(rewrite(saved(ep), edit))
+
+
 def test_missing_path_is_an_os_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         predispatch.load(tmp_path / "nothing.pd")
@@ -625,6 +669,7 @@ ROOT = os.path.dirname(TESTS)
 ATTACK_CLASSES = (
     "io", "unsafe_constructor", "mutable", "global_state", "uninitialised", "output_type_lie",
     "hop_operand_lie", "duplicate_key", "compression_bomb", "registration", "names",
+    "function_structure",
 )
 
 

@@ -110,6 +110,8 @@ class HopConvention:
         placeholders must match the operands' count).
     packed: the operands are one tuple argument after `leading` (`cond`), not spread.
     inner_op: index in `leading` of an op the HOP calls (`with_effects`), itself checked.
+    structure: further checks of how its subgraphs fit together (`autograd_function_apply`:
+        what forward returns, what backward takes and returns), yielding why not.
     reason: why programs hold this HOP.
     """
 
@@ -120,6 +122,38 @@ class HopConvention:
     bodies: tuple[int, ...] = ()
     packed: bool = False
     inner_op: int | None = None
+    structure: Callable[[fx.Node, fx.GraphModule], Iterator[str]] | None = None
+
+
+def _returned(gm: Any) -> Any:
+    """What a subgraph's output node returns (its one argument), or None."""
+    outputs = gm.graph.find_nodes(op="output") if isinstance(gm, fx.GraphModule) else []
+    return outputs[0].args[0] if len(outputs) == 1 and outputs[0].args else None
+
+
+def _function_structure(node: fx.Node, gm: fx.GraphModule) -> Iterator[str]:
+    """An `autograd_function_apply`'s pair of graphs fit: forward returns `((*outputs),
+    (*saved))`; backward takes one gradient per output, then the saved values, and returns one
+    gradient (or None) per operand; the index lists point into outputs and saved values.
+    Without this a crafted pair loads and fails at backward with a raw error."""
+    fwd, bwd = (_held(gm, a.target) if _is_subgraph(a, gm) else None for a in node.args[:2])
+    if fwd is None or bwd is None:
+        return  # reported by the argument kinds
+    returned = _returned(fwd)
+    if not (isinstance(returned, (tuple, list)) and len(returned) == 2 and all(isinstance(r, (tuple, list)) for r in returned)):
+        yield f"its forward {node.args[0].target!r} must return ((*outputs), (*saved)), not {_describe(returned)}"
+        return
+    outputs, saved = map(len, returned)
+    takes = len(bwd.graph.find_nodes(op="placeholder"))
+    if takes != outputs + saved:
+        yield f"its backward {node.args[1].target!r} takes {takes} values; forward gives {outputs} gradients and {saved} saved values"
+    grads, operands = _returned(bwd), len(node.args) - 2
+    if not isinstance(grads, (tuple, list)) or len(grads) != operands or not all(g is None or isinstance(g, fx.Node) for g in grads):
+        yield f"its backward {node.args[1].target!r} must return one gradient or None per operand ({operands}), not {_describe(grads)}"
+    for key, count in (("non_differentiable_idx", outputs), ("saved_for_backward_idx", saved)):
+        indices = node.kwargs.get(key)
+        if isinstance(indices, (list, tuple)) and (len(set(indices)) != len(indices) or any(type(i) is not int or not 0 <= i < count for i in indices)):
+            yield f"keyword {key!r} is {list(indices)}: distinct indices below {count} expected"
 
 
 #: The higher-order ops a program may call, by `hop.name()`, and their calling conventions.
@@ -131,7 +165,7 @@ HOP_CONVENTIONS: dict[str, HopConvention] = {
         "an autocast region: runs its subgraph under torch.autocast, for that scope only", bodies=(4,)),
     "autograd_function_apply": HopConvention(
         ("subgraph", "subgraph"), ("node",), "a custom autograd.Function: forward and backward subgraphs",
-        kwargs={"non_differentiable_idx": "ints", "saved_for_backward_idx": "ints"}, bodies=(0,)),
+        kwargs={"non_differentiable_idx": "ints", "saved_for_backward_idx": "ints"}, bodies=(0,), structure=_function_structure),
     "invoke_subgraph": HopConvention(
         ("subgraph", "str"), ("node", "int", "none"), "a repeated block: one subgraph called at each repetition", bodies=(0,)),
     "with_effects": HopConvention(
@@ -170,6 +204,8 @@ def _hop_problems(node: fx.Node, gm: fx.GraphModule, convention: HopConvention, 
             arity = len(_held(gm, args[index].target).graph.find_nodes(op="placeholder"))
             if arity != len(operands):
                 yield f"{name} passes {len(operands)} operands to subgraph {args[index].target!r}, which takes {arity}"
+    if convention.structure is not None:
+        yield from convention.structure(node, gm)
     if convention.inner_op is not None and isinstance(args[convention.inner_op], torch._ops.OpOverload):
         decision = decide(args[convention.inner_op], namespaces, stored=stored)
         if not decision.allowed:
@@ -191,7 +227,12 @@ def _describe(value: Any) -> str:
 
 
 def _getitem_args(node: fx.Node) -> bool:
-    return len(node.args) == 2 and not node.kwargs and isinstance(node.args[0], fx.Node) and type(node.args[1]) is int
+    """`source[i]`, with `i` inside the source's value when that is a tuple or list (a
+    multi-output op's, a HOP's): an index past it would fail at every call."""
+    if len(node.args) != 2 or node.kwargs or not isinstance(node.args[0], fx.Node) or type(node.args[1]) is not int:
+        return False
+    value = _val(node.args[0])
+    return not isinstance(value, (tuple, list)) or -len(value) <= node.args[1] < len(value)
 
 
 def _scalar_args(node: fx.Node) -> bool:
