@@ -554,6 +554,28 @@ def _replace_refs(value, old: str, new: str):
             _replace_refs(item, old, new)
 
 
+# --------------------------------------------------------------------------- cost (issue 21)
+
+
+def nested_regions(data: bytes, depth: int) -> bytes:
+    """`data` (the `region_detached_double` program) with its grad region nested `depth`
+    times: each region's body calls the next region, the innermost doubles."""
+    import copy as _copy
+
+    members = members_of(data)
+    program = json.loads(members["program.json"])
+    root = program["graph_module"]
+    inner = root["submodules"][0]["module"]
+    wrapper = {**_copy.deepcopy(root), "class_name": "grad_region_0"}
+    wrapper["nodes"] = [n for n in wrapper["nodes"] if n["name"] != "add"]
+    wrapper["nodes"][-1]["args"] = [{"tuple": [{"node": "mul"}]}]
+    for level in range(depth - 1):
+        inner = {**_copy.deepcopy(wrapper), "submodules": [{"name": "grad_region_0", "module": inner}]}
+    root["submodules"][0]["module"] = inner
+    members["program.json"] = json.dumps(program).encode()
+    return zip_of(checksummed(members))
+
+
 ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[Attack]]] = {
     "io": io_attacks,
     "unsafe_constructor": unsafe_constructor_attacks,

@@ -529,6 +529,57 @@ def test_input_size_over_a_symbol_no_input_binds_is_refused():
     assert "uses ['s5'], which no input dimension gives a value" in load_error(rewrite(saved(ep), edit))
 
 
+def _recompiles(monkeypatch) -> list:
+    """Every `GraphModule.recompile` call from now on (FX recompiles descendants recursively)."""
+    calls, original = [], torch.fx.GraphModule.recompile
+
+    def counted(self):
+        calls.append(self)
+        return original(self)
+
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", counted)
+    return calls
+
+
+def test_nesting_deeper_than_the_bound_is_refused_quickly():
+    """Issue 21: 100 nested regions (a 134 KB program.json) took 15 s to load, 49 s for
+    `module()`, then a raw RecursionError at the call.  A file nests at most
+    MAX_SUBGRAPH_DEPTH deep; a deeper one is refused before its graphs are built."""
+    import load_attacks
+
+    from predispatch.program.verify import MAX_SUBGRAPH_DEPTH
+
+    data = load_attacks.nested_regions(saved(export_case("region_detached_double")[0]), 100)
+    start = time.monotonic()
+    message = load_error(data)
+    assert time.monotonic() - start < 5
+    assert f"subgraphs nest more than {MAX_SUBGRAPH_DEPTH} deep" in message
+
+
+def test_load_and_module_cost_grows_linearly_with_nesting(monkeypatch):
+    """Load compiles each graph once (it compiled each level's whole subtree again: depth^2
+    compiles, 561 at depth 32); `module()` walks each region body once (it walked every body
+    below each level, recompiling as it went: cubic).  Programs at the bound load and run."""
+    import load_attacks
+
+    from predispatch.program.verify import MAX_SUBGRAPH_DEPTH
+
+    base = saved(export_case("region_detached_double")[0])
+    counts = {}
+    for depth in (MAX_SUBGRAPH_DEPTH // 2, MAX_SUBGRAPH_DEPTH):
+        data = load_attacks.nested_regions(base, depth)
+        calls = _recompiles(monkeypatch)
+        loaded = predispatch.load(io.BytesIO(data))
+        assert len(calls) <= 2 * (depth + 1) + 1  # per graph module: its empty graph at construction, then its own
+        calls.clear()
+        module = loaded.module()
+        counts[depth] = len(calls)
+        x = torch.randn(3)
+        assert torch.equal(module(x), x + x * 2)
+        monkeypatch.undo()
+    assert counts[MAX_SUBGRAPH_DEPTH] < 4.5 * counts[MAX_SUBGRAPH_DEPTH // 2], counts  # quadratic at most (was cubic)
+
+
 def test_missing_path_is_an_os_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         predispatch.load(tmp_path / "nothing.pd")

@@ -33,6 +33,7 @@ from predispatch import ops  # noqa: F401 - registers predispatch::keep_history,
 from predispatch.errors import SerializationError
 from predispatch.program import names as naming
 from predispatch.program._serialize_values import Refs, decode, encode, expect, short
+from predispatch.program.verify import MAX_SUBGRAPH_DEPTH
 from predispatch.trace.decompose import op_name
 
 
@@ -214,9 +215,31 @@ class GraphLoading:
     symbols: Any = None  # the program's SymbolTable: symbolic sizes in node meta (_serialize_shapes.py)
 
 
+def decode_program_module(data: Any, loading: GraphLoading) -> fx.GraphModule:
+    """The root graph module and every subgraph, compiled once (Note [Load cost])."""
+    gm = decode_module(data, "", loading)
+    gm.recompile()  # compiles every descendant too, each once
+    return gm
+
+
 def decode_module(data: Any, path: str, loading: GraphLoading) -> fx.GraphModule:
-    """Subgraphs first, then the tensors held, then the graph; attributes in the saved order."""
+    """Subgraphs first, then the tensors held, then the graph; attributes in the saved order.
+
+    Note [Load cost]
+    ----------------
+    FX's `recompile` recompiles every descendant graph module, so assigning `gm.graph` at each
+    level (which recompiles) costs depth x size: a 100-deep file took 15 s.  Decoding attaches
+    each graph without compiling it, and `decode_program_module` compiles the whole tree once;
+    depth is bounded by `MAX_SUBGRAPH_DEPTH`.  Nothing runs the stale code in between: the
+    verifier reads graphs, not code.
+    """
     where = f"graph module {path or '<root>'}"
+    if path and path.count(".") + 1 > MAX_SUBGRAPH_DEPTH:
+        raise SerializationError(
+            f"graph module {short(path)}: subgraphs nest more than {MAX_SUBGRAPH_DEPTH} deep; format version 1 reads at most that "
+            "(programs export makes nest a few levels: regions, custom Functions, repeated blocks).",
+            fix="save the program again; a file nesting this deep is damaged or crafted.",
+        )
     data = expect(data, dict, where)
     class_name = expect(data.get("class_name"), str, where)
     check_identifier(class_name, where)
@@ -227,7 +250,8 @@ def decode_module(data: Any, path: str, loading: GraphLoading) -> fx.GraphModule
         gm.add_module(name, decode_module(entry.get("module"), f"{path}.{name}".lstrip("."), loading))
     for entry in expect(data.get("tensors"), list, where):
         _hold_tensor(gm, expect(entry, dict, where), path, loading, where)
-    gm.graph = _decode_graph(data.get("nodes"), gm, where, loading)
+    graph = _decode_graph(data.get("nodes"), gm, where, loading)
+    gm._graph, graph.owning_module = graph, gm  # compiled by decode_program_module: Note [Load cost]
     return gm
 
 

@@ -285,9 +285,18 @@ def _opaque(gm: nn.Module, target: str, stored: bool) -> bool:
     return not stored and "." not in target and type(gm.__dict__.get(target)) in _OPAQUE_ATTRIBUTES
 
 
+#: How deeply subgraphs may nest in a file (a region in a Function's forward in a region ...).
+#: Programs export makes nest a few levels; FX copies and compiles graph modules recursively,
+#: each level costing Python stack and a copy of what lies below, so a stored program nests
+#: at most this deep (Note [Load cost] in _serialize_graph.py; docs/format.md states it).
+MAX_SUBGRAPH_DEPTH = 32
+
+
 def graph_problems(gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), stored: bool = False, path: str = "") -> list[Problem]:
     """Problems of one graph module and of every module it holds (its subgraphs)."""
     where = f"graph module {path or '<root>'}"
+    if stored and path and path.count(".") + 1 > MAX_SUBGRAPH_DEPTH:
+        return [Problem(where, f"subgraphs nest more than {MAX_SUBGRAPH_DEPTH} deep, the most a file holds")]
     problems = [Problem(f"{where}, node {node.name}", why) for node in gm.graph.nodes for why in _node_problems(node, gm, op_namespaces, stored)]
     kinds = [node.op for node in gm.graph.nodes]
     placeholders = kinds.count("placeholder")
