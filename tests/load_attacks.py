@@ -47,6 +47,7 @@ class Attack:
     data: bytes
     expect: tuple[str, ...]
     run_after: bool = True  # if it loads anyway, run the program (a crash must show)
+    args: tuple = ()  # what to run it on (default: one 4x3 tensor)
 
 
 @dataclass
@@ -141,7 +142,8 @@ def _overloads(packet: str) -> list[str]:
 def base_programs() -> dict[str, bytes]:
     from test_serialize import export_case, saved
 
-    return {name: saved(export_case(name)[0]) for name in ("autograd_functions", "buffer_mutation", "graph_tensors", "kwargs")}
+    bases = {name: saved(export_case(name)[0]) for name in ("autograd_functions", "buffer_mutation", "graph_tensors", "kwargs")}
+    return {**bases, "kernels": kernel_program()}
 
 
 # --------------------------------------------------------------------------- attack classes
@@ -150,9 +152,7 @@ def base_programs() -> dict[str, bytes]:
 def _op_attacks(klass: str, family_ops: list[str], why: str, data: bytes, rng: random.Random) -> Iterator[Attack]:
     """Random ops of one refused family, called from a random place: the root graph or a subgraph."""
     places = [("add_2", ""), ("add", "grad_region_0"), ("matmul", "setup_context_linear_fwd_0")]
-    # dunder packets (`__iand__`) are refused before the verifier, by name: no family to name
-    bindable = [op for op in family_ops if not op.split(".")[1].startswith("__")]
-    for op in rng.sample(bindable, min(VARIANTS, len(bindable))):
+    for op in rng.sample(family_ops, min(VARIANTS, len(family_ops))):
         name, path = rng.choice(places)
         args, kwargs = _binding(op, {"node": "x" if not path else node_arg(path)})
         yield Attack(klass, f"{op} in {path or '<root>'}", edited(data, lambda p, op=op, name=name, path=path, a=args, k=kwargs: call(p, name, op, a, path, k)),
@@ -576,6 +576,89 @@ def nested_regions(data: bytes, depth: int) -> bytes:
     return zip_of(checksummed(members))
 
 
+# --------------------------------------------------------------------------- kernels (issue 21)
+
+
+class Kernels(torch.nn.Module):
+    """A joint program of this holds the backward kernels that trust their forward's outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.bn = torch.nn.BatchNorm2d(1)
+        self.gn = torch.nn.GroupNorm(1, 1)
+
+    def forward(self, tokens, image):
+        pooled = torch.nn.functional.max_pool2d(self.gn(self.bn(image)), 2)
+        return (self.norm(self.emb(tokens)).sum() + pooled.sum()).float()
+
+
+KERNEL_ARGS = (torch.tensor([[1, 2, 9]]), torch.ones(2, 1, 4, 4))
+
+
+def kernel_program() -> bytes:
+    torch.manual_seed(0)
+    buffer = io.BytesIO()
+    predispatch.save(predispatch.export(Kernels().train(), KERNEL_ARGS).joint(loss=""), buffer)
+    return buffer.getvalue()
+
+
+def _hostile_indices(p, name: str, like: str, at: str) -> None:
+    """Insert `name`, int64 indices of 2**40 shaped like node `like`, before node `at`."""
+    nodes = module_of(p)["nodes"]
+    index = next(i for i, n in enumerate(nodes) if n["name"] == at)
+    nodes[index:index] = [{"op": "call_function", "name": name, "target": "aten.full_like.default",
+                           "args": [{"node": like}, 1 << 40], "kwargs": {"dtype": {"dtype": "int64"}},
+                           "meta": node(p, like)["meta"]}]
+
+
+def kernel_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    """Kernels fed what their forward never produces (each crashes, corrupts or reads out of
+    bounds when it runs), and every packet a file may not call."""
+    data, args = bases["kernels"], KERNEL_ARGS
+
+    def feed(name, argument, value):
+        return lambda p: node(p, name)["args"].__setitem__(argument, value)
+
+    def hostile_pool(p):
+        _hostile_indices(p, "evil", "getitem_9", "max_pool2d_with_indices_backward")
+        node(p, "max_pool2d_with_indices_backward")["args"][7] = {"node": "evil"}
+
+    yield Attack("kernels", "max_pool2d backward with indices of 2**40 (segfault)", edited(data, hostile_pool),
+                 ("node max_pool2d_with_indices_backward", "its indices must come from a aten.max_pool2d_with_indices call"), args=args)
+    yield Attack("kernels", "max_pool2d backward on another input than its forward", edited(data, feed("max_pool2d_with_indices_backward", 1, {"node": "getitem"})),
+                 ("node max_pool2d_with_indices_backward", "on other self than its forward"), args=args)
+    yield Attack("kernels", "max_pool2d backward with another kernel size", edited(data, feed("max_pool2d_with_indices_backward", 2, [1, 1])),
+                 ("node max_pool2d_with_indices_backward", "on other kernel_size"), args=args)
+    yield Attack("kernels", "layer norm backward reading a one-element mean", edited(data, feed("native_layer_norm_backward", 3, {"node": "getitem_3"})),
+                 ("node native_layer_norm_backward", "its mean, rstd must come from a aten.native_layer_norm call"), args=args)
+    yield Attack("kernels", "layer norm backward with another normalized shape", edited(data, feed("native_layer_norm_backward", 2, [1])),
+                 ("node native_layer_norm_backward", "on other normalized_shape"), args=args)
+    yield Attack("kernels", "group norm backward with statistics of layer norm", edited(data, feed("native_group_norm_backward", 2, {"node": "getitem_11"})),
+                 ("node native_group_norm_backward", "must come from a aten.native_group_norm call"), args=args)
+    yield Attack("kernels", "batch norm backward with another running mean", edited(data, feed("native_batch_norm_backward", 3, {"node": "getitem_3"})),
+                 ("node native_batch_norm_backward", "on other running_mean"), args=args)
+    yield Attack("kernels", "embedding backward into fewer rows than its weight", edited(data, feed("embedding_dense_backward", 2, 2)),
+                 ("node embedding_dense_backward", "num_weights must be the row count"), args=args)
+
+    def hostile_embedding(p):
+        _hostile_indices(p, "evil", "tokens", "embedding_dense_backward")
+        node(p, "embedding_dense_backward")["args"][1] = {"node": "evil"}
+
+    yield Attack("kernels", "embedding backward with indices of 2**40", edited(data, hostile_embedding),
+                 ("node embedding_dense_backward", "must come from a aten.embedding call"), args=args)
+    yield Attack("kernels", "sobol draw from a one-row state (heap corruption)", edited(bases["autograd_functions"], lambda p: call(
+        p, "add_2", "aten._sobol_engine_draw.default", [{"node": "x"}, 100000, {"node": "x"}, 1000, 0, {"dtype": "float32"}])),
+        ("node add_2", "which a file may not call (trusts_inputs:"))
+    from predispatch.program.kernel_inputs import REFUSED_IN_FILES
+    from predispatch.program.op_allowlist import decide
+
+    callable_ops = sorted(o for p in REFUSED_IN_FILES for o in _overloads(p) if decide(_op(o), stored=False).allowed)
+    yield from _op_attacks("kernels", callable_ops,
+                           "(trusts_inputs:", bases["autograd_functions"], rng)
+
+
 ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[Attack]]] = {
     "io": io_attacks,
     "unsafe_constructor": unsafe_constructor_attacks,
@@ -589,6 +672,7 @@ ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[A
     "registration": registration_attacks,
     "names": name_attacks,
     "function_structure": function_structure_attacks,
+    "kernels": kernel_attacks,
 }
 
 
@@ -616,9 +700,8 @@ def run_attack(attack: Attack) -> dict:
     else:
         outcome, message = "loaded", ""
         if attack.run_after:
-            x = torch.randn(4, 3)
             with torch.no_grad():
-                loaded.module()(x)
+                loaded.module()(*(attack.args or (torch.randn(4, 3),)))
     changed = global_registrations() != before
     return {"class": attack.klass, "case": attack.name, "outcome": outcome, "message": message,
             "missing": [e for e in attack.expect if e not in message], "registered": changed}

@@ -40,6 +40,7 @@ from torch import fx, nn
 from predispatch.errors import SerializationError
 from predispatch.program import names as naming
 from predispatch.program._serialize_values import STORED_DEVICE_TYPES
+from predispatch.program.kernel_inputs import trusted_input_problems
 from predispatch.program.op_allowlist import decide
 from predispatch.program.signature import MUTATION_KINDS, ExportSignature, InputKind, state_names
 
@@ -297,7 +298,7 @@ def graph_problems(gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), s
     where = f"graph module {path or '<root>'}"
     if stored and path and path.count(".") + 1 > MAX_SUBGRAPH_DEPTH:
         return [Problem(where, f"subgraphs nest more than {MAX_SUBGRAPH_DEPTH} deep, the most a file holds")]
-    problems = [Problem(f"{where}, node {node.name}", why) for node in gm.graph.nodes for why in _node_problems(node, gm, op_namespaces, stored)]
+    problems = [Problem(f"{where}, node {node.name}", why) for node in gm.graph.nodes for why in _node_problems(node, gm, op_namespaces, stored, not path)]
     kinds = [node.op for node in gm.graph.nodes]
     placeholders = kinds.count("placeholder")
     if kinds[:placeholders] != ["placeholder"] * placeholders or kinds.count("output") != 1 or kinds[-1:] != ["output"]:
@@ -314,21 +315,25 @@ def graph_problems(gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), s
     return problems
 
 
-def _node_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool) -> Iterator[str]:
+def _node_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool = True) -> Iterator[str]:
     if node.op not in _NODE_OPS:
         yield f"a {node.op} node; programs hold only {', '.join(_NODE_OPS)}"
     elif node.op == "get_attr" and _held(gm, node.target) is None and not _opaque(gm, node.target, stored):
         yield f"get_attr {node.target!r} names nothing the module holds"
     elif node.op == "call_function":
-        yield from _call_problems(node, gm, namespaces, stored)
+        yield from _call_problems(node, gm, namespaces, stored, root)
     if stored and "val" in node.meta:
         yield from _meta_problems(node.meta["val"])
 
 
-def _call_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool) -> Iterator[str]:
+def _call_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool) -> Iterator[str]:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         decision = decide(target, namespaces, stored=stored)
+        if stored and decision.family == "trusts_inputs":  # Note [Kernels that trust their inputs]
+            decision = decide(target, namespaces, stored=False)  # its schema still decides
+            if decision.allowed:
+                yield from trusted_input_problems(node, root=root)
         if not decision.allowed:
             yield f"calls {target}, which a program may not call ({decision.family}: {decision.reason})"
     elif isinstance(target, torch._ops.HigherOrderOperator):
