@@ -166,8 +166,9 @@ class SerializationError(PredispatchError):
     member is checksummed), has a format version this release does not read, names an op that
     is not allowed or does not exist in this torch, or names a class from a module that is not
     imported, or breaks the IR contract export keeps (program/verify.py: an op outside the
-    allow list, a HOP operand or output that lies, a meta tensor record), or is a compressed or
-    oversized archive.  Load never returns a partial program and never runs code the file chooses.
+    allow list, a HOP operand or output that lies, a kernel fed what its forward never makes,
+    a name that is not an identifier or would replace a module attribute, subgraphs nested
+    deeper than 32, a meta tensor record), or is a compressed or oversized archive.  Load never returns a partial program and never runs code the file chooses.
     Cause (save): the program holds something format version 1 cannot describe (a tensor
     subclass, a sparse tensor, a symbolic shape, a class defined inside a function).
     Fix: the message names the file member and the node or input; see docs/format.md.

@@ -47,6 +47,7 @@ class Attack:
     data: bytes
     expect: tuple[str, ...]
     run_after: bool = True  # if it loads anyway, run the program (a crash must show)
+    args: tuple = ()  # what to run it on (default: one 4x3 tensor)
 
 
 @dataclass
@@ -141,7 +142,8 @@ def _overloads(packet: str) -> list[str]:
 def base_programs() -> dict[str, bytes]:
     from test_serialize import export_case, saved
 
-    return {name: saved(export_case(name)[0]) for name in ("autograd_functions", "buffer_mutation", "graph_tensors")}
+    bases = {name: saved(export_case(name)[0]) for name in ("autograd_functions", "buffer_mutation", "graph_tensors", "kwargs")}
+    return {**bases, "kernels": kernel_program()}
 
 
 # --------------------------------------------------------------------------- attack classes
@@ -150,9 +152,7 @@ def base_programs() -> dict[str, bytes]:
 def _op_attacks(klass: str, family_ops: list[str], why: str, data: bytes, rng: random.Random) -> Iterator[Attack]:
     """Random ops of one refused family, called from a random place: the root graph or a subgraph."""
     places = [("add_2", ""), ("add", "grad_region_0"), ("matmul", "setup_context_linear_fwd_0")]
-    # dunder packets (`__iand__`) are refused before the verifier, by name: no family to name
-    bindable = [op for op in family_ops if not op.split(".")[1].startswith("__")]
-    for op in rng.sample(bindable, min(VARIANTS, len(bindable))):
+    for op in rng.sample(family_ops, min(VARIANTS, len(family_ops))):
         name, path = rng.choice(places)
         args, kwargs = _binding(op, {"node": "x" if not path else node_arg(path)})
         yield Attack(klass, f"{op} in {path or '<root>'}", edited(data, lambda p, op=op, name=name, path=path, a=args, k=kwargs: call(p, name, op, a, path, k)),
@@ -300,6 +300,42 @@ def hop_operand_lie_attacks(bases: dict[str, bytes], rng: random.Random) -> Iter
                  ("node autograd_function_apply", "argument 1 must be a subgraph"))
 
 
+def function_structure_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    """An `autograd_function_apply` whose graphs do not fit together (issue 21): each used to
+    load and fail at backward with a raw error."""
+    data = bases["autograd_functions"]
+    fwd, bwd, apply = "setup_context_linear_fwd_0", "setup_context_linear_bwd_0", "autograd_function_apply_1"
+
+    def placeholders(p, path):
+        return [n for n in module_of(p, path)["nodes"] if n["op"] == "placeholder"]
+
+    def drop_placeholder(p):
+        nodes = module_of(p, bwd)["nodes"]
+        nodes.remove(placeholders(p, bwd)[-1])
+        _replace_refs(nodes, "saved_weight", "saved_x")
+
+    yield Attack("function_structure", "a backward that takes one value too few", edited(data, drop_placeholder),
+                 (f"node {apply}", "its backward 'setup_context_linear_bwd_0' takes 2 values; forward gives 1 gradients and 2 saved values"))
+    yield Attack("function_structure", "a backward that returns one gradient too few",
+                 edited(data, lambda p: node(p, "output", bwd).update(args=[{"tuple": [{"node": "matmul"}]}])),
+                 (f"node {apply}", "must return one gradient or None per operand (2)"))
+    yield Attack("function_structure", "a backward that returns a string",
+                 edited(data, lambda p: node(p, "output", bwd).update(args=[{"tuple": ["g", {"node": "matmul"}]}])),
+                 (f"node {apply}", "must return one gradient or None per operand"))
+    yield Attack("function_structure", "saved indices past the saved values",
+                 edited(data, lambda p: node(p, apply)["kwargs"].update(saved_for_backward_idx=[0, 7])),
+                 (f"node {apply}", "keyword 'saved_for_backward_idx' is [0, 7]: distinct indices below 2 expected"))
+    yield Attack("function_structure", "a non-differentiable index past the outputs",
+                 edited(data, lambda p: node(p, apply)["kwargs"].update(non_differentiable_idx=[3])),
+                 (f"node {apply}", "'non_differentiable_idx'", "below 1"))
+    yield Attack("function_structure", "a forward that returns its outputs only",
+                 edited(data, lambda p: node(p, "output", fwd).update(args=[{"tuple": [{"node": "matmul"}]}])),
+                 (f"node {apply}", "must return ((*outputs), (*saved))"))
+    yield Attack("function_structure", "a getitem past a multi-output value",
+                 edited(data, lambda p: node(p, "round_1").update(args=[{"node": "autograd_function_apply"}, 5])),
+                 ("node round_1", "calls getitem with arguments"))
+
+
 def _inject_duplicate(text: bytes, needle: bytes, duplicate: bytes) -> bytes:
     assert needle in text, needle
     return text.replace(needle, needle + duplicate, 1)
@@ -395,6 +431,234 @@ def registration_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterato
                  ("the output spec, output leaves and user outputs disagree",))
 
 
+# --------------------------------------------------------------------------- names (issue 21)
+
+#: The marker file an injected name would write: the tests check it never appears.
+MARKER = os.path.join(os.environ.get("PD_ATTACK_DIR", "/tmp"), "predispatch_attack_ran_code")
+#: Two keyword names that close and reopen a string literal in the code FX generates for
+#: `ep.module()`: the first makes the rest of `def forward(...)` a default value that runs
+#: when the code is compiled, the second ends the signature and comments out the rest.
+INJECTED_KWARGS = (f'a=__import__("os").system("touch {MARKER}"), b="""', "):\n    pass\n#")
+
+
+def inject_kwargs(data: bytes, names: list) -> bytes:
+    """A program with keyword arguments whose names are `names`."""
+    return edited(data, lambda p: p["signature"]["in_spec"]["children"][1].update(context=list(names)))
+
+
+def renamed_state(data: bytes, old: str, new: str, *, outside: tuple[str, ...] = (), constant: bool = False) -> bytes:
+    """`data` with state `old` renamed to `new` everywhere it is named (the signature, its
+    tensor record, state.safetensors), optionally made a constant tensor or put outside the tree."""
+    import safetensors.torch
+
+    members = members_of(data)
+    program = json.loads(members["program.json"])
+    sig = program["signature"]
+    for spec in (*sig["inputs"], *sig["outputs"]):
+        if spec["target"] == old:
+            spec["target"] = new
+            if constant and spec in sig["inputs"]:
+                spec.update(kind="constant_tensor", persistent=None)
+    group = "constants" if constant else "state"
+    record = program["tensors"]["state"].pop(old)
+    program["tensors"][group][new] = record
+    sig["outside_tree"], sig["state_order"] = list(outside), []
+    state = safetensors.torch.load(members["state.safetensors"])
+    tensors = {"state": state, "constants": safetensors.torch.load(members["constants.safetensors"])}
+    tensors[group][new] = state.pop(old)
+    members.update({"program.json": json.dumps(program).encode(),
+                    "state.safetensors": safetensors.torch.save(tensors["state"]),
+                    "constants.safetensors": safetensors.torch.save(tensors["constants"])})
+    return zip_of(checksummed(members))
+
+
+def name_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    """Every name a file supplies that reaches generated code or an attribute."""
+    kwargs, state, data = bases["kwargs"], bases["buffer_mutation"], bases["autograd_functions"]
+    yield Attack("names", "keyword names that close a string literal (the issue's file)", inject_kwargs(kwargs, list(INJECTED_KWARGS)),
+                 ("signature in_spec", "is not a Python identifier"))
+    for name, why in (("lambda", "is a Python keyword"), ("self", "a name the generated code uses itself"),
+                      ("torch", "a name the generated code uses itself"), ("x y", "is not a Python identifier"), (3, "is not a Python identifier")):
+        yield Attack("names", f"keyword name {name!r}", inject_kwargs(kwargs, [name, "scale"]), ("signature in_spec", why))
+    yield Attack("names", "a keyword name twice", inject_kwargs(kwargs, ["mask", "mask"]), ("signature in_spec", "a parameter twice"))
+    yield Attack("names", "an input spec that is not (args, kwargs)", edited(kwargs, lambda p: p["signature"]["in_spec"].update(type="builtins:list")),
+                 ("signature in_spec", "is not (positional arguments, keyword arguments)"))
+    for attribute in ("forward", "training", "_compiled_call_impl", "graph", "_parameters", "__class__", "call_contract", "meta"):
+        yield Attack("names", f"a buffer named {attribute}", renamed_state(state, "count", attribute),
+                     ("signature inputs", f"state {attribute!r}", "is an attribute ep.module() has of its own" if not attribute.startswith("__") else "starts with '__'"))
+        yield Attack("names", f"a constant named {attribute}", renamed_state(state, "count", attribute, constant=True), ("signature inputs", f"state {attribute!r}"))
+    yield Attack("names", "a container outside the tree named _compiled_call_impl",
+                 renamed_state(state, "count", "_compiled_call_impl.count", outside=("_compiled_call_impl",)),
+                 ("signature inputs", "'_compiled_call_impl' is an attribute ep.module() has"))
+    yield Attack("names", "a nested state named forward", renamed_state(state, "count", "inner.forward"),
+                 ("signature inputs", "'forward' is an attribute a module has of its own"))
+    payload = f'w"),__import__("os").system("touch {MARKER}"),getattr(self,"w'
+    yield Attack("names", "a state name that closes getattr's quotes", renamed_state(state, "count", payload),
+                 ("signature inputs", "is not a Python identifier"))
+    yield Attack("names", "a state under another state", renamed_state(state, "count", "total.count"), ("signature inputs", "lies under another state"))
+    yield Attack("names", "a state named like a subgraph", renamed_state(state, "count", "_constant_total"), ("signature inputs", "takes a name ep.module() gives"))
+    for name in ("forward", "training", "graph", "class"):
+        yield Attack("names", f"a subgraph named {name}", edited(data, lambda p, name=name: _rename_subgraph(p, "grad_region_0", name)),
+                     ("graph module <root>", f"{name!r}"))
+    yield Attack("names", "a held tensor named training", renamed_held(bases["graph_tensors"], "_tensor_constant1", "training"),
+                 ("graph module <root>", "'training' is not a valid attribute name"))
+    for name in ("class", "G(os)", "__init__"):
+        yield Attack("names", f"a class named {name!r}", edited(data, lambda p, name=name: module_of(p, "grad_region_0").update(class_name=name)),
+                     ("graph module grad_region_0", "is not a valid name"))
+    yield Attack("names", "a node keyword that is a keyword", edited(data, lambda p: node(p, "mul").update(kwargs={"lambda": 1})),
+                 ("(mul)", "'lambda' is a Python keyword"))
+    yield Attack("names", "a node named with a keyword", edited(data, lambda p: _rename_node(p, "mul", "return")),
+                 ("'return' is not a valid, unique node name",))
+
+
+def _rename_subgraph(program: dict, old: str, new: str) -> None:
+    for entry in program["graph_module"]["submodules"]:
+        if entry["name"] == old:
+            entry["name"] = new
+    node(program, old).update(name=new, target=new)
+    _replace_refs(program["graph_module"]["nodes"], old, new)
+
+
+def renamed_held(data: bytes, old: str, new: str) -> bytes:
+    """`data` with the root graph's tensor `old` renamed (its node, record and data)."""
+    import safetensors.torch
+
+    members = members_of(data)
+    program = json.loads(members["program.json"])
+    module = program["graph_module"]
+    next(t for t in module["tensors"] if t["name"] == old)["name"] = new
+    node(program, old).update(name=new, target=new)
+    _replace_refs(module["nodes"], old, new)
+    graph = program["tensors"]["graph"]
+    graph[new] = graph.pop(old)
+    tensors = safetensors.torch.load(members["graph.safetensors"])
+    tensors[new] = tensors.pop(old)
+    members.update({"program.json": json.dumps(program).encode(), "graph.safetensors": safetensors.torch.save(tensors)})
+    return zip_of(checksummed(members))
+
+
+def _rename_node(program: dict, old: str, new: str) -> None:
+    node(program, old)["name"] = new
+    _replace_refs(program["graph_module"]["nodes"], old, new)
+
+
+def _replace_refs(value, old: str, new: str):
+    """Every `{"node": old}` reference in a JSON tree, renamed."""
+    if isinstance(value, dict):
+        if value.get("node") == old and len(value) == 1:
+            value["node"] = new
+        for item in value.values():
+            _replace_refs(item, old, new)
+    elif isinstance(value, list):
+        for item in value:
+            _replace_refs(item, old, new)
+
+
+# --------------------------------------------------------------------------- cost (issue 21)
+
+
+def nested_regions(data: bytes, depth: int) -> bytes:
+    """`data` (the `region_detached_double` program) with its grad region nested `depth`
+    times: each region's body calls the next region, the innermost doubles."""
+    import copy as _copy
+
+    members = members_of(data)
+    program = json.loads(members["program.json"])
+    root = program["graph_module"]
+    inner = root["submodules"][0]["module"]
+    wrapper = {**_copy.deepcopy(root), "class_name": "grad_region_0"}
+    wrapper["nodes"] = [n for n in wrapper["nodes"] if n["name"] != "add"]
+    wrapper["nodes"][-1]["args"] = [{"tuple": [{"node": "mul"}]}]
+    for level in range(depth - 1):
+        inner = {**_copy.deepcopy(wrapper), "submodules": [{"name": "grad_region_0", "module": inner}]}
+    root["submodules"][0]["module"] = inner
+    members["program.json"] = json.dumps(program).encode()
+    return zip_of(checksummed(members))
+
+
+# --------------------------------------------------------------------------- kernels (issue 21)
+
+
+class Kernels(torch.nn.Module):
+    """A joint program of this holds the backward kernels that trust their forward's outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.bn = torch.nn.BatchNorm2d(1)
+        self.gn = torch.nn.GroupNorm(1, 1)
+
+    def forward(self, tokens, image):
+        pooled = torch.nn.functional.max_pool2d(self.gn(self.bn(image)), 2)
+        return (self.norm(self.emb(tokens)).sum() + pooled.sum()).float()
+
+
+KERNEL_ARGS = (torch.tensor([[1, 2, 9]]), torch.ones(2, 1, 4, 4))
+
+
+def kernel_program() -> bytes:
+    torch.manual_seed(0)
+    buffer = io.BytesIO()
+    predispatch.save(predispatch.export(Kernels().train(), KERNEL_ARGS).joint(loss=""), buffer)
+    return buffer.getvalue()
+
+
+def _hostile_indices(p, name: str, like: str, at: str) -> None:
+    """Insert `name`, int64 indices of 2**40 shaped like node `like`, before node `at`."""
+    nodes = module_of(p)["nodes"]
+    index = next(i for i, n in enumerate(nodes) if n["name"] == at)
+    nodes[index:index] = [{"op": "call_function", "name": name, "target": "aten.full_like.default",
+                           "args": [{"node": like}, 1 << 40], "kwargs": {"dtype": {"dtype": "int64"}},
+                           "meta": node(p, like)["meta"]}]
+
+
+def kernel_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    """Kernels fed what their forward never produces (each crashes, corrupts or reads out of
+    bounds when it runs), and every packet a file may not call."""
+    data, args = bases["kernels"], KERNEL_ARGS
+
+    def feed(name, argument, value):
+        return lambda p: node(p, name)["args"].__setitem__(argument, value)
+
+    def hostile_pool(p):
+        _hostile_indices(p, "evil", "getitem_9", "max_pool2d_with_indices_backward")
+        node(p, "max_pool2d_with_indices_backward")["args"][7] = {"node": "evil"}
+
+    yield Attack("kernels", "max_pool2d backward with indices of 2**40 (segfault)", edited(data, hostile_pool),
+                 ("node max_pool2d_with_indices_backward", "its indices must come from a aten.max_pool2d_with_indices call"), args=args)
+    yield Attack("kernels", "max_pool2d backward on another input than its forward", edited(data, feed("max_pool2d_with_indices_backward", 1, {"node": "getitem"})),
+                 ("node max_pool2d_with_indices_backward", "on other self than its forward"), args=args)
+    yield Attack("kernels", "max_pool2d backward with another kernel size", edited(data, feed("max_pool2d_with_indices_backward", 2, [1, 1])),
+                 ("node max_pool2d_with_indices_backward", "on other kernel_size"), args=args)
+    yield Attack("kernels", "layer norm backward reading a one-element mean", edited(data, feed("native_layer_norm_backward", 3, {"node": "getitem_3"})),
+                 ("node native_layer_norm_backward", "its mean, rstd must come from a aten.native_layer_norm call"), args=args)
+    yield Attack("kernels", "layer norm backward with another normalized shape", edited(data, feed("native_layer_norm_backward", 2, [1])),
+                 ("node native_layer_norm_backward", "on other normalized_shape"), args=args)
+    yield Attack("kernels", "group norm backward with statistics of layer norm", edited(data, feed("native_group_norm_backward", 2, {"node": "getitem_11"})),
+                 ("node native_group_norm_backward", "must come from a aten.native_group_norm call"), args=args)
+    yield Attack("kernels", "batch norm backward with another running mean", edited(data, feed("native_batch_norm_backward", 3, {"node": "getitem_3"})),
+                 ("node native_batch_norm_backward", "on other running_mean"), args=args)
+    yield Attack("kernels", "embedding backward into fewer rows than its weight", edited(data, feed("embedding_dense_backward", 2, 2)),
+                 ("node embedding_dense_backward", "num_weights must be the row count"), args=args)
+
+    def hostile_embedding(p):
+        _hostile_indices(p, "evil", "tokens", "embedding_dense_backward")
+        node(p, "embedding_dense_backward")["args"][1] = {"node": "evil"}
+
+    yield Attack("kernels", "embedding backward with indices of 2**40", edited(data, hostile_embedding),
+                 ("node embedding_dense_backward", "must come from a aten.embedding call"), args=args)
+    yield Attack("kernels", "sobol draw from a one-row state (heap corruption)", edited(bases["autograd_functions"], lambda p: call(
+        p, "add_2", "aten._sobol_engine_draw.default", [{"node": "x"}, 100000, {"node": "x"}, 1000, 0, {"dtype": "float32"}])),
+        ("node add_2", "which a file may not call (trusts_inputs:"))
+    from predispatch.program.kernel_inputs import REFUSED_IN_FILES
+    from predispatch.program.op_allowlist import decide
+
+    callable_ops = sorted(o for p in REFUSED_IN_FILES for o in _overloads(p) if decide(_op(o), stored=False).allowed)
+    yield from _op_attacks("kernels", callable_ops,
+                           "(trusts_inputs:", bases["autograd_functions"], rng)
+
+
 ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[Attack]]] = {
     "io": io_attacks,
     "unsafe_constructor": unsafe_constructor_attacks,
@@ -406,6 +670,9 @@ ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[A
     "duplicate_key": duplicate_key_attacks,
     "compression_bomb": compression_bomb_attacks,
     "registration": registration_attacks,
+    "names": name_attacks,
+    "function_structure": function_structure_attacks,
+    "kernels": kernel_attacks,
 }
 
 
@@ -433,9 +700,8 @@ def run_attack(attack: Attack) -> dict:
     else:
         outcome, message = "loaded", ""
         if attack.run_after:
-            x = torch.randn(4, 3)
             with torch.no_grad():
-                loaded.module()(x)
+                loaded.module()(*(attack.args or (torch.randn(4, 3),)))
     changed = global_registrations() != before
     return {"class": attack.klass, "case": attack.name, "outcome": outcome, "message": message,
             "missing": [e for e in attack.expect if e not in message], "registered": changed}

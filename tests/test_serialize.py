@@ -369,6 +369,53 @@ signature in_spec[0][0]: the program names 'Batch' from module 'test_export', wh
         self.assertIn("placeholders ['x'] differ from the signature's inputs", load_error(rewrite(self.data, dropped_input)))
 
 
+def test_keyword_names_in_a_file_never_run_code(tmp_path):
+    """Issue 21's file: two keyword names that close and reopen the string literal FX writes
+    for `ep.module()`'s keyword dict.  Before the names were checked, `load` accepted it and
+    `module()` ran the file's code while compiling; now `load` refuses it by name."""
+    import load_attacks
+
+    marker = tmp_path / "ran"
+    names = [f'a=__import__("os").system("touch {marker}"), b="""', "):\n    pass\n#"]
+    message = load_error(load_attacks.inject_kwargs(saved(export_case("kwargs")[0]), names))
+    assert "signature in_spec: keyword argument: 'a=__import__" in message and "is not a Python identifier" in message
+    assert not marker.exists()
+
+
+def test_state_names_never_replace_the_modules_own_attributes():
+    """A state named like an attribute `ep.module()` has of its own would replace it when
+    installed (a constant tensor named `forward` or `_compiled_call_impl`): refused at load."""
+    import load_attacks
+
+    data = saved(export_case("buffer_mutation")[0])
+    for name in ("forward", "_compiled_call_impl", "training"):
+        message = load_error(load_attacks.renamed_state(data, "count", name, constant=True))
+        assert f"state {name!r}: {name!r} is an attribute ep.module() has of its own" in message, message
+    assert "'forward' is an attribute a module has of its own" in load_error(load_attacks.renamed_state(data, "count", "inner.forward"))
+    loaded = predispatch.load(io.BytesIO(load_attacks.renamed_state(data, "count", "layers.0.count")))  # a Sequential's index is fine
+    assert "layers.0.count" in loaded.module().state_dict()
+
+
+class BitOps(nn.Module):
+    """What Hugging Face attention masks trace to: `aten.__and__.Tensor`, `__or__`, `__xor__`,
+    `__lshift__`, `__rshift__` (issue 26)."""
+
+    def forward(self, a, b, mask):
+        return (a & b) | (a ^ b), a << 2, b >> 1, mask & (a > 1), (mask | (b > 2)) ^ mask
+
+
+def test_dunder_ops_of_the_allow_list_load():
+    """`_resolve_target` refused every `__` op name before the allow list; the allow list's
+    own dunder packets now resolve (other dunders still never reach `getattr`)."""
+    args = (torch.tensor([1, 2, 3, 12]), torch.tensor([3, 3, 1, 5]), torch.tensor([True, False, True, False]))
+    ep = predispatch.export(BitOps(), args)
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert {"aten.__and__.Tensor", "aten.__or__.Tensor", "aten.__xor__.Tensor", "aten.__lshift__.Scalar", "aten.__rshift__.Scalar"} <= targets
+    loaded = predispatch.load(io.BytesIO(saved(ep)))
+    assert_same_tree(loaded.module()(*args), BitOps()(*args))
+    assert str(loaded) == str(ep)
+
+
 def test_custom_op_namespace_is_opt_in():
     @torch.library.custom_op("pdtest::double", mutates_args=())
     def double(x: torch.Tensor) -> torch.Tensor:
@@ -436,6 +483,101 @@ def test_dynamic_shape_expressions_run_no_code(expression):
         node(program, "input_1")["meta"]["val"]["tensor"]["shape"][0]["sym"] = expression
 
     assert "is not a size expression" in load_error(rewrite(saved(ep), edit))
+
+
+class Concatenated(nn.Module):
+    def forward(self, x, y):
+        return torch.cat([x, y], 0)
+
+
+@pytest.mark.parametrize("size, why", [
+    ("FloorDiv(SYM, 2)", "calls FloorDiv, which an input size may not"),
+    ("Mod(SYM, 0)", "divides by something other than a positive integer"),
+    ("SYM // 0", "divides by something other than a positive integer"),
+    ("SYM % SYM", "divides by something other than a positive integer"),
+    ("Max()", "calls Max/Min with no argument"),
+    ("2*SYM + s99", "is not a size expression over the program's symbols"),
+])
+def test_input_size_expressions_a_call_cannot_evaluate_are_refused(size, why):
+    """Issue 21: the grammar accepted input sizes the call check (sympy, at every call) cannot
+    evaluate; the file loaded and every call raised a raw TypeError or ZeroDivisionError."""
+    from torch.export import Dim
+
+    batch = Dim("batch", min=2, max=64)
+    ep = predispatch.export(Concatenated(), (torch.randn(3, 4), torch.randn(6, 4)), dynamic_shapes=({0: batch}, {0: 2 * batch}))
+    (symbol, _, _), = ep.signature.shapes.ranges
+
+    def edit(program, manifest):
+        program["signature"]["shapes"]["input_shapes"]["tuple"][1]["tuple"][0] = size.replace("SYM", symbol)
+
+    assert why in load_error(rewrite(saved(ep), edit))
+
+
+def test_input_size_over_a_symbol_no_input_binds_is_refused():
+    """A derived size over a declared symbol that no input dimension gives a value."""
+    from torch.export import Dim
+
+    batch = Dim("batch", min=2, max=64)
+    ep = predispatch.export(Concatenated(), (torch.randn(3, 4), torch.randn(6, 4)), dynamic_shapes=({0: batch}, {0: 2 * batch}))
+    (symbol, _, _), = ep.signature.shapes.ranges
+
+    def edit(program, manifest):
+        shapes = program["signature"]["shapes"]
+        shapes["ranges"]["tuple"].append({"tuple": ["s5", 2, 8]})
+        shapes["input_shapes"]["tuple"][1]["tuple"][0] = f"{symbol} + s5"
+
+    assert "uses ['s5'], which no input dimension gives a value" in load_error(rewrite(saved(ep), edit))
+
+
+def _recompiles(monkeypatch) -> list:
+    """Every `GraphModule.recompile` call from now on (FX recompiles descendants recursively)."""
+    calls, original = [], torch.fx.GraphModule.recompile
+
+    def counted(self):
+        calls.append(self)
+        return original(self)
+
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", counted)
+    return calls
+
+
+def test_nesting_deeper_than_the_bound_is_refused_quickly():
+    """Issue 21: 100 nested regions (a 134 KB program.json) took 15 s to load, 49 s for
+    `module()`, then a raw RecursionError at the call.  A file nests at most
+    MAX_SUBGRAPH_DEPTH deep; a deeper one is refused before its graphs are built."""
+    import load_attacks
+
+    from predispatch.program.verify import MAX_SUBGRAPH_DEPTH
+
+    data = load_attacks.nested_regions(saved(export_case("region_detached_double")[0]), 100)
+    start = time.monotonic()
+    message = load_error(data)
+    assert time.monotonic() - start < 5
+    assert f"subgraphs nest more than {MAX_SUBGRAPH_DEPTH} deep" in message
+
+
+def test_load_and_module_cost_grows_linearly_with_nesting(monkeypatch):
+    """Load compiles each graph once (it compiled each level's whole subtree again: depth^2
+    compiles, 561 at depth 32); `module()` walks each region body once (it walked every body
+    below each level, recompiling as it went: cubic).  Programs at the bound load and run."""
+    import load_attacks
+
+    from predispatch.program.verify import MAX_SUBGRAPH_DEPTH
+
+    base = saved(export_case("region_detached_double")[0])
+    counts = {}
+    for depth in (MAX_SUBGRAPH_DEPTH // 2, MAX_SUBGRAPH_DEPTH):
+        data = load_attacks.nested_regions(base, depth)
+        calls = _recompiles(monkeypatch)
+        loaded = predispatch.load(io.BytesIO(data))
+        assert len(calls) <= 2 * (depth + 1) + 1  # per graph module: its empty graph at construction, then its own
+        calls.clear()
+        module = loaded.module()
+        counts[depth] = len(calls)
+        x = torch.randn(3)
+        assert torch.equal(module(x), x + x * 2)
+        monkeypatch.undo()
+    assert counts[MAX_SUBGRAPH_DEPTH] < 4.5 * counts[MAX_SUBGRAPH_DEPTH // 2], counts  # quadratic at most (was cubic)
 
 
 def test_missing_path_is_an_os_error(tmp_path):
@@ -577,7 +719,8 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 ATTACK_CLASSES = (
     "io", "unsafe_constructor", "mutable", "global_state", "uninitialised", "output_type_lie",
-    "hop_operand_lie", "duplicate_key", "compression_bomb", "registration",
+    "hop_operand_lie", "duplicate_key", "compression_bomb", "registration", "names",
+    "function_structure", "kernels",
 )
 
 

@@ -45,7 +45,7 @@ def test_allow_list_families():
     """Sizes of the families (packets; a packet's mutable overloads are refused by schema)."""
     assert op_allowlist.allow_list_summary() == {
         "io": 6, "global_state": 16, "unsafe_layout": 184, "test_only": 12, "torchscript_builtin": 133,
-        "mutable_only": 251, "aten_functional": 1132, "prims": 136, "predispatch": 1,
+        "mutable_only": 251, "trusts_inputs": 45, "aten_functional": 1087, "prims": 136, "predispatch": 1,
     }
     assert [f.name for f in op_allowlist.FAMILIES if f.allowed] == ["aten_functional", "prims", "predispatch"]
     assert all(f.reason for f in op_allowlist.FAMILIES)
@@ -247,3 +247,39 @@ def test_sparse_ops_are_the_users_own_in_export_but_never_in_a_file():
         predispatch.save(ep, io.BytesIO())
     # the verifier says the same of the op, for a save that got past the encoder
     assert "node _to_sparse: calls aten._to_sparse.default, which a program may not call (unsafe_layout:" in str(program_problems(ep, stored=True)[0])
+
+
+def test_every_kernel_that_may_trust_its_inputs_is_decided():
+    """The schema scan of kernels taking indices, offsets or saved statistics: each candidate
+    is refused in files, proved fed by its forward, or listed as checking its arguments; every
+    table entry is a packet of this torch (Note [Kernels that trust their inputs])."""
+    from predispatch.program import kernel_inputs
+    from predispatch.program._op_families import PACKETS
+
+    scanned = {packet for packet, _ in kernel_inputs.scan()}
+    decided = kernel_inputs.TRUSTING_PACKETS | set(kernel_inputs.CHECKED_BY_TORCH)
+    assert sorted(scanned - decided) == [] and sorted(set(kernel_inputs.CHECKED_BY_TORCH) - scanned) == []
+    assert kernel_inputs.TRUSTING_PACKETS == set(PACKETS["trusts_inputs"])
+    assert (len(kernel_inputs.REFUSED_IN_FILES), len(kernel_inputs.FORWARD_PROOFS)) == (33, 12)
+
+
+def test_a_joint_program_fed_by_its_forwards_saves_loads_and_runs():
+    """The proved kernels (max-pool, embedding, layer/group/batch norm backwards) in a joint
+    program: it loads, and its gradients equal the saved program's."""
+    import io
+
+    import load_attacks
+
+    import predispatch
+
+    data = load_attacks.kernel_program()
+    loaded = predispatch.load(io.BytesIO(data))
+    targets = {str(n.target) for n in loaded.graph.nodes}
+    assert {"aten.max_pool2d_with_indices_backward.default", "aten.embedding_dense_backward.default",
+            "aten.native_layer_norm_backward.default", "aten.native_batch_norm_backward.default"} <= targets
+    torch.manual_seed(0)
+    original = predispatch.export(load_attacks.Kernels().train(), load_attacks.KERNEL_ARGS).joint(loss="")
+    with torch.no_grad():
+        expected, actual = original.module()(*load_attacks.KERNEL_ARGS), loaded.module()(*load_attacks.KERNEL_ARGS)
+    for e, a in zip(torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(actual)):
+        assert torch.equal(e, a)

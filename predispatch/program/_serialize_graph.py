@@ -31,7 +31,9 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch import ops  # noqa: F401 - registers predispatch::keep_history, which graphs call
 from predispatch.errors import SerializationError
+from predispatch.program import names as naming
 from predispatch.program._serialize_values import Refs, decode, encode, expect, short
+from predispatch.program.verify import MAX_SUBGRAPH_DEPTH
 from predispatch.trace.decompose import op_name
 
 
@@ -89,7 +91,7 @@ def _resolve_target(name: Any, where: str, namespaces: tuple[str, ...]) -> Any:
     parts = name.split(".")
     if len(parts) == 2 and parts[0] == "higher_order" and parts[1] in HIGHER_ORDER_OPS:
         return HIGHER_ORDER_OPS[parts[1]]()
-    if len(parts) == 3 and parts[0] in namespaces and all(_IDENTIFIER.match(p) and not p.startswith("__") for p in parts):
+    if len(parts) == 3 and parts[0] in namespaces and all(_IDENTIFIER.match(p) for p in parts) and _lookup_allowed(*parts):
         op = _lookup_op(*parts)
         if op is None:
             raise SerializationError(
@@ -103,6 +105,18 @@ def _resolve_target(name: Any, where: str, namespaces: tuple[str, ...]) -> Any:
         f"namespaces {list(namespaces)}, higher-order ops {sorted(HIGHER_ORDER_OPS)}, and {sorted(PYTHON_CALLABLES)}.",
         fix="for custom ops of a library you trust, import it and pass load(..., op_namespaces=('mylib',)).",
     )
+
+
+def _lookup_allowed(namespace: str, name: str, overload: str) -> bool:
+    """Whether a name may be looked up on `torch.ops` at all.  A `__` name is looked up only
+    when it is an op packet the allow list decides (`aten.__and__`, what `a & b` on tensors
+    traces to): `getattr` of any other dunder on torch's namespaces reaches Python's own
+    attributes (`aten.__class__`), not the op registry."""
+    from predispatch.program.op_allowlist import is_known_packet
+
+    if overload.startswith("__"):
+        return False
+    return not (namespace.startswith("__") or name.startswith("__")) or is_known_packet(f"{namespace}.{name}")
 
 
 def _lookup_op(namespace: str, name: str, overload: str) -> torch._ops.OpOverload | None:
@@ -201,26 +215,49 @@ class GraphLoading:
     symbols: Any = None  # the program's SymbolTable: symbolic sizes in node meta (_serialize_shapes.py)
 
 
+def decode_program_module(data: Any, loading: GraphLoading) -> fx.GraphModule:
+    """The root graph module and every subgraph, compiled once (Note [Load cost])."""
+    gm = decode_module(data, "", loading)
+    gm.recompile()  # compiles every descendant too, each once
+    return gm
+
+
 def decode_module(data: Any, path: str, loading: GraphLoading) -> fx.GraphModule:
-    """Subgraphs first, then the tensors held, then the graph; attributes in the saved order."""
+    """Subgraphs first, then the tensors held, then the graph; attributes in the saved order.
+
+    Note [Load cost]
+    ----------------
+    FX's `recompile` recompiles every descendant graph module, so assigning `gm.graph` at each
+    level (which recompiles) costs depth x size: a 100-deep file took 15 s.  Decoding attaches
+    each graph without compiling it, and `decode_program_module` compiles the whole tree once;
+    depth is bounded by `MAX_SUBGRAPH_DEPTH`.  Nothing runs the stale code in between: the
+    verifier reads graphs, not code.
+    """
     where = f"graph module {path or '<root>'}"
+    if path and path.count(".") + 1 > MAX_SUBGRAPH_DEPTH:
+        raise SerializationError(
+            f"graph module {short(path)}: subgraphs nest more than {MAX_SUBGRAPH_DEPTH} deep; format version 1 reads at most that "
+            "(programs export makes nest a few levels: regions, custom Functions, repeated blocks).",
+            fix="save the program again; a file nesting this deep is damaged or crafted.",
+        )
     data = expect(data, dict, where)
     class_name = expect(data.get("class_name"), str, where)
     check_identifier(class_name, where)
     gm = fx.GraphModule(nn.Module(), fx.Graph(), class_name=class_name)
     for entry in expect(data.get("submodules"), list, where):
         name = expect(expect(entry, dict, where).get("name"), str, where)
-        check_identifier(name, where)
+        check_attribute(name, where)
         gm.add_module(name, decode_module(entry.get("module"), f"{path}.{name}".lstrip("."), loading))
     for entry in expect(data.get("tensors"), list, where):
         _hold_tensor(gm, expect(entry, dict, where), path, loading, where)
-    gm.graph = _decode_graph(data.get("nodes"), gm, where, loading)
+    graph = _decode_graph(data.get("nodes"), gm, where, loading)
+    gm._graph, graph.owning_module = graph, gm  # compiled by decode_program_module: Note [Load cost]
     return gm
 
 
 def _hold_tensor(gm: fx.GraphModule, entry: dict, path: str, loading: GraphLoading, where: str) -> None:
     name = expect(entry.get("name"), str, where)
-    check_identifier(name, where)
+    check_attribute(name, where)
     tensor = loading.graph_tensors.get(f"{path}.{name}".lstrip("."))
     if tensor is None:
         raise SerializationError(f"{where}: tensor {name!r} is not in graph.safetensors.")
@@ -231,8 +268,22 @@ def _hold_tensor(gm: fx.GraphModule, entry: dict, path: str, loading: GraphLoadi
 
 
 def check_identifier(name: str, where: str) -> None:
-    if not _IDENTIFIER.match(name) or name.startswith("__"):
-        raise SerializationError(f"{where}: {short(name)} is not a valid attribute name.")
+    """A name FX pastes into code: an identifier, not a keyword, not Python's own `__x`
+    (Note [Names that reach code] in names.py)."""
+    why = naming.identifier_problem(name) if _IDENTIFIER.match(name) else f"{short(name)} is not an identifier"
+    if why is None and name.startswith("__"):
+        why = f"{name!r} starts with '__'"
+    if why:
+        raise SerializationError(f"{where}: {short(name)} is not a valid name ({why}).")
+
+
+def check_attribute(name: str, where: str) -> None:
+    """A subgraph or graph tensor name: also never an attribute a graph module has of its own
+    (`forward`, `training`, `graph`), which installing it would replace."""
+    check_identifier(name, where)
+    why = naming.attribute_problem(name, root=True)
+    if why:
+        raise SerializationError(f"{where}: {short(name)} is not a valid attribute name ({why}).")
 
 
 def _decode_graph(records: Any, gm: fx.GraphModule, where: str, loading: GraphLoading) -> fx.Graph:

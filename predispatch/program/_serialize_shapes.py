@@ -55,10 +55,7 @@ class SymbolTable:
             self.symbols[name] = None  # declared at the first size that names it (its hint is there)
         self._low_high = {name: (low, high) for name, low, high in shapes.ranges}
         self._hints: dict[str, int] = {}
-        for dims in shapes.input_shapes:
-            for dim in dims:
-                if isinstance(dim, str):
-                    parse_expression(dim, self._low_high, where)
+        _check_input_shapes(shapes, self._low_high, where)
 
     def size(self, data: Any, where: str) -> int | torch.SymInt:
         """A size saved by `encode_size`, as an int or a SymInt in the load's fake mode."""
@@ -82,26 +79,70 @@ class SymbolTable:
         return symbol
 
 
-def parse_expression(text: Any, known: Any, where: str, symbol: Any = None) -> Any:
+def _check_input_shapes(shapes: ShapeRecord, known: Any, where: str) -> None:
+    """The input shapes the call check evaluates at every call (runner._check_symbols, with
+    sympy) can be evaluated: each a declared symbol, or an expression in the grammar, without
+    `FloorDiv(...)` (sympy does not know it; torch writes `//`), over symbols some input
+    dimension binds by itself.  Otherwise every call would raise a raw sympy error."""
+    bound = {dim for dims in shapes.input_shapes for dim in dims if isinstance(dim, str) and dim.isidentifier()}
+    for dims in shapes.input_shapes:
+        for dim in (d for d in dims if isinstance(d, str)):
+            if dim.isidentifier():
+                parse_expression(dim, known, where)
+                continue
+            tree = parse_expression(dim, known, where, calls=("Max", "Min", "Mod"))
+            unbound = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - bound - {"Max", "Min", "Mod"})
+            if unbound:
+                raise SerializationError(
+                    f"{where}: the input size {dim!r} uses {unbound}, which no input dimension gives a value; "
+                    "a call could not be checked against it."
+                )
+
+
+def parse_expression(text: Any, known: Any, where: str, symbol: Any = None, calls: tuple[str, ...] | None = None) -> Any:
     """`text` as a sympy expression over the `known` symbol names, read without running code.
 
-    With `symbol` None only the check runs (returns None)."""
+    With `symbol` None only the check runs (returns the syntax tree).  `calls`: the function
+    names allowed (all of the grammar's by default)."""
     if not isinstance(text, str) or len(text) > 1000:
         raise SerializationError(f"{where}: {text!r} is not a size expression.")
     try:
         tree = ast.parse(text, mode="eval").body
     except (SyntaxError, ValueError, RecursionError) as exc:
         raise SerializationError(f"{where}: {text!r} is not a size expression.") from exc
-    return _build(tree, known, where, text, symbol)
+    built = _build(tree, known, where, text, symbol, calls)
+    return tree if symbol is None else built
 
 
-def _build(node: ast.AST, known: Any, where: str, text: str, symbol: Any) -> Any:
+_DIVISIONS = (ast.FloorDiv, ast.Mod)
+
+
+def _divisor_ok(node: ast.AST) -> bool:
+    """`//`, `%`, `FloorDiv` and `Mod` divide by a positive integer literal, as torch's shape
+    arithmetic does (a kernel's stride, a chunk count): a zero or symbolic divisor would make a
+    size undefined at some call."""
+    return isinstance(node, ast.Constant) and type(node.value) is int and node.value > 0
+
+
+def _build(node: ast.AST, known: Any, where: str, text: str, symbol: Any, calls: tuple[str, ...] | None = None) -> Any:
     """One `ast` node as sympy (None when only checking); anything not in the grammar is refused."""
     import sympy
     from torch.utils._sympy.functions import FloorDiv, Mod
 
     def build(child: ast.AST) -> Any:
-        return _build(child, known, where, text, symbol)
+        return _build(child, known, where, text, symbol, calls)
+
+    divides = (isinstance(node, ast.BinOp) and isinstance(node.op, _DIVISIONS) and not _divisor_ok(node.right)) or (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("Mod", "FloorDiv")
+        and (len(node.args) != 2 or not _divisor_ok(node.args[1])))
+    divides = divides or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("Max", "Min") and not node.args)
+    if divides:
+        raise SerializationError(
+            f"{where}: {text!r} divides by something other than a positive integer (or calls Max/Min with no argument); "
+            "a size expression may not."
+        )
+    if calls is not None and isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id not in calls:
+        raise SerializationError(f"{where}: {text!r} calls {node.func.id}, which an input size may not (allowed: {', '.join(calls)}).")
 
     check_only = symbol is None
     if isinstance(node, ast.Constant) and type(node.value) is int:

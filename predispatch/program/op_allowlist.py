@@ -95,6 +95,12 @@ def _is_mutable_only(p: PacketInfo) -> bool:
     return all(mutable for _, mutable, registered in p.overloads if registered)
 
 
+def _trusting_packets() -> frozenset[str]:
+    from predispatch.program.kernel_inputs import TRUSTING_PACKETS
+
+    return TRUSTING_PACKETS
+
+
 #: The allow list, in the order its rules are tried.
 FAMILIES: tuple[OpFamily, ...] = (
     OpFamily("io", False, "reads or writes files, streams or the console; a program computes values only",
@@ -116,6 +122,10 @@ FAMILIES: tuple[OpFamily, ...] = (
              _is_torchscript_builtin),
     OpFamily("mutable_only", False, "every overload mutates an argument (in place or out=); programs are functional",
              _is_mutable_only),
+    OpFamily("trusts_inputs", False,
+             "a kernel that trusts an index, offset or saved statistic its forward produces (Note [Kernels that trust "
+             "their inputs] in kernel_inputs.py): refused in a file unless the verifier proves its forward feeds it",
+             lambda p: p.name in _trusting_packets(), files_only=True),
     OpFamily("aten_functional", True,
              "functional tensor ops, what export emits; an overload whose schema mutates (out=, in place) is still "
              "refused by its schema",
@@ -212,6 +222,11 @@ def _family_of_packet() -> dict[str, str]:
 @functools.cache
 def _registered() -> frozenset[str]:
     return ti.dispatcher_op_names()
+
+
+def is_known_packet(name: str) -> bool:
+    """Whether the table decides packet `name` (`aten.__and__`), allowed or refused."""
+    return name in _family_of_packet()
 
 
 def decide(op: torch._ops.OpOverload, extra_namespaces: tuple[str, ...] = (), *, stored: bool = True) -> Decision:

@@ -61,7 +61,7 @@ from predispatch.program._serialize_graph import (
     OP_NAMESPACES,
     PYTHON_CALLABLES,
     GraphLoading,
-    decode_module,
+    decode_program_module,
     encode_module,
 )
 from predispatch.program._serialize_shapes import SymbolTable
@@ -494,7 +494,7 @@ def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...]) -
         fake_mode = ti.new_fake_mode()
         symbols = SymbolTable(fake_mode, signature.shapes, "signature shapes")
         loading = GraphLoading(namespaces, fake_mode, tensors["graph"], symbols)
-        gm = decode_module(program.get("graph_module"), "", loading)
+        gm = decode_program_module(program.get("graph_module"), loading)
         ep = ExportedProgram(
             gm, signature, tensors["state"], tensors["constants"],
             _decode_decompositions(program.get("decompositions")),

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import keyword
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +36,7 @@ from predispatch import _torch_internals as ti
 from predispatch.frontend.reachable import in_tree
 from predispatch.passes import inline_subgraphs
 from predispatch.program import interop, runner
+from predispatch.program.names import argument_names
 from predispatch.program.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
 from predispatch.program.modes import set_exported_modes
 from predispatch.program.signature import InputKind
@@ -44,10 +44,6 @@ from predispatch.program.writes import WritePlan, plan_writes
 
 if TYPE_CHECKING:
     from predispatch.program.exported_program import ExportedProgram
-
-#: Names the generated code uses as globals; a positional parameter must not shadow them.
-_RESERVED = frozenset({"self", "torch", "fx_pytree", "pytree", "inf", "nan", "NoneType", "device", "math"})
-
 
 def module_of(ep: ExportedProgram) -> ProgramModule:
     """Build `ep.module()`; see the module docstring."""
@@ -63,11 +59,13 @@ def module_of(ep: ExportedProgram) -> ProgramModule:
     state = _unlift_state(graph, sig, placeholders[:n_state], ep.live_root)
     plans = plan_writes(ep.graph_module, sig)
     _write_back_and_return(graph, sig, state, user, plans)
+    bodies = _region_bodies(source)
     for gm in list(source.modules()):
         if isinstance(gm, fx.GraphModule):
-            _lift_region_constants(gm)
-            _call_functions_through_runner(gm, top=gm is source)
-    graph._codegen = ti.PyTreeCodeGen(ti.PyTreeInfo(_argument_names(ep), sig.in_spec, sig.out_spec))
+            if id(gm) not in bodies:  # a region body's constants are lifted with its caller's
+                _lift_region_constants(gm)
+            _call_functions_through_runner(gm)
+    graph._codegen = ti.PyTreeCodeGen(ti.PyTreeInfo(argument_names(sig.in_spec, sig.arg_names), sig.in_spec, sig.out_spec))
     module = ProgramModule(nn.Module(), fx.Graph())
     _install_state(module, ep)
     _install_subgraphs(module, source)
@@ -76,7 +74,7 @@ def module_of(ep: ExportedProgram) -> ProgramModule:
         set_exported_modes(module, sig.training_flags)
     if ep.state_dict_owner is not None:
         module.__dict__["_state_dict_owner"] = ep.state_dict_owner
-    module.graph = graph  # generates the code
+    module.graph = graph  # generates the code, of every subgraph too (each once: Note [Load cost] in _serialize_graph.py)
     runner.attach_call_hooks(module)
     return module
 
@@ -174,6 +172,17 @@ def _read_written_targets_through_runner(graph: fx.Graph, targets: tuple[fx.Node
             user.replace_input_with(target, read)
 
 
+def _region_bodies(source: fx.GraphModule) -> set[int]:
+    """The ids of every graph module that is a region's body: `_lift_region_constants` of the
+    graph calling it lifts its constants (and its own bodies') already, so walking it again
+    would only cost a copy per level (cubic in depth: Note [Load cost] in _serialize_graph.py)."""
+    return {
+        id(_attribute(gm, body.target))
+        for gm in source.modules() if isinstance(gm, fx.GraphModule)
+        for node in gm.graph.nodes if (body := interop._body(node)) is not None
+    }
+
+
 def _lift_region_constants(gm: fx.GraphModule) -> None:
     """Tensors a grad-mode or autocast region's body creates become operands of its HOP call, read
     by `gm` (as `to_torch` lifts them): Dynamo refuses a region body that reads anything but its
@@ -193,9 +202,10 @@ def _lift_region_constants(gm: fx.GraphModule) -> None:
         node.args = (*node.args, *operands)
 
 
-def _call_functions_through_runner(gm: fx.GraphModule, *, top: bool) -> None:
+def _call_functions_through_runner(gm: fx.GraphModule) -> None:
     """`autograd_function_apply` nodes call `run_autograd_function`, with the pair's Function
-    for Dynamo made now (Note [Captured Functions under Dynamo])."""
+    for Dynamo made now (Note [Captured Functions under Dynamo]).  Not recompiled here: see
+    `module_of`, which compiles every graph once."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is ti.autograd_function_apply:
             fwd, bwd = (_attribute(gm, arg.target) for arg in node.args[:2])
@@ -204,27 +214,6 @@ def _call_functions_through_runner(gm: fx.GraphModule, *, top: bool) -> None:
             fwd.dynamo_function = function  # kept by deepcopy, as fx keeps user-preserved attributes:
             fwd.meta.setdefault(ti.USER_PRESERVED_ATTRIBUTES, {})["dynamo_function"] = function
             node.target = runner.run_autograd_function
-    if not top:  # the top graph's code is generated once, by the module
-        gm.recompile()
-
-
-def _argument_names(ep: ExportedProgram) -> list[str]:
-    """The parameters of the generated `forward`: positional names, then keyword names.
-
-    Keyword names are the call's keys; a positional name that is not a usable parameter (or
-    would shadow a global of the generated code) becomes `arg_<i>`.
-    """
-    in_spec, names = ep.signature.in_spec, list(ep.signature.arg_names)
-    count = in_spec.child(0).num_children
-    if len(names) != count:
-        names = [f"arg_{i}" for i in range(count)]
-    keywords = list(in_spec.child(1).context)
-    usable = [n if _usable(n) and n not in keywords else f"arg_{i}" for i, n in enumerate(names)]
-    return usable + keywords
-
-
-def _usable(name: str) -> bool:
-    return name.isidentifier() and not keyword.iskeyword(name) and name not in _RESERVED
 
 
 def _identifier(path: str) -> str:
@@ -290,8 +279,6 @@ def _install_constants(gm: fx.GraphModule, *, top: bool) -> None:
             read = gm.graph.call_function(getattr, (node, "tensor"))
         node.replace_all_uses_with(read, delete_user_cb=lambda user: user is not read)
         read.meta = dict(node.meta)
-    if not top:  # the top graph's code is generated once, by the module
-        gm.recompile()
 
 
 def _attribute(root: Any, target: str) -> Any:

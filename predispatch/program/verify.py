@@ -38,7 +38,9 @@ import torch
 from torch import fx, nn
 
 from predispatch.errors import SerializationError
+from predispatch.program import names as naming
 from predispatch.program._serialize_values import STORED_DEVICE_TYPES
+from predispatch.program.kernel_inputs import trusted_input_problems
 from predispatch.program.op_allowlist import decide
 from predispatch.program.signature import MUTATION_KINDS, ExportSignature, InputKind, state_names
 
@@ -109,6 +111,8 @@ class HopConvention:
         placeholders must match the operands' count).
     packed: the operands are one tuple argument after `leading` (`cond`), not spread.
     inner_op: index in `leading` of an op the HOP calls (`with_effects`), itself checked.
+    structure: further checks of how its subgraphs fit together (`autograd_function_apply`:
+        what forward returns, what backward takes and returns), yielding why not.
     reason: why programs hold this HOP.
     """
 
@@ -119,6 +123,38 @@ class HopConvention:
     bodies: tuple[int, ...] = ()
     packed: bool = False
     inner_op: int | None = None
+    structure: Callable[[fx.Node, fx.GraphModule], Iterator[str]] | None = None
+
+
+def _returned(gm: Any) -> Any:
+    """What a subgraph's output node returns (its one argument), or None."""
+    outputs = gm.graph.find_nodes(op="output") if isinstance(gm, fx.GraphModule) else []
+    return outputs[0].args[0] if len(outputs) == 1 and outputs[0].args else None
+
+
+def _function_structure(node: fx.Node, gm: fx.GraphModule) -> Iterator[str]:
+    """An `autograd_function_apply`'s pair of graphs fit: forward returns `((*outputs),
+    (*saved))`; backward takes one gradient per output, then the saved values, and returns one
+    gradient (or None) per operand; the index lists point into outputs and saved values.
+    Without this a crafted pair loads and fails at backward with a raw error."""
+    fwd, bwd = (_held(gm, a.target) if _is_subgraph(a, gm) else None for a in node.args[:2])
+    if fwd is None or bwd is None:
+        return  # reported by the argument kinds
+    returned = _returned(fwd)
+    if not (isinstance(returned, (tuple, list)) and len(returned) == 2 and all(isinstance(r, (tuple, list)) for r in returned)):
+        yield f"its forward {node.args[0].target!r} must return ((*outputs), (*saved)), not {_describe(returned)}"
+        return
+    outputs, saved = map(len, returned)
+    takes = len(bwd.graph.find_nodes(op="placeholder"))
+    if takes != outputs + saved:
+        yield f"its backward {node.args[1].target!r} takes {takes} values; forward gives {outputs} gradients and {saved} saved values"
+    grads, operands = _returned(bwd), len(node.args) - 2
+    if not isinstance(grads, (tuple, list)) or len(grads) != operands or not all(g is None or isinstance(g, fx.Node) for g in grads):
+        yield f"its backward {node.args[1].target!r} must return one gradient or None per operand ({operands}), not {_describe(grads)}"
+    for key, count in (("non_differentiable_idx", outputs), ("saved_for_backward_idx", saved)):
+        indices = node.kwargs.get(key)
+        if isinstance(indices, (list, tuple)) and (len(set(indices)) != len(indices) or any(type(i) is not int or not 0 <= i < count for i in indices)):
+            yield f"keyword {key!r} is {list(indices)}: distinct indices below {count} expected"
 
 
 #: The higher-order ops a program may call, by `hop.name()`, and their calling conventions.
@@ -130,7 +166,7 @@ HOP_CONVENTIONS: dict[str, HopConvention] = {
         "an autocast region: runs its subgraph under torch.autocast, for that scope only", bodies=(4,)),
     "autograd_function_apply": HopConvention(
         ("subgraph", "subgraph"), ("node",), "a custom autograd.Function: forward and backward subgraphs",
-        kwargs={"non_differentiable_idx": "ints", "saved_for_backward_idx": "ints"}, bodies=(0,)),
+        kwargs={"non_differentiable_idx": "ints", "saved_for_backward_idx": "ints"}, bodies=(0,), structure=_function_structure),
     "invoke_subgraph": HopConvention(
         ("subgraph", "str"), ("node", "int", "none"), "a repeated block: one subgraph called at each repetition", bodies=(0,)),
     "with_effects": HopConvention(
@@ -169,6 +205,8 @@ def _hop_problems(node: fx.Node, gm: fx.GraphModule, convention: HopConvention, 
             arity = len(_held(gm, args[index].target).graph.find_nodes(op="placeholder"))
             if arity != len(operands):
                 yield f"{name} passes {len(operands)} operands to subgraph {args[index].target!r}, which takes {arity}"
+    if convention.structure is not None:
+        yield from convention.structure(node, gm)
     if convention.inner_op is not None and isinstance(args[convention.inner_op], torch._ops.OpOverload):
         decision = decide(args[convention.inner_op], namespaces, stored=stored)
         if not decision.allowed:
@@ -190,7 +228,12 @@ def _describe(value: Any) -> str:
 
 
 def _getitem_args(node: fx.Node) -> bool:
-    return len(node.args) == 2 and not node.kwargs and isinstance(node.args[0], fx.Node) and type(node.args[1]) is int
+    """`source[i]`, with `i` inside the source's value when that is a tuple or list (a
+    multi-output op's, a HOP's): an index past it would fail at every call."""
+    if len(node.args) != 2 or node.kwargs or not isinstance(node.args[0], fx.Node) or type(node.args[1]) is not int:
+        return False
+    value = _val(node.args[0])
+    return not isinstance(value, (tuple, list)) or -len(value) <= node.args[1] < len(value)
 
 
 def _scalar_args(node: fx.Node) -> bool:
@@ -243,10 +286,19 @@ def _opaque(gm: nn.Module, target: str, stored: bool) -> bool:
     return not stored and "." not in target and type(gm.__dict__.get(target)) in _OPAQUE_ATTRIBUTES
 
 
+#: How deeply subgraphs may nest in a file (a region in a Function's forward in a region ...).
+#: Programs export makes nest a few levels; FX copies and compiles graph modules recursively,
+#: each level costing Python stack and a copy of what lies below, so a stored program nests
+#: at most this deep (Note [Load cost] in _serialize_graph.py; docs/format.md states it).
+MAX_SUBGRAPH_DEPTH = 32
+
+
 def graph_problems(gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), stored: bool = False, path: str = "") -> list[Problem]:
     """Problems of one graph module and of every module it holds (its subgraphs)."""
     where = f"graph module {path or '<root>'}"
-    problems = [Problem(f"{where}, node {node.name}", why) for node in gm.graph.nodes for why in _node_problems(node, gm, op_namespaces, stored)]
+    if stored and path and path.count(".") + 1 > MAX_SUBGRAPH_DEPTH:
+        return [Problem(where, f"subgraphs nest more than {MAX_SUBGRAPH_DEPTH} deep, the most a file holds")]
+    problems = [Problem(f"{where}, node {node.name}", why) for node in gm.graph.nodes for why in _node_problems(node, gm, op_namespaces, stored, not path)]
     kinds = [node.op for node in gm.graph.nodes]
     placeholders = kinds.count("placeholder")
     if kinds[:placeholders] != ["placeholder"] * placeholders or kinds.count("output") != 1 or kinds[-1:] != ["output"]:
@@ -263,21 +315,25 @@ def graph_problems(gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), s
     return problems
 
 
-def _node_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool) -> Iterator[str]:
+def _node_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool = True) -> Iterator[str]:
     if node.op not in _NODE_OPS:
         yield f"a {node.op} node; programs hold only {', '.join(_NODE_OPS)}"
     elif node.op == "get_attr" and _held(gm, node.target) is None and not _opaque(gm, node.target, stored):
         yield f"get_attr {node.target!r} names nothing the module holds"
     elif node.op == "call_function":
-        yield from _call_problems(node, gm, namespaces, stored)
+        yield from _call_problems(node, gm, namespaces, stored, root)
     if stored and "val" in node.meta:
         yield from _meta_problems(node.meta["val"])
 
 
-def _call_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool) -> Iterator[str]:
+def _call_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool) -> Iterator[str]:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         decision = decide(target, namespaces, stored=stored)
+        if stored and decision.family == "trusts_inputs":  # Note [Kernels that trust their inputs]
+            decision = decide(target, namespaces, stored=False)  # its schema still decides
+            if decision.allowed:
+                yield from trusted_input_problems(node, root=root)
         if not decision.allowed:
             yield f"calls {target}, which a program may not call ({decision.family}: {decision.reason})"
     elif isinstance(target, torch._ops.HigherOrderOperator):
@@ -483,6 +539,42 @@ def _output_problems(ep: ExportedProgram) -> Iterator[Problem]:
         yield Problem("signature output_leaves", "the output spec, output leaves and user outputs disagree")
 
 
+#: Root attribute names `ep.module()` gives its own objects (unlift.py, runner.py): a state
+#: or subgraph of the file must not take them.
+_BUILDER_PREFIXES = ("_constant_", "_lifted_", "_live_root", "_state_dict_owner")
+
+
+def _name_problems(ep: ExportedProgram) -> Iterator[Problem]:
+    """Every name `ep.module()` compiles or installs is safe there (Note [Names that reach
+    code] in names.py): keyword names, state names, and no two things at one attribute."""
+    sig = ep.signature
+    for why in naming.call_spec_problems(sig.in_spec, sig.arg_names):
+        yield Problem("signature in_spec", why)
+    fqns = state_names(sig.inputs)
+    for fqn in fqns:
+        for why in naming.state_name_problems(fqn):
+            yield Problem("signature inputs", why)
+    yield from _collision_problems(ep, fqns)
+
+
+def _collision_problems(ep: ExportedProgram, fqns: tuple[str, ...]) -> Iterator[Problem]:
+    """No state is named twice or lies under another state (`a` and `a.b`), and no state's
+    first part is a subgraph's or graph tensor's name or one the builder uses itself."""
+    where = "signature inputs"
+    if len(set(fqns)) != len(fqns):
+        yield Problem(where, f"a state name appears twice: {sorted(n for n in set(fqns) if fqns.count(n) > 1)[:3]}")
+    paths = set(fqns)
+    for fqn in fqns:
+        parts = fqn.split(".") if isinstance(fqn, str) else []
+        owners = [".".join(parts[:i]) for i in range(1, len(parts))]
+        if any(owner in paths for owner in owners):
+            yield Problem(where, f"state {fqn!r} lies under another state of the program")
+    held = {*ep.graph_module._modules, *ep.graph_module._parameters, *ep.graph_module._buffers}
+    for head in {fqn.split(".")[0] for fqn in fqns if isinstance(fqn, str)}:
+        if head in held or head.startswith(_BUILDER_PREFIXES):
+            yield Problem(where, f"state {head!r} takes a name ep.module() gives a subgraph or graph tensor")
+
+
 def program_problems(ep: ExportedProgram, *, op_namespaces: tuple[str, ...] = (), stored: bool = False) -> list[Problem]:
     """Every way `ep` breaks the IR contract ([] for a good program).
 
@@ -492,6 +584,7 @@ def program_problems(ep: ExportedProgram, *, op_namespaces: tuple[str, ...] = ()
     problems = graph_problems(ep.graph_module, op_namespaces=op_namespaces, stored=stored)
     problems += list(_signature_problems(ep))
     if stored:
+        problems += list(_name_problems(ep))
         for group, tensors in (("state_dict", ep.state_dict), ("constants", ep.constants)):
             problems += [Problem(f"{group}[{name!r}]", why) for name, t in tensors.items() for why in stored_tensor_problems(t)]
     return problems

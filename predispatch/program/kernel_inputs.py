@@ -1,0 +1,284 @@
+"""Kernels that trust their inputs: which a file may call, and only how.
+
+Note [Kernels that trust their inputs]
+--------------------------------------
+Some dense CPU kernels take an index, an offset or a saved statistic and do not check it,
+because autograd only ever feeds them what the matching forward op produced:
+`max_pool2d_with_indices_backward` writes `grad_input[indices[i]]` (an index of 2**40
+segfaults), `native_layer_norm_backward` reads `mean[i]` for every row (a one-element `mean`
+returns whatever memory follows), `_sobol_engine_draw` walks its state past the end (heap
+corruption).  Eager code never hands them anything else; a file can.
+
+They were found by reading every allowed packet's schema for tensor arguments that carry
+indices, offsets, lengths, workspaces or saved statistics (`python -m
+predispatch.program.kernel_inputs` prints that scan), then keeping those whose kernels do
+not check them (or that only an internal caller uses).  Each is one of:
+
+- `REFUSED_IN_FILES`: no program a file holds needs it (samplers' internals, fused RNN cells'
+  workspaces, CUDA-only statistics, `_unsafe_*` indexing); export still emits it for the
+  user's own code, in memory.
+- `FORWARD_PROOFS`: a joint program's backward calls it, so a file may, but only where the
+  verifier proves that each trusted argument is the matching forward op's output (or
+  argument) in the same graph, called on the very same input and parameters.  A kernel fed
+  by its own forward gets exactly what eager autograd gives it.
+
+`verify.py` asks `trusted_input_problems(node)` for every call of these packets in a stored
+program.  docs/format.md's threat model lists both tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["FORWARD_PROOFS", "REFUSED_IN_FILES", "TRUSTING_PACKETS", "ForwardProof", "scan", "trusted_input_problems"]
+
+
+_SAMPLER = "a quasi-random sampler's internals: it indexes its state tensor by the dimension and count it is given"
+_FUSED_CELL = "a fused RNN cell's backward: reads a workspace its forward wrote, of a size it does not check"
+_CUDA_STATS = "a CUDA or cuDNN kernel's backward, fed saved statistics or a reserve it does not check (CPU programs never hold it)"
+_EMBEDDING_BAG = "an embedding bag's backward: indexes by offsets and maximum indices its forward produced, unchecked"
+_UNSAFE_INDEX = "indexing that skips the bounds check by design (`_unsafe_*`, `_index_put_impl`'s unsafe flag)"
+
+#: Packets a file may not call, with why.  Export may still emit them for the user's own code.
+REFUSED_IN_FILES: Mapping[str, str] = {
+    "aten._sobol_engine_draw": _SAMPLER,
+    "aten._thnn_fused_lstm_cell_backward": _FUSED_CELL,
+    "aten._thnn_fused_lstm_cell_backward_impl": _FUSED_CELL,
+    "aten._thnn_fused_gru_cell_backward": _FUSED_CELL,
+    "aten._embedding_bag_backward": _EMBEDDING_BAG,
+    "aten._embedding_bag_dense_backward": _EMBEDDING_BAG,
+    "aten._embedding_bag_per_sample_weights_backward": _EMBEDDING_BAG,
+    "aten._unsafe_index": _UNSAFE_INDEX,
+    "aten._unsafe_index_put": _UNSAFE_INDEX,
+    "aten._unsafe_masked_index": _UNSAFE_INDEX,
+    "aten._unsafe_masked_index_put_accumulate": _UNSAFE_INDEX,
+    "aten._index_put_impl": _UNSAFE_INDEX,
+    "aten._segment_reduce_backward": "a segment reduction's backward: indexes by lengths and offsets its forward checked, unchecked",
+    "aten._pack_padded_sequence_backward": "indexes by the batch sizes its forward produced, unchecked",
+    "aten._pad_packed_sequence": "indexes by batch sizes a packed sequence carries, checked only against their sum",
+    "aten.cummaxmin_backward": "scatters through the indices cummax/cummin produced, unchecked",
+    "aten.value_selecting_reduction_backward": "scatters through the indices max/min/median produced, unchecked",
+    "aten._fused_rms_norm_backward": "reads the saved rstd of its forward for every row, unchecked",
+    "aten.batch_norm_backward": "reads saved statistics and a reserve its forward produced, unchecked",
+    "aten._batch_norm_impl_index_backward": "reads saved statistics and a reserve its forward produced, unchecked",
+    "aten.batch_norm_backward_elemt": _CUDA_STATS,
+    "aten.batch_norm_backward_reduce": _CUDA_STATS,
+    "aten.cudnn_batch_norm_backward": _CUDA_STATS,
+    "aten.miopen_batch_norm_backward": _CUDA_STATS,
+    "aten._cudnn_rnn_backward": _CUDA_STATS,
+    "aten.miopen_rnn_backward": _CUDA_STATS,
+    "aten._efficient_attention_backward": _CUDA_STATS,
+    "aten._flash_attention_backward": _CUDA_STATS,
+    "aten._scaled_dot_product_efficient_attention_backward": _CUDA_STATS,
+    "aten._scaled_dot_product_flash_attention_backward": _CUDA_STATS,
+    "aten._scaled_dot_product_cudnn_attention_backward": _CUDA_STATS,
+    "aten._cudnn_attention_backward": _CUDA_STATS,
+    "aten._scaled_dot_product_fused_attention_overrideable_backward": _CUDA_STATS,
+}
+
+
+@dataclass(frozen=True)
+class ForwardProof:
+    """How a backward kernel's trusted arguments must come from its forward in the graph.
+
+    forwards: the forward packets whose result it may be fed.
+    outputs: backward argument -> index of the forward's output it must be (`getitem`).
+    same: (backward argument, forward argument) pairs that must be the very same node or equal
+        constant: the forward ran on what the backward reads.
+    extra: a further check of (backward arguments, forward arguments, in the root graph),
+        yielding why not.
+    reason: what the kernel trusts.
+    """
+
+    forwards: tuple[str, ...]
+    outputs: Mapping[str, int]
+    same: tuple[tuple[str, str], ...]
+    reason: str
+    extra: Callable[[dict, dict, bool], Iterator[str]] | None = field(default=None)
+
+
+def _embedding_rows(backward: dict, forward: dict, root: bool) -> Iterator[str]:
+    """`num_weights` is the row count of the weight the forward indexed, a placeholder of the
+    root graph: its size is checked (a state's against its stored tensor at load, a user
+    input's at every call), so the forward's own bounds check holds for the backward's scatter."""
+    weight = forward.get("weight")
+    value = weight.meta.get("val") if isinstance(weight, fx.Node) else None
+    rows = value.shape[0] if isinstance(value, torch.Tensor) and value.dim() >= 1 else None
+    if not (root and weight.op == "placeholder" and type(rows) is int and backward.get("num_weights") == rows):
+        yield "its num_weights must be the row count of a root-graph input or state the matching embedding indexed"
+
+
+_POOL = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+_STATS = "reads a saved mean and reciprocal std for every row or group, unchecked against the input"
+
+#: Backward kernels a file may call only when fed by their forward, by packet.
+FORWARD_PROOFS: Mapping[str, ForwardProof] = {
+    "aten.max_pool2d_with_indices_backward": ForwardProof(
+        ("aten.max_pool2d_with_indices",), {"indices": 1}, (("self", "self"), *((a, a) for a in _POOL)),
+        "writes grad_input[indices[i]] unchecked"),
+    "aten.max_pool3d_with_indices_backward": ForwardProof(
+        ("aten.max_pool3d_with_indices",), {"indices": 1}, (("self", "self"), *((a, a) for a in _POOL)),
+        "writes grad_input[indices[i]] unchecked"),
+    "aten.adaptive_max_pool2d_backward": ForwardProof(
+        ("aten.adaptive_max_pool2d",), {"indices": 1}, (("self", "self"),), "writes grad_input[indices[i]] unchecked"),
+    "aten.adaptive_max_pool3d_backward": ForwardProof(
+        ("aten.adaptive_max_pool3d",), {"indices": 1}, (("self", "self"),), "writes grad_input[indices[i]] unchecked"),
+    "aten.fractional_max_pool2d_backward": ForwardProof(
+        ("aten.fractional_max_pool2d",), {"indices": 1}, (("self", "self"), ("kernel_size", "kernel_size"), ("output_size", "output_size")),
+        "writes grad_input[indices[i]] unchecked"),
+    "aten.fractional_max_pool3d_backward": ForwardProof(
+        ("aten.fractional_max_pool3d",), {"indices": 1}, (("self", "self"), ("kernel_size", "kernel_size"), ("output_size", "output_size")),
+        "writes grad_input[indices[i]] unchecked"),
+    "aten.embedding_dense_backward": ForwardProof(
+        ("aten.embedding",), {}, (("indices", "indices"), ("padding_idx", "padding_idx")),
+        "scatters into num_weights rows by indices, unchecked", extra=_embedding_rows),
+    "aten.embedding_backward": ForwardProof(  # composite: calls embedding_dense_backward inside the kernel
+        ("aten.embedding",), {}, (("indices", "indices"), ("padding_idx", "padding_idx")),
+        "scatters into num_weights rows by indices, unchecked", extra=_embedding_rows),
+    "aten.native_layer_norm_backward": ForwardProof(
+        ("aten.native_layer_norm",), {"mean": 1, "rstd": 2},
+        (("input", "input"), ("normalized_shape", "normalized_shape"), ("weight", "weight"), ("bias", "bias")), _STATS),
+    "aten.native_group_norm_backward": ForwardProof(
+        ("aten.native_group_norm",), {"mean": 1, "rstd": 2},
+        (("input", "input"), ("weight", "weight"), ("N", "N"), ("C", "C"), ("HxW", "HxW"), ("group", "group")), _STATS),
+    "aten.native_batch_norm_backward": ForwardProof(
+        ("aten.native_batch_norm", "aten._native_batch_norm_legit", "aten._native_batch_norm_legit_functional",
+         "aten._native_batch_norm_legit_no_training"),
+        {"save_mean": 1, "save_invstd": 2},
+        (("input", "input"), ("weight", "weight"), ("running_mean", "running_mean"), ("running_var", "running_var")),
+        "reads saved statistics for every channel, unchecked"),
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward": ForwardProof(
+        ("aten._scaled_dot_product_flash_attention_for_cpu",), {"out": 0, "logsumexp": 1},
+        (("query", "query"), ("key", "key"), ("value", "value"), ("is_causal", "is_causal"), ("attn_mask", "attn_mask"),
+         ("scale", "scale"), ("dropout_p", "dropout_p")),
+        "reads the saved logsumexp for every query row, unchecked"),
+}
+
+#: Every packet this module decides: the allow list's `trusts_inputs` family.
+TRUSTING_PACKETS = frozenset({*REFUSED_IN_FILES, *FORWARD_PROOFS})
+
+
+def trusted_input_problems(node: fx.Node, *, root: bool) -> Iterator[str]:
+    """Why `node`, a call of a `TRUSTING_PACKETS` packet, may not be in a stored program
+    (`root`: it is in the program's root graph, not a subgraph)."""
+    packet = _packet(node.target)
+    if packet in REFUSED_IN_FILES:
+        yield f"calls {node.target}, which a file may not call (trusts_inputs: {REFUSED_IN_FILES[packet]})"
+        return
+    proof = FORWARD_PROOFS[packet]
+    backward = _bound(node)
+    forward_node = _forward_of(backward, proof)
+    if forward_node is None:
+        trusted = ", ".join(proof.outputs) or ", ".join(b for b, _ in proof.same)
+        yield (f"calls {node.target}, which {proof.reason}: in a file its {trusted} must come from a "
+               f"{' or '.join(proof.forwards)} call in the same graph")
+        return
+    forward = _bound(forward_node)
+    differing = [b for b, f in proof.same if not _same(backward.get(b), forward.get(f))]
+    if differing:
+        yield f"calls {node.target} on other {', '.join(differing)} than its forward {forward_node.name} ran on"
+    if proof.extra is not None:
+        for why in proof.extra(backward, forward, root):
+            yield f"calls {node.target}: {why}"
+
+
+def _forward_of(backward: dict, proof: ForwardProof) -> fx.Node | None:
+    """The one forward call every trusted argument comes from, or None."""
+    sources = set()
+    for argument, index in proof.outputs.items():
+        value = backward.get(argument)
+        if not (isinstance(value, fx.Node) and value.op == "call_function" and value.target is _getitem()
+                and value.args[1] == index and isinstance(value.args[0], fx.Node)):
+            return None
+        sources.add(value.args[0])
+    if not proof.outputs:  # fed by the forward's argument: find a forward call sharing it
+        first, forward_argument = proof.same[0]
+        value = backward.get(first)
+        sources = {u for u in value.users if _packet(u.target) in proof.forwards
+                   and _bound(u).get(forward_argument) is value} if isinstance(value, fx.Node) else set()
+    forward = next(iter(sources)) if len(sources) == 1 else None
+    ok = forward is not None and forward.op == "call_function" and _packet(forward.target) in proof.forwards
+    return forward if ok else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        return a is b
+    return type(a) is type(b) and a == b or (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and list(a) == list(b))
+
+
+def _bound(node: fx.Node) -> dict[str, Any]:
+    """A call's arguments by schema name, defaults filled in."""
+    schema = node.target._schema
+    values = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    values.update(zip((a.name for a in schema.arguments), node.args))
+    values.update(node.kwargs)
+    return values
+
+
+def _packet(target: Any) -> str | None:
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    namespace, name = target._schema.name.split("::")
+    return f"{namespace}.{name}"
+
+
+def _getitem() -> Any:
+    import operator
+
+    return operator.getitem
+
+
+# --------------------------------------------------------------------------- the scan
+
+
+#: Argument names that carry indices, offsets, lengths, workspaces or saved statistics.
+_TRUSTED_NAMES = (
+    "indices", "index", "offsets", "lengths", "batch_sizes", "workspace", "reserve", "mean", "rstd", "invstd",
+    "save_mean", "save_invstd", "save_var", "logsumexp", "quasi", "sobolstate", "maximum_indices", "cu_seqlens_q",
+    "cu_seqlens_k",
+)
+
+
+def scan() -> list[tuple[str, list[str]]]:
+    """Allowed packets of a backward or internal op with a tensor argument named like one a
+    kernel may trust (`indices`, `mean`, `workspace`, ...): the candidates this module's
+    tables were decided from.  A new torch's new candidate shows here (tests/test_verify.py
+    fails until it is decided: refused, proved, or listed in `CHECKED_BY_TORCH`)."""
+    from predispatch.program._op_families import PACKETS
+
+    found = []
+    for packet in sorted({p for family in ("aten_functional", "trusts_inputs") for p in PACKETS.get(family, ())}):
+        name = packet.split(".", 1)[1]
+        if not (name.endswith("backward") or "backward_" in name or name.startswith("_")):
+            continue
+        overloads = getattr(torch.ops.aten, name)
+        arguments = {a.name for o in overloads.overloads() for a in getattr(overloads, o)._schema.arguments if "Tensor" in str(a.type)}
+        hits = sorted(arguments & set(_TRUSTED_NAMES))
+        if hits:
+            found.append((packet, hits))
+    return found
+
+
+#: Scanned candidates whose kernels check the argument themselves (a bad value raises), with how.
+CHECKED_BY_TORCH: Mapping[str, str] = {
+    "aten._embedding_bag": "checks every index against the weight's rows and offsets against the indices",
+    "aten._embedding_bag_forward_only": "checks every index against the weight's rows and offsets against the indices",
+    "aten.index_select_backward": "composite: index_add, which checks its indices",
+    "aten.gather_backward": "composite: scatter_add, which checks its indices",
+    "aten._pack_padded_sequence": "checks lengths are sorted, positive and within the input",
+    "aten._efficient_attention_forward": "CUDA only; the forward checks its sequence offsets",
+    "aten._native_batch_norm_legit": "a forward: computes its statistics itself (save_* are outputs of its out= overloads, refused by schema)",
+    "aten._spdiags": "checks offsets against the output shape",
+}
+
+
+if __name__ == "__main__":
+    for packet, arguments in scan():
+        decided = "refused" if packet in REFUSED_IN_FILES else "proved" if packet in FORWARD_PROOFS else CHECKED_BY_TORCH.get(packet, "UNDECIDED")
+        print(f"{packet:60} {', '.join(arguments):40} {decided}")
