@@ -262,6 +262,13 @@ def test_dynamic_dimensions(capsys):
     assert code == ExitCode.USAGE and "has example size 3 in one input and 2 in another" in err
 
 
+def test_dim_example_from_the_help_keeps_batch_one(capsys):
+    """`--dim batch=1..64`, the help's own example: the range is 1 to 64, not torch's traced 2 to 64."""
+    code, out, _ = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[batch=3,4]", "--dim", "batch=1..64")
+    assert code == ExitCode.OK
+    assert re.search(r"s\d+: \[1, 64\]  \(x.size\(\)\[0\]\)", out)
+
+
 def test_export_failure_is_a_message_without_traceback(capsys):
     code, out, err = run(capsys, "export", "test_cli:Branchy", "--inputs", "f32[3]")
     assert code == ExitCode.REFUSED == 1

@@ -265,6 +265,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
         stack.enter_context(_no_garbage_collection())
         stack.enter_context(torch.enable_grad())  # the ambient mode regions are relative to
         stack.enter_context(ti.exporting_flags())
+        stack.enter_context(_no_backend_heuristics())
         stack.enter_context(
             ti.decomposition_hook(lambda op, default, args, kwargs: policy.should_decompose(op, default, log, args, kwargs))
         )
@@ -307,6 +308,27 @@ def _check_metadata_mutations(prepared: PreparedInputs, captured: ti.ProgramTrac
             where=where or f"{user_frame()} (the export call)",
             fix="write it out of place (x = x.t()) and return the new tensor.",
         )
+
+
+@contextlib.contextmanager
+def _no_backend_heuristics():
+    """Trace with the mkldnn, nnpack and cudnn backends off, as torch.export does.
+
+    Fake convolution kernels ask which backend eager would pick to learn the output's memory
+    format, and CPU's choice of mkldnn tests `batch >= 16`: traced with it on, a dynamic batch
+    gets a guard `batch < 16` from that heuristic alone (`Dim(max=64)` refused, "suggested fix:
+    max=15").  The graph does not depend on the backend; at run time eager's choice is made as
+    usual.  torch.export traces under `_ignore_backend_decomps` for the same reason.
+    """
+    mkldnn, nnpack, cudnn = torch.backends.mkldnn, torch.backends.nnpack, torch.backends.cudnn
+    saved = mkldnn.enabled, cudnn.enabled, nnpack.set_flags(False)
+    # only `enabled`: `set_flags` reads every flag, and forward may leave the TF32 ones mid-change
+    mkldnn.enabled = cudnn.enabled = False
+    try:
+        yield
+    finally:
+        mkldnn.enabled, cudnn.enabled = saved[:2]
+        nnpack.set_flags(*saved[2])
 
 
 @contextlib.contextmanager
