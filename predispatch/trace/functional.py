@@ -312,23 +312,24 @@ def _check_metadata_mutations(prepared: PreparedInputs, captured: ti.ProgramTrac
 
 @contextlib.contextmanager
 def _no_backend_heuristics():
-    """Trace with the mkldnn, nnpack and cudnn backends off, as torch.export does.
+    """Trace with the mkldnn and nnpack backends off, as torch.export does.
 
     Fake convolution kernels ask which backend eager would pick to learn the output's memory
     format, and CPU's choice of mkldnn tests `batch >= 16`: traced with it on, a dynamic batch
     gets a guard `batch < 16` from that heuristic alone (`Dim(max=64)` refused, "suggested fix:
-    max=15").  The graph does not depend on the backend; at run time eager's choice is made as
-    usual.  torch.export traces under `_ignore_backend_decomps` for the same reason.
+    max=15").  The graph does not depend on these backends; at run time eager's choice is made
+    as usual.  torch.export traces under `_ignore_backend_decomps` for the same reason; unlike
+    it, cudnn stays on: `F.layer_norm` and `F.batch_norm` pass `cudnn.enabled` as an argument,
+    so turning it off would write `cudnn_enable=False` into every such node.
     """
-    mkldnn, nnpack, cudnn = torch.backends.mkldnn, torch.backends.nnpack, torch.backends.cudnn
-    saved = mkldnn.enabled, cudnn.enabled, nnpack.set_flags(False)
-    # only `enabled`: `set_flags` reads every flag, and forward may leave the TF32 ones mid-change
-    mkldnn.enabled = cudnn.enabled = False
+    mkldnn, nnpack = torch.backends.mkldnn, torch.backends.nnpack
+    saved = mkldnn.enabled, nnpack.set_flags(False)
+    mkldnn.enabled = False  # only `enabled`: `set_flags` reads every flag, forward may change some
     try:
         yield
     finally:
-        mkldnn.enabled, cudnn.enabled = saved[:2]
-        nnpack.set_flags(*saved[2])
+        mkldnn.enabled = saved[0]
+        nnpack.set_flags(*saved[1])
 
 
 @contextlib.contextmanager
