@@ -144,6 +144,17 @@ class ReplacesBufferShape(nn.Module):
         return x + self.rel.sum()
 
 
+class StaticCache:
+    """Stands for a Hugging Face cache other than DynamicCache (transformers is the models extra)."""
+
+    __module__ = "transformers.cache_utils"
+
+
+class ReturnsCache(nn.Module):
+    def forward(self, x):
+        return x + 1, StaticCache()
+
+
 class MoreErrors(TestCase):
     def test_kwargs_key_not_a_string(self):
         with pytest.raises(errors.UnsupportedInputError) as info:
@@ -241,6 +252,15 @@ input 'input' was on cpu at export and is on meta now; the program's state and t
 output has type Box, which is neither a tensor nor a constant.
   at test_errors.py:N (return self.Box(y))
   fix: return tensors (or tuples/lists/dicts/dataclasses of tensors); register custom containers with torch.utils._pytree.register_pytree_node.
+  see docs/errors.md#unsupportedoutputerror""")
+
+    def test_hugging_face_cache_output_says_use_cache_false(self):
+        with pytest.raises(errors.UnsupportedOutputError) as info:
+            predispatch.export(ReturnsCache(), (torch.randn(2),))
+        self.assertExpectedInline(message(info.value), """\
+output[1] has type StaticCache, which is neither a tensor nor a constant.
+  at test_errors.py:N (return x + 1, StaticCache())
+  fix: StaticCache is the model's key/value cache, returned because use_cache=True (the default): pass use_cache=False to the call (export(model, args, {'use_cache': False})) or set model.config.use_cache = False; predispatch exports transformers' DynamicCache, not other caches.
   see docs/errors.md#unsupportedoutputerror""")
 
     def test_buffer_replaced_by_another_shape(self):

@@ -232,6 +232,8 @@ def register_dataclasses(tree: Any) -> None:
     `ep.module()` accept and return the same dataclasses later.
     """
     def visit(node: Any) -> None:
+        if is_hf_cache(node) and register_hf_cache(node):
+            return
         if dataclasses.is_dataclass(node) and not isinstance(node, type):
             cls = type(node)
             if cls not in pytree.SUPPORTED_NODES:
@@ -243,6 +245,39 @@ def register_dataclasses(tree: Any) -> None:
                 visit(child)
 
     visit(tree)
+
+
+def is_hf_cache(value: Any) -> bool:
+    """A Hugging Face key/value cache (`DynamicCache`, `StaticCache`, `EncoderDecoderCache`, ...):
+    what a transformers model returns as `past_key_values` when `use_cache=True`, its default."""
+    cls = type(value)
+    return cls.__module__.startswith("transformers.") and cls.__name__.endswith("Cache")
+
+
+def register_hf_cache(cache: Any) -> bool:
+    """Register a `DynamicCache` as a pytree node, with transformers' own flattening; whether it is one.
+
+    transformers 5 ships the registration torch.export needs for its default cache
+    (`register_dynamic_cache_export_support`) but leaves it to the user; like the dataclass
+    registration above it is global and permanent, and what lets `ep.module()` return the
+    cache.  The other cache classes have no such registration: they stay unsupported.
+    """
+    if type(cache).__name__ != "DynamicCache" or type(cache).__module__ != "transformers.cache_utils":
+        return False
+    if type(cache) not in pytree.SUPPORTED_NODES:
+        from transformers.integrations.executorch import register_dynamic_cache_export_support
+
+        register_dynamic_cache_export_support()
+    return True
+
+
+def hf_cache_fix(value: Any) -> str:
+    """The fix for a Hugging Face cache that cannot be exported."""
+    return (
+        f"{type(value).__name__} is the model's key/value cache, returned because use_cache=True (the default): "
+        "pass use_cache=False to the call (export(model, args, {'use_cache': False})) or set "
+        "model.config.use_cache = False; predispatch exports transformers' DynamicCache, not other caches."
+    )
 
 
 def _named_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:
@@ -261,8 +296,9 @@ def _named_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tu
             raise UnsupportedInputError(
                 f"input {label!r} has type {type(value).__name__}, which is neither a tensor nor a constant.",
                 where=user_frame(),
-                fix="pass tensors, None, bools, numbers or strings, in tuples/lists/dicts/dataclasses; "
-                "register other containers with torch.utils._pytree.register_pytree_node.",
+                fix=hf_cache_fix(value) if is_hf_cache(value) else "pass tensors, None, bools, numbers or "
+                "strings, in tuples/lists/dicts/dataclasses; register other containers with "
+                "torch.utils._pytree.register_pytree_node.",
             )
     return tuple(leaves), in_spec
 

@@ -26,7 +26,7 @@ from predispatch.errors import (
 )
 from predispatch.frontend import PreparedInputs
 from predispatch.frontend.dynamic import check_constraints
-from predispatch.frontend.inputs import CONSTANT_TYPES, register_dataclasses
+from predispatch.frontend.inputs import CONSTANT_TYPES, hf_cache_fix, is_hf_cache, register_dataclasses
 from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
@@ -437,8 +437,9 @@ def _output_leaves(out: Any, module: torch.nn.Module) -> tuple[tuple[Leaf, ...],
             raise UnsupportedOutputError(
                 f"{label} has type {type(value).__name__}, which is neither a tensor nor a constant.",
                 where=_return_lines(module),
-                fix="return tensors (or tuples/lists/dicts/dataclasses of tensors); register custom "
-                "containers with torch.utils._pytree.register_pytree_node.",
+                fix=hf_cache_fix(value) if is_hf_cache(value) else "return tensors (or tuples/lists/"
+                "dicts/dataclasses of tensors); register custom containers with "
+                "torch.utils._pytree.register_pytree_node.",
             )
     return tuple(leaves), spec
 
