@@ -225,7 +225,25 @@ input 'input' was on cpu at export and is on meta now; the program's state and t
         program = predispatch.export(TakesKeywords(), (torch.randn(2), torch.randn(2))).module()
         with pytest.raises(errors.InputMismatchError) as info:
             program(torch.randn(2), z=torch.randn(2))
-        self.assertExpectedInline(message(info.value).splitlines()[0], """the program was exported for inputs structured as""")
+        self.assertExpectedInline(message(info.value), """\
+keyword argument 'z' was not passed at export, so the program has no input for it. The program takes the keyword arguments it was exported with: none.
+  at test_errors.py:N (program(torch.randn(2), z=torch.randn(2)))
+  fix: call it with the same structure of args and kwargs as at export, or export again.
+  see docs/errors.md#inputmismatcherror""")
+
+    def test_missing_and_extra_keywords_are_named(self):
+        program = predispatch.export(TakesKeywords(), (torch.randn(2),), {"y": torch.randn(2), "mask": None}).module()
+        x, y = torch.randn(2), torch.randn(2)
+        with pytest.raises(errors.InputMismatchError) as info:
+            program(x, y=y)
+        self.assertExpectedInline(message(info.value).splitlines()[0], """keyword argument 'mask' was passed at export and is missing now. The program takes the keyword arguments it was exported with: y, mask.""")
+        with pytest.raises(errors.InputMismatchError) as info:
+            program(x, y=y, mask=None, scale=2.0)
+        self.assertExpectedInline(message(info.value).splitlines()[0], """keyword argument 'scale' was not passed at export, so the program has no input for it. The program takes the keyword arguments it was exported with: y, mask.""")
+        with pytest.raises(errors.InputMismatchError) as info:
+            program(x, y=(y, y), mask=None)
+        self.assertExpectedInline(message(info.value).splitlines()[0], """input 'y' was a single value (a tensor or constant) at export and is a tuple of 2 now.""")
+        self.assertNotIn("TreeSpec", str(info.value))
 
     def test_torch_error_kept_but_not_printed(self):
         """A data-dependent branch prints our message, not ~90 lines of chained torch internals;
