@@ -329,6 +329,7 @@ def test_show_refuses_a_file_that_is_not_a_program(tmp_path, capsys):
 
 def test_save_missing_from_the_library_is_exit_4(monkeypatch, capsys):
     monkeypatch.delattr(predispatch, "save", raising=False)
+    monkeypatch.delitem(predispatch._LAZY, "save")  # public names are imported on first use
     code, out, err = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[2,4]", "--save", "x.pd")
     assert code == ExitCode.MISSING == 4
     assert out == ""  # checked before exporting
@@ -453,6 +454,20 @@ def test_import_and_help_do_not_import_dynamo():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.stdout.strip() == "False", done.stderr
 
+
+
+def test_import_and_help_do_not_import_torch():
+    """Start-up: `import predispatch` and `predispatch --help` cost little more than Python's
+    start (the public names and the commands' work are imported on first use); torch is
+    imported by the first call that needs it, and `predispatch.export` is there when asked."""
+    code = (
+        "import sys, contextlib, io; import predispatch; from predispatch.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()): main(['--help']); main(['export', '--help'])\n"
+        "print('torch' in sys.modules, callable(predispatch.export), 'torch' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.stdout.strip() == "False True True", done.stderr
 
 
 def test_show_imports_only_what_loading_needs(tmp_path):

@@ -281,6 +281,47 @@ output[1] has type StaticCache, which is neither a tensor nor a constant.
   fix: StaticCache is the model's key/value cache, returned because use_cache=True (the default): pass use_cache=False to the call (export(model, args, {'use_cache': False})) or set model.config.use_cache = False; predispatch exports transformers' DynamicCache, not other caches.
   see docs/errors.md#unsupportedoutputerror""")
 
+    def test_calling_the_program_points_to_module(self):
+        ep = predispatch.export(nn.Linear(2, 2), (torch.randn(1, 2),))
+        with pytest.raises(errors.ProgramCallError) as info:
+            ep(torch.randn(1, 2))
+        self.assertIsInstance(info.value, TypeError)
+        self.assertExpectedInline(message(info.value), """\
+an ExportedProgram is not callable: it describes the program; its module runs it.
+  at test_errors.py:N (ep(torch.randn(1, 2)))
+  fix: call ep.module()(...) instead (build the module once, then call it as often as you like).
+  see docs/errors.md#programcallerror""")
+
+    def test_saving_what_is_not_a_predispatch_program(self):
+        model, x = nn.Linear(2, 2), torch.randn(1, 2)
+        cases = {
+            "torch.export": torch.export.export(model, (x,)),
+            "train_eval": predispatch.export_train_eval(model, (x,)),
+            "module": predispatch.export(model, (x,)).module(),
+        }
+        fixes = {}
+        for name, value in cases.items():
+            with pytest.raises(errors.NotAProgramError) as info:
+                predispatch.save(value, "never-written.pd")
+            fixes[name] = message(info.value)
+        import os
+        self.assertFalse(os.path.exists("never-written.pd"))
+        self.assertExpectedInline(fixes["torch.export"], """\
+predispatch.save takes a predispatch ExportedProgram; got a torch.export.exported_program.ExportedProgram.
+  at test_errors.py:N (predispatch.save(value, "never-written.pd"))
+  fix: use torch.export.save(ep, path) for torch.export's programs; predispatch.save takes what predispatch.export(model, args) returns.
+  see docs/errors.md#notaprogramerror""")
+        self.assertExpectedInline(fixes["train_eval"], """\
+predispatch.save takes a predispatch ExportedProgram; got a predispatch.program.modes.TrainEvalProgram.
+  at test_errors.py:N (predispatch.save(value, "never-written.pd"))
+  fix: save its two programs one by one: predispatch.save(p.train_program, 'train.pd') and predispatch.save(p.eval_program, 'eval.pd'); TrainEvalProgram(load('train.pd'), load('eval.pd'), p.training) puts them together again.
+  see docs/errors.md#notaprogramerror""")
+        self.assertExpectedInline(fixes["module"], """\
+predispatch.save takes a predispatch ExportedProgram; got a torch.fx.graph_module.GraphModule.
+  at test_errors.py:N (predispatch.save(value, "never-written.pd"))
+  fix: save the ExportedProgram (what predispatch.export returned), not a module such as ep.module().
+  see docs/errors.md#notaprogramerror""")
+
     def test_buffer_replaced_by_another_shape(self):
         model = ReplacesBufferShape()
         with pytest.raises(errors.TraceError) as info:

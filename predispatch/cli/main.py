@@ -16,25 +16,15 @@ import shutil
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
-
-import torch
-import torch.utils._pytree as pytree
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 import predispatch
 from predispatch.cli.failures import EXIT_CODES_HELP, CommandError, ExitCode, MissingError, UsageError
-from predispatch.cli.specs import (
-    ParsedInputs,
-    SpecError,
-    TensorSpec,
-    dynamic_shapes,
-    make_example,
-    parse_dim_range,
-    parse_inputs,
-)
-from predispatch.cli.targets import Target, load_model, parse_target
 from predispatch.errors import PredispatchError
+
+if TYPE_CHECKING:  # torch and what needs it are imported by the commands, not by `--help`
+    from predispatch.cli.specs import ParsedInputs
+    from predispatch.cli.targets import Target
 
 _DRAW_FORMATS = {".svg": "svg", ".html": "html", ".htm": "html", ".dot": "dot", ".gv": "dot"}
 
@@ -137,6 +127,9 @@ def audit_command(ns: argparse.Namespace) -> int:
 
 
 def _export(ns: argparse.Namespace) -> predispatch.ExportedProgram:
+    from predispatch.cli.specs import make_example
+    from predispatch.cli.targets import load_model
+
     if ns.inputs is None:
         raise UsageError(f"{ns.source!r}: --inputs is required to export MODULE:ATTR",
                          fix='give example inputs as shapes and dtypes, e.g. --inputs "f32[2,16]"')
@@ -152,6 +145,8 @@ def _export(ns: argparse.Namespace) -> predispatch.ExportedProgram:
 
 
 def _target(text: str) -> Target:
+    from predispatch.cli.targets import parse_target
+
     if ":" not in text and not os.path.exists(text):
         raise UsageError(f"{text!r} is neither MODULE:ATTR nor an existing file",
                          fix="name a model as mypkg.models:Net or path/to/model.py:Net, or a saved program file")
@@ -159,6 +154,8 @@ def _target(text: str) -> Target:
 
 
 def _parse_specs(inputs: str, kwargs: str | None) -> ParsedInputs:
+    from predispatch.cli.specs import ParsedInputs, SpecError, parse_inputs
+
     try:
         parsed = parse_inputs(inputs)
         extra = parse_inputs(kwargs, keywords_only=True) if kwargs is not None else ParsedInputs()
@@ -173,6 +170,11 @@ def _parse_specs(inputs: str, kwargs: str | None) -> ParsedInputs:
 
 def _dims(parsed: ParsedInputs, ranges: list[str]) -> dict[str, Any]:
     """One `torch.export.Dim` per dynamic dimension name in the specs, with its --dim range."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    from predispatch.cli.specs import SpecError, TensorSpec, parse_dim_range
+
     sizes: dict[str, int] = {}
     for spec in (leaf for leaf in pytree.tree_leaves((parsed.args, parsed.kwargs)) if isinstance(leaf, TensorSpec)):
         for name, size in zip(spec.dims, spec.shape):
@@ -195,6 +197,10 @@ def _dims(parsed: ParsedInputs, ranges: list[str]) -> dict[str, Any]:
 
 def _dynamic_shapes(model: Any, parsed: ParsedInputs, dims: dict[str, Any], target: Target) -> dict[str, Any]:
     """torch.export's `dynamic_shapes`, by parameter name of the model's forward (or the function)."""
+    from torch import nn
+
+    from predispatch.cli.specs import dynamic_shapes
+
     fn = model.forward if isinstance(model, nn.Module) else model
     try:
         bound = inspect.signature(fn).bind(*parsed.args, **parsed.kwargs)
@@ -204,6 +210,8 @@ def _dynamic_shapes(model: Any, parsed: ParsedInputs, dims: dict[str, Any], targ
 
 
 def _set_mode(model: Any, mode: str | None, target: Target) -> None:
+    from torch import nn
+
     if mode is None:
         return
     if not isinstance(model, nn.Module):
@@ -220,6 +228,8 @@ def _op_names(values: list[str] | None) -> list[str]:
 
 
 def _check_op(name: str) -> None:
+    import torch
+
     parts = name.replace("::", ".").split(".")
     form = "write namespace.op or namespace.op.overload, e.g. aten.linear or aten.linear.default"
     if len(parts) not in (2, 3):
@@ -338,6 +348,18 @@ MODULE:ATTR:
   export itself (one with required parameters)."""
 
 
+def _torch_version() -> str:
+    """torch's version from its installed metadata: `--version` and `--help` do not import torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        import torch
+
+        return torch.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS,
@@ -349,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version",
-                        version=f"predispatch {predispatch.__version__} (torch {torch.__version__})")
+                        version=f"predispatch {predispatch.__version__} (torch {_torch_version()})")
     parser.add_argument("--traceback", action="store_true", help="on failure, print the traceback as well as the message")
     commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     _add_export(commands, common)
