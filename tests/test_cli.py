@@ -320,6 +320,43 @@ def test_save_then_show(tmp_path, capsys):
     assert code == ExitCode.OK and shown == printed
 
 
+_OUTPUT_CLASSES = """\
+import dataclasses
+import torch
+
+@dataclasses.dataclass
+class Out:
+    y: torch.Tensor
+
+class Net(torch.nn.Module):
+    def forward(self, x):
+        return Out(x + 1)
+"""
+
+
+def test_show_and_draw_import_what_the_program_is_made_of(tmp_path, monkeypatch, capsys):
+    """A saved program whose output class lives in a module the shell's process has not
+    imported (a Hugging Face `ModelOutput`): the error names `--import MODULE`, which works."""
+    (tmp_path / "output_classes_for_cli.py").write_text(_OUTPUT_CLASSES)
+    monkeypatch.chdir(tmp_path)
+    code, _, _ = run(capsys, "export", "output_classes_for_cli:Net", "--inputs", "f32[2]", "--save", "p.pd", "--quiet")
+    assert code == ExitCode.OK
+
+    def fresh(*argv: str) -> subprocess.CompletedProcess:  # a new process, as a shell user's
+        return subprocess.run([sys.executable, "-m", "predispatch", *argv], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=300, check=False)
+
+    done = fresh("show", "p.pd")
+    assert done.returncode == ExitCode.REFUSED
+    assert "fix: rerun with --import output_classes_for_cli" in done.stderr, done.stderr
+    done = fresh("show", "p.pd", "--import", "output_classes_for_cli")
+    assert done.returncode == ExitCode.OK and "USER_OUTPUT target='output.y'" in done.stdout, done.stderr
+    done = fresh("draw", "p.pd", "--import", "output_classes_for_cli", "-o", "p.html")
+    assert done.returncode == ExitCode.OK and (tmp_path / "p.html").exists(), done.stderr
+    done = fresh("show", "p.pd", "--import", "no_such_module_here")
+    assert done.returncode == ExitCode.USAGE and "--import no_such_module_here" in done.stderr
+
+
 def test_show_refuses_a_file_that_is_not_a_program(tmp_path, capsys):
     path = tmp_path / "junk.pd"
     path.write_bytes(b"not a zip")

@@ -445,3 +445,20 @@ def test_a_cache_other_than_dynamic_cache_says_use_cache_false():
     with pytest.raises(predispatch.errors.UnsupportedInputError) as info:
         predispatch.export(model, (ids,), {"past_key_values": cache})
     assert "pass use_cache=False" in str(info.value) and "EncoderDecoderCache is the model's key/value cache" in str(info.value)
+
+
+def test_cli_shows_a_saved_gpt2_program_with_import(tmp_path):
+    """A shell user's `predispatch show`: the output classes (`transformers.modeling_outputs`)
+    and the cache's pytree registration come with `--import`; without it the error says so."""
+    path = tmp_path / "gpt2.pd"
+    predispatch.save(predispatch.export(_gpt2(use_cache=True), (_ids(1, 8),)), path)
+
+    def show(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "predispatch", "show", str(path), *extra],
+                              capture_output=True, text=True, timeout=300, check=False)
+
+    done = show()
+    assert done.returncode != 0 and "rerun with --import transformers.modeling_outputs" in done.stderr, done.stderr
+    done = show("--import", "transformers.modeling_outputs")
+    assert done.returncode == 0, done.stderr
+    assert "USER_OUTPUT target=\"output['past_key_values']['key_cache'][0]\"" in done.stdout

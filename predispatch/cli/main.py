@@ -12,6 +12,7 @@ import contextlib
 import inspect
 import logging
 import os
+import re
 import shutil
 import sys
 import traceback
@@ -80,7 +81,7 @@ def export_command(ns: argparse.Namespace) -> int:
 
 
 def show_command(ns: argparse.Namespace) -> int:
-    print(_load(ns.file))
+    print(_load(ns.file, ns.imports))
     return ExitCode.OK
 
 
@@ -94,7 +95,7 @@ def draw_command(ns: argparse.Namespace) -> int:
         if ns.inputs is not None or ns.kwargs is not None or ns.dim or ns.mode:
             raise UsageError(f"{ns.source!r} is a saved program; --inputs, --kwargs, --dim, --train and --eval "
                              "apply to MODULE:ATTR only")
-        ep = _load(ns.source)
+        ep = _load(ns.source, ns.imports)
     else:
         ep = _export(ns)
     pic = picture(ep, title=ns.title or ns.source)
@@ -243,10 +244,52 @@ def _check_op(name: str) -> None:
                          fix=f"its overloads: {', '.join(sorted(packet.overloads()))}")
 
 
-def _load(path: str) -> predispatch.ExportedProgram:
+def _load(path: str, imports: list[str] | None = None) -> predispatch.ExportedProgram:
     if not os.path.isfile(path):
         raise UsageError(f"no such file: {path!r}", fix="give the path of a program saved with `predispatch export --save`")
-    return _library("load")(path)
+    _import_modules(imports or [])
+    try:
+        return _library("load")(path)
+    except PredispatchError as exc:
+        raise _with_import_fix(exc) from exc
+
+
+def _import_modules(names: list[str]) -> None:
+    """Import what `--import` names, before loading: a file's classes (transformers'
+    `ModelOutput`s) must be importable by name, and `load` never imports what a file names.
+
+    transformers' `DynamicCache` also needs its pytree registration, which `export` made in the
+    exporting process (frontend/inputs.py: `register_hf_cache`); it is made again here when a
+    transformers module is imported.
+    """
+    import importlib
+
+    if names and "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as for MODULE:ATTR (cli/targets.py): the current directory first
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - any failure to import is the user's to fix
+            raise UsageError(f"--import {name}: {type(exc).__name__}: {exc}",
+                             fix="name an importable module, as Python's import statement takes it") from exc
+    if any(name == "transformers" or name.startswith("transformers.") for name in names):
+        from predispatch.frontend.inputs import register_hf_caches
+
+        register_hf_caches()
+
+
+#: What `load` says when a file names a class from a module this process has not imported.
+_NOT_IMPORTED = re.compile(r"from module '([\w.]+)', which is not imported|(transformers\.[\w.]+):\w+ is not a pytree node")
+
+
+def _with_import_fix(exc: PredispatchError) -> PredispatchError:
+    """`exc`, with the fix a shell user can apply (`--import M`) when a module is missing."""
+    found = _NOT_IMPORTED.search(exc.what)
+    if found is None:
+        return exc
+    module = found.group(1) or found.group(2)
+    return type(exc)(exc.what, where=exc.where,
+                     fix=f"rerun with --import {module} (the command line imports only the modules you name).")
 
 
 def _library(name: str) -> Callable[..., Any]:
@@ -422,6 +465,13 @@ def _add_show(commands: Any, common: argparse.ArgumentParser) -> None:
                    "Print a program saved with `predispatch export --save` or predispatch.save().",
                    "example:\n  predispatch show model.pd", show_command)
     p.add_argument("file", metavar="FILE", help="a saved program")
+    _add_import_option(p)
+
+
+def _add_import_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                   help="import MODULE before loading (repeatable): the classes a saved program's inputs and "
+                   "outputs are made of, e.g. --import transformers.modeling_outputs for a Hugging Face model")
 
 
 def _add_draw(commands: Any, common: argparse.ArgumentParser) -> None:
@@ -443,6 +493,7 @@ def _add_draw(commands: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", metavar="OUT", required=True, help="the picture to write: out.svg, out.html or out.dot")
     p.add_argument("--format", choices=("svg", "html", "dot"), help="the picture's format (default: from the -o extension)")
     p.add_argument("--title", help="a title for the picture (default: MODULE:ATTR or FILE)")
+    _add_import_option(p)
 
 
 def _add_audit(commands: Any, common: argparse.ArgumentParser) -> None:

@@ -255,20 +255,30 @@ def is_hf_cache(value: Any) -> bool:
 
 
 def register_hf_cache(cache: Any) -> bool:
-    """Register a `DynamicCache` as a pytree node, with transformers' own flattening; whether it is one.
+    """Register a `DynamicCache`'s class as a pytree node (`register_hf_caches`); whether it is one.
 
-    transformers 5 ships the registration torch.export needs for its default cache
-    (`register_dynamic_cache_export_support`) but leaves it to the user; like the dataclass
-    registration above it is global and permanent, and what lets `ep.module()` return the
-    cache.  The other cache classes have no such registration: they stay unsupported.
+    The other cache classes have no registration in transformers: they stay unsupported.
     """
     if type(cache).__name__ != "DynamicCache" or type(cache).__module__ != "transformers.cache_utils":
         return False
-    if type(cache) not in pytree.SUPPORTED_NODES:
+    register_hf_caches()
+    return True
+
+
+def register_hf_caches() -> None:
+    """Register transformers' `DynamicCache` as a pytree node, with transformers' own flattening.
+
+    transformers 5 ships the registration torch.export needs for its default cache
+    (`register_dynamic_cache_export_support`) but leaves it to the user.  Like the dataclass
+    registration above it is global and permanent; it is what lets `ep.module()` return the
+    cache, and a process that loads such a program needs it too (the command line's `--import`).
+    """
+    from transformers.cache_utils import DynamicCache
+
+    if DynamicCache not in pytree.SUPPORTED_NODES:
         from transformers.integrations.executorch import register_dynamic_cache_export_support
 
         register_dynamic_cache_export_support()
-    return True
 
 
 def hf_cache_fix(value: Any) -> str:
