@@ -20,6 +20,8 @@ class PredispatchError(Exception):
     """Base class of every error predispatch raises on purpose."""
 
     anchor = "predispatchError"
+    #: the torch exception this error was raised from, when it was (see `from_torch`)
+    torch_error: BaseException | None = None
 
     def __init__(self, what: str, *, where: str | None = None, fix: str | None = None):
         self.what, self.where, self.fix = what, where, fix

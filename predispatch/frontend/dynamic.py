@@ -79,7 +79,8 @@ def check_constraints(dynamic: DynamicInputs, gm: fx.GraphModule) -> None:
 
 def shape_record(fake_mode: ti.FakeTensorMode, user_placeholders: list[fx.Node]) -> ShapeRecord:
     """Read symbols, ranges and guards off the traced graph's user inputs and the ShapeEnv."""
-    shapes, symbols = [], {}
+    shapes: list[tuple[int | str, ...]] = []
+    symbols: dict[str, Any] = {}
     for node in user_placeholders:
         val = node.meta.get("val")
         dims = tuple(_dim(d, symbols) for d in val.shape) if isinstance(val, torch.Tensor) else ()
@@ -117,7 +118,7 @@ def _declared_ranges(env: Any) -> dict[Any, Any]:
     `StrictMinMaxConstraint`); its range is what the program keeps (Note [Size 0 and 1 in a
     dynamic range]).
     """
-    declared = {}
+    declared: dict[Any, Any] = {}
     for tracked in env.tracked_fakes or ():
         constraints = getattr(tracked.symbolic_context, "constraint_sizes", None) or ()
         sizes = tracked.fake.shape if isinstance(tracked.fake, torch.Tensor) else ()

@@ -143,10 +143,10 @@ def _one_twin_per_place(
     twin has the same shape (symbols included), strides, dtype and device, and no storage in
     common: the two places are independent inputs (a mutation of one is refused at trace time).
     """
-    fakes = list(fakes)
+    twins: list[torch.Tensor] = list(fakes)
     for position, _ in repeated:
-        fakes[position] = _fake_from_metadata(fake_mode, fakes[position]).requires_grad_(fakes[position].requires_grad)
-    return tuple(fakes)
+        twins[position] = _fake_from_metadata(fake_mode, twins[position]).requires_grad_(twins[position].requires_grad)
+    return tuple(twins)
 
 
 def _fake_from_metadata(fake_mode: ti.FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
@@ -179,7 +179,7 @@ def as_module(obj: Any, args: tuple = (), kwargs: dict | None = None) -> tuple[n
 def _module_leaves(args: tuple, kwargs: dict | None, fn: Callable[..., Any]) -> dict[str, nn.Module]:
     """Modules passed as arguments, named by their argument path (`model`, `models_0`)."""
     names = _parameter_names(fn, args)
-    found = {}
+    found: dict[str, nn.Module] = {}
     for path, value in pytree.tree_flatten_with_path((args, kwargs or {}))[0]:
         if isinstance(value, nn.Module):
             found[unique_identifier(_label(names, path), set(found))] = value
@@ -400,7 +400,7 @@ def lift_state(module: nn.Module, beyond: Beyond | None = None) -> tuple[LiftedT
     paths (see Note [Modules outside the registered tree]).
     """
     taken: set[str] = set()
-    lifted = []
+    lifted: list[LiftedTensor] = []
     outside = beyond.modules if beyond is not None else {}
     groups = (
         (InputKind.PARAMETER, _named_beyond(module, outside, lambda m: m.named_parameters(remove_duplicate=False))),

@@ -75,7 +75,7 @@ class _Program:
     def __init__(self, prepared: PreparedInputs, dedup: Dedup = Dedup.OFF):
         self._prepared = prepared
         self._dedup = dedup
-        self.sharing = None
+        self.sharing: Any = None  # the repeated-block sharing of the running trace (trace/dedup/)
         self.outputs: tuple[tuple[Leaf, ...], pytree.TreeSpec] | None = None
         self.grad_mode_on_exit: bool | None = None
         self.input_metadata_write: str | None = None
@@ -120,7 +120,8 @@ class _Program:
 def _split_by_reach(root: torch.nn.Module, bound: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     """Names whose path runs through submodules only (torch's reparametrize binds them), and
     the others: state of modules outside the tree, tensors in plain containers."""
-    inside, beyond = {}, {}
+    inside: dict[str, torch.Tensor] = {}
+    beyond: dict[str, torch.Tensor] = {}
     for fqn, tensor in bound.items():
         (inside if in_tree(root, fqn) else beyond)[fqn] = tensor
     return inside, beyond
@@ -393,7 +394,7 @@ def _remove_effect_tokens(gm: fx.GraphModule) -> None:
 def _is_token_item(node: fx.Node) -> bool:
     import operator
 
-    return node.target is operator.getitem and node.args[0].target is ti.with_effects and node.args[1] == 0
+    return bool(node.target is operator.getitem and node.args[0].target is ti.with_effects and node.args[1] == 0)
 
 
 #: What a graph can return: tensors, and scalars computed from data (`x.sum().item()`, `idx.shape[0]`).
