@@ -150,6 +150,23 @@ class DynamicBatch(TestCase):
         x, y = torch.randn(1, 8), torch.randn(3, 8)
         assert_same_tree(program(x, y), eager(x, y))
 
+    def test_frozen_backend_flags_are_no_obstacle(self):
+        """torch's test utilities freeze the backend flags (`disable_global_flags`): export
+        still turns mkldnn off for its trace (in a subprocess: the freeze cannot be undone)."""
+        import subprocess
+        import sys
+
+        code = (
+            "import torch, predispatch\n"
+            "torch.backends.disable_global_flags()\n"
+            "m = torch.nn.Conv2d(3, 4, 3)\n"
+            "ep = predispatch.export(m, (torch.randn(4, 3, 8, 8),), "
+            "dynamic_shapes=({0: torch.export.Dim('batch', min=1, max=64)},))\n"
+            "print(ep.signature.shapes.ranges[0][1:], torch.backends.mkldnn.enabled)"
+        )
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        self.assertEqual(done.stdout.strip(), f"(1, 64) {torch.backends.mkldnn.enabled}", done.stderr)
+
     def test_backends_are_back_after_export(self):
         before = torch.backends.mkldnn.enabled, torch.backends.cudnn.enabled
         predispatch.export(ConvNet(), (torch.randn(2, 3, 8, 8),), dynamic_shapes=({0: Dim("batch", max=64)},))

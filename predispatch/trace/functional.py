@@ -323,14 +323,8 @@ def _no_backend_heuristics():
     it, cudnn stays on: `F.layer_norm` and `F.batch_norm` pass `cudnn.enabled` as an argument,
     so turning it off would write `cudnn_enable=False` into every such node.
     """
-    mkldnn, nnpack = torch.backends.mkldnn, torch.backends.nnpack
-    saved = mkldnn.enabled, nnpack.set_flags(False)
-    mkldnn.enabled = False  # only `enabled`: `set_flags` reads every flag, forward may change some
-    try:
+    with ti.backends_off():
         yield
-    finally:
-        mkldnn.enabled = saved[0]
-        nnpack.set_flags(*saved[1])
 
 
 @contextlib.contextmanager
