@@ -1256,7 +1256,9 @@ for cluster in small.clusters:  # the boxes, as data
     members = [n.name for n in small.nodes if n.cluster == cluster.id]
     print(f"{cluster.label} ({cluster.detail}): {members}")
 if shutil.which("dot"):
-    display(SVG(to_svg(to_dot(small))))"""),
+    display(SVG(to_svg(to_dot(small))))
+else:
+    print("Graphviz's `dot` is not installed (apt-get/brew/conda install graphviz): skipping the SVG")"""),
     code("""\
 shutil.rmtree(workdir)  # the files above were written to a temporary directory"""),
 ]

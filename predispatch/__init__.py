@@ -4,21 +4,32 @@
     ep = predispatch.export(model, (x,), {"mask": mask})
     print(ep)
     out = ep.module()(x, mask=mask)
+
+The public names are imported on first use (PEP 562): `import predispatch` costs little more
+than Python's start, and torch is imported by the first call that needs it.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from predispatch import errors
-from predispatch._torch_internals.versions import warn_if_untested
-from predispatch._export import export, export_train_eval
-from predispatch.program import (
-    ExportedProgram,
-    ExportSignature,
-    InputKind,
-    InputSpec,
-    OutputKind,
-    OutputSpec,
-)
-from predispatch.program.modes import TrainEvalProgram
-from predispatch.program.serialize import load, save
+from predispatch._torch_versions import warn_if_untested
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports them
+    from predispatch._export import export, export_train_eval
+    from predispatch._save import save
+    from predispatch.program import (
+        ExportedProgram,
+        ExportSignature,
+        InputKind,
+        InputSpec,
+        OutputKind,
+        OutputSpec,
+    )
+    from predispatch.program.modes import TrainEvalProgram
+    from predispatch.program.serialize import load
 
 __version__ = "0.1.0"
 
@@ -38,3 +49,27 @@ __all__ = [
     "load",
     "save",
 ]
+
+#: Where each public name lives; imported when first asked for.
+_LAZY = {
+    "export": "predispatch._export",
+    "export_train_eval": "predispatch._export",
+    "save": "predispatch._save",
+    "load": "predispatch.program.serialize",
+    "TrainEvalProgram": "predispatch.program.modes",
+    **{name: "predispatch.program" for name in
+       ("ExportedProgram", "ExportSignature", "InputKind", "InputSpec", "OutputKind", "OutputSpec")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name when first asked for, and keep it (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

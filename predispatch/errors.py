@@ -20,6 +20,8 @@ class PredispatchError(Exception):
     """Base class of every error predispatch raises on purpose."""
 
     anchor = "predispatchError"
+    #: the torch exception this error was raised from, when it was (see `from_torch`)
+    torch_error: BaseException | None = None
 
     def __init__(self, what: str, *, where: str | None = None, fix: str | None = None):
         self.what, self.where, self.fix = what, where, fix
@@ -98,6 +100,32 @@ class InputMismatchError(PredispatchError):
     """
 
     anchor = "inputmismatcherror"
+
+
+class ProgramCallError(PredispatchError, TypeError):
+    """An `ExportedProgram` was called directly, as if it were a module.
+
+    Cause: the program is a description (graph, signature, state); what runs it is its module.
+    Example: `ep = predispatch.export(model, (x,)); ep(x)`.
+    Fix: `ep.module()(x)`: build the module once and call it as often as you like.
+    A TypeError too, as calling any other non-callable object is.
+    """
+
+    anchor = "programcallerror"
+
+
+class NotAProgramError(PredispatchError, TypeError):
+    """An API that takes a predispatch `ExportedProgram` was given something else.
+
+    Cause: a `torch.export.ExportedProgram`, a `TrainEvalProgram` (two programs), the module
+    `ep.module()` returns, or any other object passed to `predispatch.save`.
+    Example: `predispatch.save(torch.export.export(model, (x,)), "m.pd")`.
+    Fix: save what `predispatch.export` returns; `torch.export.save` for torch's programs; each
+    of a `TrainEvalProgram`'s `train_program` and `eval_program` on its own.
+    A TypeError too, as Python's own wrong-argument errors are.
+    """
+
+    anchor = "notaprogramerror"
 
 
 class NonFunctionalGraphError(PredispatchError):

@@ -262,6 +262,13 @@ def test_dynamic_dimensions(capsys):
     assert code == ExitCode.USAGE and "has example size 3 in one input and 2 in another" in err
 
 
+def test_dim_example_from_the_help_keeps_batch_one(capsys):
+    """`--dim batch=1..64`, the help's own example: the range is 1 to 64, not torch's traced 2 to 64."""
+    code, out, _ = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[batch=3,4]", "--dim", "batch=1..64")
+    assert code == ExitCode.OK
+    assert re.search(r"s\d+: \[1, 64\]  \(x.size\(\)\[0\]\)", out)
+
+
 def test_export_failure_is_a_message_without_traceback(capsys):
     code, out, err = run(capsys, "export", "test_cli:Branchy", "--inputs", "f32[3]")
     assert code == ExitCode.REFUSED == 1
@@ -313,6 +320,43 @@ def test_save_then_show(tmp_path, capsys):
     assert code == ExitCode.OK and shown == printed
 
 
+_OUTPUT_CLASSES = """\
+import dataclasses
+import torch
+
+@dataclasses.dataclass
+class Out:
+    y: torch.Tensor
+
+class Net(torch.nn.Module):
+    def forward(self, x):
+        return Out(x + 1)
+"""
+
+
+def test_show_and_draw_import_what_the_program_is_made_of(tmp_path, monkeypatch, capsys):
+    """A saved program whose output class lives in a module the shell's process has not
+    imported (a Hugging Face `ModelOutput`): the error names `--import MODULE`, which works."""
+    (tmp_path / "output_classes_for_cli.py").write_text(_OUTPUT_CLASSES)
+    monkeypatch.chdir(tmp_path)
+    code, _, _ = run(capsys, "export", "output_classes_for_cli:Net", "--inputs", "f32[2]", "--save", "p.pd", "--quiet")
+    assert code == ExitCode.OK
+
+    def fresh(*argv: str) -> subprocess.CompletedProcess:  # a new process, as a shell user's
+        return subprocess.run([sys.executable, "-m", "predispatch", *argv], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=300, check=False)
+
+    done = fresh("show", "p.pd")
+    assert done.returncode == ExitCode.REFUSED
+    assert "fix: rerun with --import output_classes_for_cli" in done.stderr, done.stderr
+    done = fresh("show", "p.pd", "--import", "output_classes_for_cli")
+    assert done.returncode == ExitCode.OK and "USER_OUTPUT target='output.y'" in done.stdout, done.stderr
+    done = fresh("draw", "p.pd", "--import", "output_classes_for_cli", "-o", "p.html")
+    assert done.returncode == ExitCode.OK and (tmp_path / "p.html").exists(), done.stderr
+    done = fresh("show", "p.pd", "--import", "no_such_module_here")
+    assert done.returncode == ExitCode.USAGE and "--import no_such_module_here" in done.stderr
+
+
 def test_show_refuses_a_file_that_is_not_a_program(tmp_path, capsys):
     path = tmp_path / "junk.pd"
     path.write_bytes(b"not a zip")
@@ -322,6 +366,7 @@ def test_show_refuses_a_file_that_is_not_a_program(tmp_path, capsys):
 
 def test_save_missing_from_the_library_is_exit_4(monkeypatch, capsys):
     monkeypatch.delattr(predispatch, "save", raising=False)
+    monkeypatch.delitem(predispatch._LAZY, "save")  # public names are imported on first use
     code, out, err = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[2,4]", "--save", "x.pd")
     assert code == ExitCode.MISSING == 4
     assert out == ""  # checked before exporting
@@ -446,6 +491,20 @@ def test_import_and_help_do_not_import_dynamo():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.stdout.strip() == "False", done.stderr
 
+
+
+def test_import_and_help_do_not_import_torch():
+    """Start-up: `import predispatch` and `predispatch --help` cost little more than Python's
+    start (the public names and the commands' work are imported on first use); torch is
+    imported by the first call that needs it, and `predispatch.export` is there when asked."""
+    code = (
+        "import sys, contextlib, io; import predispatch; from predispatch.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()): main(['--help']); main(['export', '--help'])\n"
+        "print('torch' in sys.modules, callable(predispatch.export), 'torch' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.stdout.strip() == "False True True", done.stderr
 
 
 def test_show_imports_only_what_loading_needs(tmp_path):

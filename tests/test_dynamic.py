@@ -62,7 +62,7 @@ Graph signature:
         cat: USER_OUTPUT target='output[1]'
         expand: USER_OUTPUT target='output[2]'
     Range constraints:
-        s17: [2, 32]  (y.size()[0])
+        s17: [0, 32]  (y.size()[0])
         s77: [2, 64]  (x.size()[0])""")
 
     def test_runs_at_other_sizes_like_eager(self):
@@ -114,6 +114,64 @@ Graph signature:
         self.assertIn("Shape guards:", str(ep))
         x = torch.tensor([1.0, -1.0, 2.0, 3.0, -4.0])
         assert_same_tree(ep.module()(x), Counted()(x))
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)).relu()
+
+
+class DynamicBatch(TestCase):
+    """A dynamic batch from 1 to 64, as torch.export takes it (Note [Size 0 and 1 in a dynamic range])."""
+
+    def test_conv_net_runs_every_batch_from_one_to_sixty_four(self):
+        model = ConvNet().eval()
+        batch = Dim("batch", min=1, max=64)
+        ep = predispatch.export(model, (torch.randn(4, 3, 8, 8),), dynamic_shapes=({0: batch},))
+        self.assertEqual([r[1:] for r in ep.signature.shapes.ranges], [(1, 64)])
+        program = ep.module()
+        for size in (1, 2, 15, 16, 64):
+            x = torch.randn(size, 3, 8, 8)
+            assert_same_tree(program(x), model(x))
+        with pytest.raises(errors.DynamicShapeError):
+            program(torch.randn(65, 3, 8, 8))
+
+    def test_declared_minimum_of_one_is_kept(self):
+        ep = predispatch.export(Mixer(), (torch.randn(4, 8), torch.randn(3, 8)),
+                                dynamic_shapes={"x": {0: Dim("batch", min=1, max=64)}, "y": None})
+        self.assertIn("[1, 64]", str(ep))
+        program, eager = ep.module(), Mixer()
+        eager.load_state_dict(program.state_dict())
+        x, y = torch.randn(1, 8), torch.randn(3, 8)
+        assert_same_tree(program(x, y), eager(x, y))
+
+    def test_frozen_backend_flags_are_no_obstacle(self):
+        """torch's test utilities freeze the backend flags (`disable_global_flags`): export
+        still turns mkldnn off for its trace (in a subprocess: the freeze cannot be undone)."""
+        import subprocess
+        import sys
+
+        code = (
+            "import torch, predispatch\n"
+            "torch.backends.disable_global_flags()\n"
+            "m = torch.nn.Conv2d(3, 4, 3)\n"
+            "ep = predispatch.export(m, (torch.randn(4, 3, 8, 8),), "
+            "dynamic_shapes=({0: torch.export.Dim('batch', min=1, max=64)},))\n"
+            "print(ep.signature.shapes.ranges[0][1:], torch.backends.mkldnn.enabled)"
+        )
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        self.assertEqual(done.stdout.strip(), f"(1, 64) {torch.backends.mkldnn.enabled}", done.stderr)
+
+    def test_backends_are_back_after_export(self):
+        before = torch.backends.mkldnn.enabled, torch.backends.cudnn.enabled
+        predispatch.export(ConvNet(), (torch.randn(2, 3, 8, 8),), dynamic_shapes=({0: Dim("batch", max=64)},))
+        after = torch.backends.mkldnn.enabled, torch.backends.cudnn.enabled
+        self.assertEqual(before, after)
 
 
 class DataDependent(TestCase):

@@ -144,6 +144,17 @@ class ReplacesBufferShape(nn.Module):
         return x + self.rel.sum()
 
 
+class StaticCache:
+    """Stands for a Hugging Face cache other than DynamicCache (transformers is the models extra)."""
+
+    __module__ = "transformers.cache_utils"
+
+
+class ReturnsCache(nn.Module):
+    def forward(self, x):
+        return x + 1, StaticCache()
+
+
 class MoreErrors(TestCase):
     def test_kwargs_key_not_a_string(self):
         with pytest.raises(errors.UnsupportedInputError) as info:
@@ -214,7 +225,25 @@ input 'input' was on cpu at export and is on meta now; the program's state and t
         program = predispatch.export(TakesKeywords(), (torch.randn(2), torch.randn(2))).module()
         with pytest.raises(errors.InputMismatchError) as info:
             program(torch.randn(2), z=torch.randn(2))
-        self.assertExpectedInline(message(info.value).splitlines()[0], """the program was exported for inputs structured as""")
+        self.assertExpectedInline(message(info.value), """\
+keyword argument 'z' was not passed at export, so the program has no input for it. The program takes the keyword arguments it was exported with: none.
+  at test_errors.py:N (program(torch.randn(2), z=torch.randn(2)))
+  fix: call it with the same structure of args and kwargs as at export, or export again.
+  see docs/errors.md#inputmismatcherror""")
+
+    def test_missing_and_extra_keywords_are_named(self):
+        program = predispatch.export(TakesKeywords(), (torch.randn(2),), {"y": torch.randn(2), "mask": None}).module()
+        x, y = torch.randn(2), torch.randn(2)
+        with pytest.raises(errors.InputMismatchError) as info:
+            program(x, y=y)
+        self.assertExpectedInline(message(info.value).splitlines()[0], """keyword argument 'mask' was passed at export and is missing now. The program takes the keyword arguments it was exported with: y, mask.""")
+        with pytest.raises(errors.InputMismatchError) as info:
+            program(x, y=y, mask=None, scale=2.0)
+        self.assertExpectedInline(message(info.value).splitlines()[0], """keyword argument 'scale' was not passed at export, so the program has no input for it. The program takes the keyword arguments it was exported with: y, mask.""")
+        with pytest.raises(errors.InputMismatchError) as info:
+            program(x, y=(y, y), mask=None)
+        self.assertExpectedInline(message(info.value).splitlines()[0], """input 'y' was a single value (a tensor or constant) at export and is a tuple of 2 now.""")
+        self.assertNotIn("TreeSpec", str(info.value))
 
     def test_torch_error_kept_but_not_printed(self):
         """A data-dependent branch prints our message, not ~90 lines of chained torch internals;
@@ -242,6 +271,56 @@ output has type Box, which is neither a tensor nor a constant.
   at test_errors.py:N (return self.Box(y))
   fix: return tensors (or tuples/lists/dicts/dataclasses of tensors); register custom containers with torch.utils._pytree.register_pytree_node.
   see docs/errors.md#unsupportedoutputerror""")
+
+    def test_hugging_face_cache_output_says_use_cache_false(self):
+        with pytest.raises(errors.UnsupportedOutputError) as info:
+            predispatch.export(ReturnsCache(), (torch.randn(2),))
+        self.assertExpectedInline(message(info.value), """\
+output[1] has type StaticCache, which is neither a tensor nor a constant.
+  at test_errors.py:N (return x + 1, StaticCache())
+  fix: StaticCache is the model's key/value cache, returned because use_cache=True (the default): pass use_cache=False to the call (export(model, args, {'use_cache': False})) or set model.config.use_cache = False; predispatch exports transformers' DynamicCache, not other caches.
+  see docs/errors.md#unsupportedoutputerror""")
+
+    def test_calling_the_program_points_to_module(self):
+        ep = predispatch.export(nn.Linear(2, 2), (torch.randn(1, 2),))
+        with pytest.raises(errors.ProgramCallError) as info:
+            ep(torch.randn(1, 2))
+        self.assertIsInstance(info.value, TypeError)
+        self.assertExpectedInline(message(info.value), """\
+an ExportedProgram is not callable: it describes the program; its module runs it.
+  at test_errors.py:N (ep(torch.randn(1, 2)))
+  fix: call ep.module()(...) instead (build the module once, then call it as often as you like).
+  see docs/errors.md#programcallerror""")
+
+    def test_saving_what_is_not_a_predispatch_program(self):
+        model, x = nn.Linear(2, 2), torch.randn(1, 2)
+        cases = {
+            "torch.export": torch.export.export(model, (x,)),
+            "train_eval": predispatch.export_train_eval(model, (x,)),
+            "module": predispatch.export(model, (x,)).module(),
+        }
+        fixes = {}
+        for name, value in cases.items():
+            with pytest.raises(errors.NotAProgramError) as info:
+                predispatch.save(value, "never-written.pd")
+            fixes[name] = message(info.value)
+        import os
+        self.assertFalse(os.path.exists("never-written.pd"))
+        self.assertExpectedInline(fixes["torch.export"], """\
+predispatch.save takes a predispatch ExportedProgram; got a torch.export.exported_program.ExportedProgram.
+  at test_errors.py:N (predispatch.save(value, "never-written.pd"))
+  fix: use torch.export.save(ep, path) for torch.export's programs; predispatch.save takes what predispatch.export(model, args) returns.
+  see docs/errors.md#notaprogramerror""")
+        self.assertExpectedInline(fixes["train_eval"], """\
+predispatch.save takes a predispatch ExportedProgram; got a predispatch.program.modes.TrainEvalProgram.
+  at test_errors.py:N (predispatch.save(value, "never-written.pd"))
+  fix: save its two programs one by one: predispatch.save(p.train_program, 'train.pd') and predispatch.save(p.eval_program, 'eval.pd'); TrainEvalProgram(load('train.pd'), load('eval.pd'), p.training) puts them together again.
+  see docs/errors.md#notaprogramerror""")
+        self.assertExpectedInline(fixes["module"], """\
+predispatch.save takes a predispatch ExportedProgram; got a torch.fx.graph_module.GraphModule.
+  at test_errors.py:N (predispatch.save(value, "never-written.pd"))
+  fix: save the ExportedProgram (what predispatch.export returned), not a module such as ep.module().
+  see docs/errors.md#notaprogramerror""")
 
     def test_buffer_replaced_by_another_shape(self):
         model = ReplacesBufferShape()

@@ -415,3 +415,50 @@ def _assert_matches_eager(case, eager, program, args, kwargs) -> None:
     named = dict(program.named_parameters())
     for name, param in eager.named_parameters():
         assert_same_tree(named[name].grad, param.grad)
+
+
+# ---- the KV cache (use_cache=True, the default of generation models)
+
+
+def _gpt2(use_cache: bool) -> nn.Module:
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                     use_cache=use_cache, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_gpt2_with_its_default_cache_returns_the_cache():
+    """GPT-2's `DynamicCache` is exported as a pytree (transformers' own flattening): the
+    program returns a `DynamicCache` equal to eager's, and a second step can use it."""
+    model, ids = _gpt2(use_cache=True), _ids(1, 8)
+    program = predispatch.export(model, (ids,)).module()
+    out, expected = program(ids), model(ids)
+    assert type(out.past_key_values) is type(expected.past_key_values)
+    assert_same_tree(out.logits, expected.logits)
+    for got, want in zip(out.past_key_values.layers, expected.past_key_values.layers):
+        assert_same_tree((got.keys, got.values), (want.keys, want.values))
+
+
+def test_a_cache_other_than_dynamic_cache_says_use_cache_false():
+    model, ids = _gpt2(use_cache=True), _ids(1, 8)
+    cache = transformers.EncoderDecoderCache(transformers.DynamicCache(), transformers.DynamicCache())
+    with pytest.raises(predispatch.errors.UnsupportedInputError) as info:
+        predispatch.export(model, (ids,), {"past_key_values": cache})
+    assert "pass use_cache=False" in str(info.value) and "EncoderDecoderCache is the model's key/value cache" in str(info.value)
+
+
+def test_cli_shows_a_saved_gpt2_program_with_import(tmp_path):
+    """A shell user's `predispatch show`: the output classes (`transformers.modeling_outputs`)
+    and the cache's pytree registration come with `--import`; without it the error says so."""
+    path = tmp_path / "gpt2.pd"
+    predispatch.save(predispatch.export(_gpt2(use_cache=True), (_ids(1, 8),)), path)
+
+    def show(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "predispatch", "show", str(path), *extra],
+                              capture_output=True, text=True, timeout=300, check=False)
+
+    done = show()
+    assert done.returncode != 0 and "rerun with --import transformers.modeling_outputs" in done.stderr, done.stderr
+    done = show("--import", "transformers.modeling_outputs")
+    assert done.returncode == 0, done.stderr
+    assert "USER_OUTPUT target=\"output['past_key_values']['key_cache'][0]\"" in done.stdout

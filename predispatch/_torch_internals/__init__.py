@@ -64,7 +64,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from predispatch._torch_internals.decomposition import ask as ask_decompose
 from predispatch._torch_internals.decomposition import decomposition_hook, pristine_dispatch, torch_can_decompose_fast
 from predispatch._torch_internals.mechanism import Hook, drift, patched, require
-from predispatch._torch_internals.versions import HAS, TESTED, TORCH, tested, warn_if_untested
+from predispatch._torch_versions import HAS, TESTED, TORCH, tested, warn_if_untested
 
 __all__ = [
     "HAS",
@@ -1111,3 +1111,27 @@ def import_op_registrations() -> None:
     from it, would depend on whether the process had compiled anything before.
     """
     import torch._inductor.inductor_prims  # noqa: F401
+
+
+# ==== issue 26 (day one): backend switches while tracing ==========================================
+# Kept apart from the rest of this file, which is being rewritten for torch-version support.
+
+
+@contextlib.contextmanager
+def backends_off() -> Iterator[None]:
+    """mkldnn and nnpack off, as torch.export's `_ignore_backend_decomps` turns them off while
+    it traces (see `_no_backend_heuristics` in trace/functional.py for why).
+
+    Through torch's C setters: `torch.backends.mkldnn.enabled = False` is refused once
+    `torch.backends.disable_global_flags()` ran (torch's test utilities call it), and
+    `set_flags` reads every flag of the backend, which raises when forward leaves the TF32
+    flags mixed between the legacy and the new API.
+    """
+    saved = torch._C._get_mkldnn_enabled(), torch._C._get_nnpack_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    torch._C._set_nnpack_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(saved[0])
+        torch._C._set_nnpack_enabled(saved[1])

@@ -25,7 +25,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.function import _SingleLevelFunction as SingleLevelFunction
 
 from predispatch._torch_internals.mechanism import Hook, patched
-from predispatch._torch_internals.versions import HAS
+from predispatch._torch_versions import HAS
 
 __all__ = [
     "APPLY_CAPTURE",

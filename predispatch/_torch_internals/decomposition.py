@@ -1,6 +1,6 @@
 """FunctionalTensorMode's "decompose this composite?" question, answered by predispatch's policy.
 
-Two variants (Note [Variants by torch version] in versions.py):
+Two variants (Note [Variants by torch version] in predispatch/_torch_versions.py):
 
 - M (torch >= 2.12): the question is the method `FunctionalTensorMode._can_decompose`, which
   `__torch_dispatch__` calls; we replace the method for the trace.
@@ -23,7 +23,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 from torch.utils import _pytree as pytree
 
 from predispatch._torch_internals.mechanism import drift, patched
-from predispatch._torch_internals.versions import HAS
+from predispatch._torch_versions import HAS
 
 __all__ = ["MECHANISM", "ask", "decomposition_hook", "pristine_dispatch", "torch_can_decompose_fast", "torch_default"]
 

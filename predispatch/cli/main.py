@@ -12,29 +12,20 @@ import contextlib
 import inspect
 import logging
 import os
+import re
 import shutil
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
-
-import torch
-import torch.utils._pytree as pytree
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 import predispatch
 from predispatch.cli.failures import EXIT_CODES_HELP, CommandError, ExitCode, MissingError, UsageError
-from predispatch.cli.specs import (
-    ParsedInputs,
-    SpecError,
-    TensorSpec,
-    dynamic_shapes,
-    make_example,
-    parse_dim_range,
-    parse_inputs,
-)
-from predispatch.cli.targets import Target, load_model, parse_target
 from predispatch.errors import PredispatchError
+
+if TYPE_CHECKING:  # torch and what needs it are imported by the commands, not by `--help`
+    from predispatch.cli.specs import ParsedInputs
+    from predispatch.cli.targets import Target
 
 _DRAW_FORMATS = {".svg": "svg", ".html": "html", ".htm": "html", ".dot": "dot", ".gv": "dot"}
 
@@ -90,7 +81,7 @@ def export_command(ns: argparse.Namespace) -> int:
 
 
 def show_command(ns: argparse.Namespace) -> int:
-    print(_load(ns.file))
+    print(_load(ns.file, ns.imports))
     return ExitCode.OK
 
 
@@ -104,7 +95,7 @@ def draw_command(ns: argparse.Namespace) -> int:
         if ns.inputs is not None or ns.kwargs is not None or ns.dim or ns.mode:
             raise UsageError(f"{ns.source!r} is a saved program; --inputs, --kwargs, --dim, --train and --eval "
                              "apply to MODULE:ATTR only")
-        ep = _load(ns.source)
+        ep = _load(ns.source, ns.imports)
     else:
         ep = _export(ns)
     pic = picture(ep, title=ns.title or ns.source)
@@ -137,6 +128,9 @@ def audit_command(ns: argparse.Namespace) -> int:
 
 
 def _export(ns: argparse.Namespace) -> predispatch.ExportedProgram:
+    from predispatch.cli.specs import make_example
+    from predispatch.cli.targets import load_model
+
     if ns.inputs is None:
         raise UsageError(f"{ns.source!r}: --inputs is required to export MODULE:ATTR",
                          fix='give example inputs as shapes and dtypes, e.g. --inputs "f32[2,16]"')
@@ -152,6 +146,8 @@ def _export(ns: argparse.Namespace) -> predispatch.ExportedProgram:
 
 
 def _target(text: str) -> Target:
+    from predispatch.cli.targets import parse_target
+
     if ":" not in text and not os.path.exists(text):
         raise UsageError(f"{text!r} is neither MODULE:ATTR nor an existing file",
                          fix="name a model as mypkg.models:Net or path/to/model.py:Net, or a saved program file")
@@ -159,6 +155,8 @@ def _target(text: str) -> Target:
 
 
 def _parse_specs(inputs: str, kwargs: str | None) -> ParsedInputs:
+    from predispatch.cli.specs import ParsedInputs, SpecError, parse_inputs
+
     try:
         parsed = parse_inputs(inputs)
         extra = parse_inputs(kwargs, keywords_only=True) if kwargs is not None else ParsedInputs()
@@ -173,6 +171,11 @@ def _parse_specs(inputs: str, kwargs: str | None) -> ParsedInputs:
 
 def _dims(parsed: ParsedInputs, ranges: list[str]) -> dict[str, Any]:
     """One `torch.export.Dim` per dynamic dimension name in the specs, with its --dim range."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    from predispatch.cli.specs import SpecError, TensorSpec, parse_dim_range
+
     sizes: dict[str, int] = {}
     for spec in (leaf for leaf in pytree.tree_leaves((parsed.args, parsed.kwargs)) if isinstance(leaf, TensorSpec)):
         for name, size in zip(spec.dims, spec.shape):
@@ -195,6 +198,10 @@ def _dims(parsed: ParsedInputs, ranges: list[str]) -> dict[str, Any]:
 
 def _dynamic_shapes(model: Any, parsed: ParsedInputs, dims: dict[str, Any], target: Target) -> dict[str, Any]:
     """torch.export's `dynamic_shapes`, by parameter name of the model's forward (or the function)."""
+    from torch import nn
+
+    from predispatch.cli.specs import dynamic_shapes
+
     fn = model.forward if isinstance(model, nn.Module) else model
     try:
         bound = inspect.signature(fn).bind(*parsed.args, **parsed.kwargs)
@@ -204,6 +211,8 @@ def _dynamic_shapes(model: Any, parsed: ParsedInputs, dims: dict[str, Any], targ
 
 
 def _set_mode(model: Any, mode: str | None, target: Target) -> None:
+    from torch import nn
+
     if mode is None:
         return
     if not isinstance(model, nn.Module):
@@ -220,6 +229,8 @@ def _op_names(values: list[str] | None) -> list[str]:
 
 
 def _check_op(name: str) -> None:
+    import torch
+
     parts = name.replace("::", ".").split(".")
     form = "write namespace.op or namespace.op.overload, e.g. aten.linear or aten.linear.default"
     if len(parts) not in (2, 3):
@@ -233,10 +244,52 @@ def _check_op(name: str) -> None:
                          fix=f"its overloads: {', '.join(sorted(packet.overloads()))}")
 
 
-def _load(path: str) -> predispatch.ExportedProgram:
+def _load(path: str, imports: list[str] | None = None) -> predispatch.ExportedProgram:
     if not os.path.isfile(path):
         raise UsageError(f"no such file: {path!r}", fix="give the path of a program saved with `predispatch export --save`")
-    return _library("load")(path)
+    _import_modules(imports or [])
+    try:
+        return _library("load")(path)
+    except PredispatchError as exc:
+        raise _with_import_fix(exc) from exc
+
+
+def _import_modules(names: list[str]) -> None:
+    """Import what `--import` names, before loading: a file's classes (transformers'
+    `ModelOutput`s) must be importable by name, and `load` never imports what a file names.
+
+    transformers' `DynamicCache` also needs its pytree registration, which `export` made in the
+    exporting process (frontend/inputs.py: `register_hf_cache`); it is made again here when a
+    transformers module is imported.
+    """
+    import importlib
+
+    if names and "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as for MODULE:ATTR (cli/targets.py): the current directory first
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - any failure to import is the user's to fix
+            raise UsageError(f"--import {name}: {type(exc).__name__}: {exc}",
+                             fix="name an importable module, as Python's import statement takes it") from exc
+    if any(name == "transformers" or name.startswith("transformers.") for name in names):
+        from predispatch.frontend.inputs import register_hf_caches
+
+        register_hf_caches()
+
+
+#: What `load` says when a file names a class from a module this process has not imported.
+_NOT_IMPORTED = re.compile(r"from module '([\w.]+)', which is not imported|(transformers\.[\w.]+):\w+ is not a pytree node")
+
+
+def _with_import_fix(exc: PredispatchError) -> PredispatchError:
+    """`exc`, with the fix a shell user can apply (`--import M`) when a module is missing."""
+    found = _NOT_IMPORTED.search(exc.what)
+    if found is None:
+        return exc
+    module = found.group(1) or found.group(2)
+    return type(exc)(exc.what, where=exc.where,
+                     fix=f"rerun with --import {module} (the command line imports only the modules you name).")
 
 
 def _library(name: str) -> Callable[..., Any]:
@@ -338,6 +391,18 @@ MODULE:ATTR:
   export itself (one with required parameters)."""
 
 
+def _torch_version() -> str:
+    """torch's version from its installed metadata: `--version` and `--help` do not import torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        import torch
+
+        return torch.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS,
@@ -349,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version",
-                        version=f"predispatch {predispatch.__version__} (torch {torch.__version__})")
+                        version=f"predispatch {predispatch.__version__} (torch {_torch_version()})")
     parser.add_argument("--traceback", action="store_true", help="on failure, print the traceback as well as the message")
     commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     _add_export(commands, common)
@@ -400,6 +465,13 @@ def _add_show(commands: Any, common: argparse.ArgumentParser) -> None:
                    "Print a program saved with `predispatch export --save` or predispatch.save().",
                    "example:\n  predispatch show model.pd", show_command)
     p.add_argument("file", metavar="FILE", help="a saved program")
+    _add_import_option(p)
+
+
+def _add_import_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                   help="import MODULE before loading (repeatable): the classes a saved program's inputs and "
+                   "outputs are made of, e.g. --import transformers.modeling_outputs for a Hugging Face model")
 
 
 def _add_draw(commands: Any, common: argparse.ArgumentParser) -> None:
@@ -421,6 +493,7 @@ def _add_draw(commands: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", metavar="OUT", required=True, help="the picture to write: out.svg, out.html or out.dot")
     p.add_argument("--format", choices=("svg", "html", "dot"), help="the picture's format (default: from the -o extension)")
     p.add_argument("--title", help="a title for the picture (default: MODULE:ATTR or FILE)")
+    _add_import_option(p)
 
 
 def _add_audit(commands: Any, common: argparse.ArgumentParser) -> None:

@@ -275,11 +275,12 @@ class _Parser:
         if dtype is None:
             raise SpecError(f"unknown dtype {name!r}", self.text, column, f"allowed dtypes: {allowed_dtypes()}")
         self.take("[")
-        shape, dims = [], []
+        shape: list[int] = []
+        dims: list[str | None] = []
         while self.peek()[1] != "]":
-            name = None
+            dim: str | None = None
             if self.peek()[0] == "name" and self.peek(1)[1] == "=":
-                name = self.take()[1]
+                dim = self.take()[1]
                 self.take("=")
             kind, text, col = self.take()
             if kind != "number" or not text.isdigit():
@@ -287,7 +288,7 @@ class _Parser:
                 raise SpecError(f"a dimension must be a non-negative integer, found {found}",
                                 self.text, col, "example: f32[2,5,16], or f32[batch=2,5,16] for a dynamic dimension")
             shape.append(int(text))
-            dims.append(name)
+            dims.append(dim)
             if self.peek()[1] == ",":
                 self.take(",")
         self.take("]")

@@ -7,6 +7,14 @@ with the requested ranges, and after the trace `produce_guards_and_solve_constra
 a dimension the code specialized, with torch's suggested fix.  What predispatch adds is the
 record kept in the program: each input's shape in symbols, each symbol's range, and the
 guards the trace discovered, so calls are checked and the program prints them.
+
+Note [Size 0 and 1 in a dynamic range]
+A symbol made for `Dim("batch", min=1, max=64)` starts in torch's ShapeEnv at [2, 64]: torch
+traces assuming a dynamic size is neither 0 nor 1 (`specialize_zero_one`), so that broadcasting
+and contiguity checks do not force a guard on every op.  torch.export still records and checks
+the range the user declared ([1, 64]): the program is traced for the general size and runs at 1.
+The program's `ShapeRecord` does the same: a symbol made for a `Dim` has the `Dim`'s range (the
+solver in `check_constraints` has already refused any narrowing the code made, apart from 0/1).
 """
 
 from __future__ import annotations
@@ -71,13 +79,15 @@ def check_constraints(dynamic: DynamicInputs, gm: fx.GraphModule) -> None:
 
 def shape_record(fake_mode: ti.FakeTensorMode, user_placeholders: list[fx.Node]) -> ShapeRecord:
     """Read symbols, ranges and guards off the traced graph's user inputs and the ShapeEnv."""
-    shapes, symbols = [], {}
+    shapes: list[tuple[int | str, ...]] = []
+    symbols: dict[str, Any] = {}
     for node in user_placeholders:
         val = node.meta.get("val")
         dims = tuple(_dim(d, symbols) for d in val.shape) if isinstance(val, torch.Tensor) else ()
         shapes.append(dims)
     env = fake_mode.shape_env
-    ranges = tuple((name, *_bounds(env, sym)) for name, sym in sorted(symbols.items()))
+    declared = _declared_ranges(env)
+    ranges = tuple((name, *_bounds(env, sym, declared)) for name, sym in sorted(symbols.items()))
     guards = tuple(str(g.expr) for g in env.guards) if symbols else ()
     guards += tuple(f"runtime: {a.expr}" for asserts in env.deferred_runtime_asserts.values() for a in asserts)
     origins = tuple((name, _origin(env, sym)) for name, sym in sorted(symbols.items()) if _origin(env, sym))
@@ -101,9 +111,26 @@ def _dim(d: int | torch.SymInt, symbols: dict) -> int | str:
     return str(expr)
 
 
-def _bounds(env: Any, sym: Any) -> tuple[int, int | None]:
+def _declared_ranges(env: Any) -> dict[Any, Any]:
+    """`{symbol: ValueRanges}` the user's `Dim`s declared for the input dimensions they name.
+
+    make_fake_inputs records each input's fake with its dimension constraints (a `Dim`'s
+    `StrictMinMaxConstraint`); its range is what the program keeps (Note [Size 0 and 1 in a
+    dynamic range]).
+    """
+    declared: dict[Any, Any] = {}
+    for tracked in env.tracked_fakes or ():
+        constraints = getattr(tracked.symbolic_context, "constraint_sizes", None) or ()
+        sizes = tracked.fake.shape if isinstance(tracked.fake, torch.Tensor) else ()
+        for size, constraint in zip(sizes, constraints):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol and hasattr(constraint, "vr"):
+                declared[size.node.expr] = constraint.vr
+    return declared
+
+
+def _bounds(env: Any, sym: Any, declared: dict[Any, Any]) -> tuple[int, int | None]:
     """A size symbol's inclusive range; an unbounded maximum is None."""
-    vr = env.var_to_range.get(sym)
+    vr = declared.get(sym) or env.var_to_range.get(sym)
     if vr is None:
         return 0, None
     return _finite(vr.lower) or 0, _finite(vr.upper)

@@ -143,10 +143,10 @@ def _one_twin_per_place(
     twin has the same shape (symbols included), strides, dtype and device, and no storage in
     common: the two places are independent inputs (a mutation of one is refused at trace time).
     """
-    fakes = list(fakes)
+    twins: list[torch.Tensor] = list(fakes)
     for position, _ in repeated:
-        fakes[position] = _fake_from_metadata(fake_mode, fakes[position]).requires_grad_(fakes[position].requires_grad)
-    return tuple(fakes)
+        twins[position] = _fake_from_metadata(fake_mode, twins[position]).requires_grad_(twins[position].requires_grad)
+    return tuple(twins)
 
 
 def _fake_from_metadata(fake_mode: ti.FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
@@ -179,7 +179,7 @@ def as_module(obj: Any, args: tuple = (), kwargs: dict | None = None) -> tuple[n
 def _module_leaves(args: tuple, kwargs: dict | None, fn: Callable[..., Any]) -> dict[str, nn.Module]:
     """Modules passed as arguments, named by their argument path (`model`, `models_0`)."""
     names = _parameter_names(fn, args)
-    found = {}
+    found: dict[str, nn.Module] = {}
     for path, value in pytree.tree_flatten_with_path((args, kwargs or {}))[0]:
         if isinstance(value, nn.Module):
             found[unique_identifier(_label(names, path), set(found))] = value
@@ -232,6 +232,8 @@ def register_dataclasses(tree: Any) -> None:
     `ep.module()` accept and return the same dataclasses later.
     """
     def visit(node: Any) -> None:
+        if is_hf_cache(node) and register_hf_cache(node):
+            return
         if dataclasses.is_dataclass(node) and not isinstance(node, type):
             cls = type(node)
             if cls not in pytree.SUPPORTED_NODES:
@@ -243,6 +245,49 @@ def register_dataclasses(tree: Any) -> None:
                 visit(child)
 
     visit(tree)
+
+
+def is_hf_cache(value: Any) -> bool:
+    """A Hugging Face key/value cache (`DynamicCache`, `StaticCache`, `EncoderDecoderCache`, ...):
+    what a transformers model returns as `past_key_values` when `use_cache=True`, its default."""
+    cls = type(value)
+    return cls.__module__.startswith("transformers.") and cls.__name__.endswith("Cache")
+
+
+def register_hf_cache(cache: Any) -> bool:
+    """Register a `DynamicCache`'s class as a pytree node (`register_hf_caches`); whether it is one.
+
+    The other cache classes have no registration in transformers: they stay unsupported.
+    """
+    if type(cache).__name__ != "DynamicCache" or type(cache).__module__ != "transformers.cache_utils":
+        return False
+    register_hf_caches()
+    return True
+
+
+def register_hf_caches() -> None:
+    """Register transformers' `DynamicCache` as a pytree node, with transformers' own flattening.
+
+    transformers 5 ships the registration torch.export needs for its default cache
+    (`register_dynamic_cache_export_support`) but leaves it to the user.  Like the dataclass
+    registration above it is global and permanent; it is what lets `ep.module()` return the
+    cache, and a process that loads such a program needs it too (the command line's `--import`).
+    """
+    from transformers.cache_utils import DynamicCache
+
+    if DynamicCache not in pytree.SUPPORTED_NODES:
+        from transformers.integrations.executorch import register_dynamic_cache_export_support
+
+        register_dynamic_cache_export_support()
+
+
+def hf_cache_fix(value: Any) -> str:
+    """The fix for a Hugging Face cache that cannot be exported."""
+    return (
+        f"{type(value).__name__} is the model's key/value cache, returned because use_cache=True (the default): "
+        "pass use_cache=False to the call (export(model, args, {'use_cache': False})) or set "
+        "model.config.use_cache = False; predispatch exports transformers' DynamicCache, not other caches."
+    )
 
 
 def _named_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple[Leaf, ...], pytree.TreeSpec]:
@@ -261,8 +306,9 @@ def _named_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tu
             raise UnsupportedInputError(
                 f"input {label!r} has type {type(value).__name__}, which is neither a tensor nor a constant.",
                 where=user_frame(),
-                fix="pass tensors, None, bools, numbers or strings, in tuples/lists/dicts/dataclasses; "
-                "register other containers with torch.utils._pytree.register_pytree_node.",
+                fix=hf_cache_fix(value) if is_hf_cache(value) else "pass tensors, None, bools, numbers or "
+                "strings, in tuples/lists/dicts/dataclasses; register other containers with "
+                "torch.utils._pytree.register_pytree_node.",
             )
     return tuple(leaves), in_spec
 
@@ -354,7 +400,7 @@ def lift_state(module: nn.Module, beyond: Beyond | None = None) -> tuple[LiftedT
     paths (see Note [Modules outside the registered tree]).
     """
     taken: set[str] = set()
-    lifted = []
+    lifted: list[LiftedTensor] = []
     outside = beyond.modules if beyond is not None else {}
     groups = (
         (InputKind.PARAMETER, _named_beyond(module, outside, lambda m: m.named_parameters(remove_duplicate=False))),

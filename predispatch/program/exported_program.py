@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import fx, nn
 
 from predispatch import _torch_internals as ti
-from predispatch.errors import HooksChangedError
+from predispatch.errors import HooksChangedError, ProgramCallError, user_frame
 from predispatch.frontend.hooks import HookRecord, hook_changes, record_hooks
 from predispatch.frontend.reachable import tree_exit
 from predispatch.passes import check_functional, name_placeholders, remove_copies, shared_bodies, wrap_regions
@@ -65,6 +65,15 @@ class ExportedProgram:
     @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refuse a direct call with the way to run the program (`ep.module()(...)`), as
+        torch.export's program does, instead of Python's bare "object is not callable"."""
+        raise ProgramCallError(
+            "an ExportedProgram is not callable: it describes the program; its module runs it.",
+            where=user_frame(),
+            fix="call ep.module()(...) instead (build the module once, then call it as often as you like).",
+        )
 
     def module(self) -> fx.GraphModule:
         """An `fx.GraphModule` that runs the program like the original: same call, same results.

@@ -106,6 +106,8 @@ class TrainEvalModule(nn.Module):
             self.add_module(name, child)
         self.train(program.training)
 
+    _runners: dict[bool, Any]  # {training: the program's module}, set in __init__
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._runners[self.training](*args, **kwargs)
 

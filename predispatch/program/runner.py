@@ -33,6 +33,7 @@ from predispatch import _torch_internals as ti
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
 from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.program.modes import check_mode_switch
+from predispatch.program.call_structure import describe_mismatch
 from predispatch.program.signature import InputKind, Leaf, OutputKind, ShapeRecord
 from predispatch.program.writes import WritePlan, apply_metadata_mutation, check_write_targets
 
@@ -251,7 +252,7 @@ def check_inputs(contract: CallContract, args: tuple, kwargs: dict) -> list[torc
     flat, spec = pytree.tree_flatten((args, kwargs))
     if spec != contract.in_spec:
         raise InputMismatchError(
-            f"the program was exported for inputs structured as\n    {contract.in_spec}\nbut was called with\n    {spec}",
+            describe_mismatch(contract.in_spec, spec, contract.arg_names),
             where=user_frame(),
             fix="call it with the same structure of args and kwargs as at export, or export again.",
         )

@@ -26,7 +26,7 @@ from predispatch.errors import (
 )
 from predispatch.frontend import PreparedInputs
 from predispatch.frontend.dynamic import check_constraints
-from predispatch.frontend.inputs import CONSTANT_TYPES, register_dataclasses
+from predispatch.frontend.inputs import CONSTANT_TYPES, hf_cache_fix, is_hf_cache, register_dataclasses
 from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
@@ -75,7 +75,7 @@ class _Program:
     def __init__(self, prepared: PreparedInputs, dedup: Dedup = Dedup.OFF):
         self._prepared = prepared
         self._dedup = dedup
-        self.sharing = None
+        self.sharing: Any = None  # the repeated-block sharing of the running trace (trace/dedup/)
         self.outputs: tuple[tuple[Leaf, ...], pytree.TreeSpec] | None = None
         self.grad_mode_on_exit: bool | None = None
         self.input_metadata_write: str | None = None
@@ -120,7 +120,8 @@ class _Program:
 def _split_by_reach(root: torch.nn.Module, bound: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     """Names whose path runs through submodules only (torch's reparametrize binds them), and
     the others: state of modules outside the tree, tensors in plain containers."""
-    inside, beyond = {}, {}
+    inside: dict[str, torch.Tensor] = {}
+    beyond: dict[str, torch.Tensor] = {}
     for fqn, tensor in bound.items():
         (inside if in_tree(root, fqn) else beyond)[fqn] = tensor
     return inside, beyond
@@ -265,6 +266,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
         stack.enter_context(_no_garbage_collection())
         stack.enter_context(torch.enable_grad())  # the ambient mode regions are relative to
         stack.enter_context(ti.exporting_flags())
+        stack.enter_context(_no_backend_heuristics())
         stack.enter_context(
             ti.decomposition_hook(lambda op, default, args, kwargs: policy.should_decompose(op, default, log, args, kwargs))
         )
@@ -307,6 +309,22 @@ def _check_metadata_mutations(prepared: PreparedInputs, captured: ti.ProgramTrac
             where=where or f"{user_frame()} (the export call)",
             fix="write it out of place (x = x.t()) and return the new tensor.",
         )
+
+
+@contextlib.contextmanager
+def _no_backend_heuristics():
+    """Trace with the mkldnn and nnpack backends off, as torch.export does.
+
+    Fake convolution kernels ask which backend eager would pick to learn the output's memory
+    format, and CPU's choice of mkldnn tests `batch >= 16`: traced with it on, a dynamic batch
+    gets a guard `batch < 16` from that heuristic alone (`Dim(max=64)` refused, "suggested fix:
+    max=15").  The graph does not depend on these backends; at run time eager's choice is made
+    as usual.  torch.export traces under `_ignore_backend_decomps` for the same reason; unlike
+    it, cudnn stays on: `F.layer_norm` and `F.batch_norm` pass `cudnn.enabled` as an argument,
+    so turning it off would write `cudnn_enable=False` into every such node.
+    """
+    with ti.backends_off():
+        yield
 
 
 @contextlib.contextmanager
@@ -370,7 +388,7 @@ def _remove_effect_tokens(gm: fx.GraphModule) -> None:
 def _is_token_item(node: fx.Node) -> bool:
     import operator
 
-    return node.target is operator.getitem and node.args[0].target is ti.with_effects and node.args[1] == 0
+    return bool(node.target is operator.getitem and node.args[0].target is ti.with_effects and node.args[1] == 0)
 
 
 #: What a graph can return: tensors, and scalars computed from data (`x.sum().item()`, `idx.shape[0]`).
@@ -414,8 +432,9 @@ def _output_leaves(out: Any, module: torch.nn.Module) -> tuple[tuple[Leaf, ...],
             raise UnsupportedOutputError(
                 f"{label} has type {type(value).__name__}, which is neither a tensor nor a constant.",
                 where=_return_lines(module),
-                fix="return tensors (or tuples/lists/dicts/dataclasses of tensors); register custom "
-                "containers with torch.utils._pytree.register_pytree_node.",
+                fix=hf_cache_fix(value) if is_hf_cache(value) else "return tensors (or tuples/lists/"
+                "dicts/dataclasses of tensors); register custom containers with "
+                "torch.utils._pytree.register_pytree_node.",
             )
     return tuple(leaves), spec
 

@@ -1,6 +1,7 @@
 """Which torch is running, which releases predispatch is tested on, and what differs between them.
 
-The one place that asks for torch's version.  Every other module asks this one a question by
+The one place that asks for torch's version; it imports no torch (`import predispatch` warns
+from here before torch is loaded), reading the installed release's metadata instead.  Every other module asks this one a question by
 name (`HAS.python_function_apply`, ...), never `torch.__version__`, so the table below is the
 whole story of what changes from release to release.
 
@@ -32,17 +33,17 @@ Note [Variants by torch version]
 |                                   |      |      |      |      |      | in 2.13; before it FX keeps none.          |
 
 A mechanism whose hook point is gone on a future torch raises `TorchDriftError` naming it and
-the running version (`mechanism.py`); it never runs without the hook.
+the running version (`_torch_internals/mechanism.py`); it never runs without the hook.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 import warnings
+from importlib import metadata
 
-import torch
-
-__all__ = ["TESTED", "TORCH", "HAS", "tested", "warn_if_untested"]
+__all__ = ["TESTED", "TORCH", "TORCH_VERSION", "HAS", "tested", "warn_if_untested"]
 
 #: The torch releases CI runs the default suite on (.ci/run); pyproject.toml admits this range.
 TESTED = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
@@ -53,8 +54,20 @@ def _parse(version: str) -> tuple[int, int]:
     return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
-#: (major, minor) of the running torch.
-TORCH = _parse(torch.__version__)
+def _installed() -> str:
+    """The running torch's version: the imported module's, else the installed distribution's."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "__version__"):
+        return str(torch.__version__)
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "0.0"
+
+
+#: The running torch's version string, and its (major, minor).
+TORCH_VERSION = _installed()
+TORCH = _parse(TORCH_VERSION)
 
 
 class _Has:
@@ -84,7 +97,7 @@ def warn_if_untested() -> None:
         low, high = TESTED[0], TESTED[-1]
         warnings.warn(
             f"predispatch is tested with torch {low[0]}.{low[1]} to {high[0]}.{high[1]}; this is torch "
-            f"{torch.__version__}. Every hook predispatch places in torch checks that it engaged and "
+            f"{TORCH_VERSION}. Every hook predispatch places in torch checks that it engaged and "
             f"raises TorchDriftError if not, but untested releases may refuse programs the tested ones "
             f"export. Install a tested torch (pip install 'torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}').",
             UserWarning,
