@@ -32,6 +32,12 @@ Note [Variants by torch version]
 |                                   |      |      |      |      |      | (frames FX keeps besides `forward`) came   |
 |                                   |      |      |      |      |      | in 2.13; before it FX keeps none.          |
 
+| a `torch.Generator` argument     | no   | T    | T    | T    | T    | FX's `create_arg` takes a Generator from   |
+| in a graph (`rand(generator=g)`)  |      |      |      |      |      | 2.12 on; on 2.11 such a program is refused |
+|                                   |      |      |      |      |      | with `RngStateError`, naming the release.  |
+| `_is_grad_layout_enforcement_     | no   | T    | T    | T    | T    | a switch 2.11 lacks: not in its            |
+| enabled` switch                   |      |      |      |      |      | GLOBAL_SWITCHES (nothing to restore).      |
+
 A mechanism whose hook point is gone on a future torch raises `TorchDriftError` naming it and
 the running version (`_torch_internals/mechanism.py`); it never runs without the hook.
 """
@@ -81,6 +87,8 @@ class _Has:
     can_decompose_fast = TORCH >= (2, 12)
     #: `torch.fx.proxy._STACK_TRACE_ANCHORS` exists.
     stack_trace_anchors = TORCH >= (2, 13)
+    #: FX records a `torch.Generator` argument (`torch.rand(4, generator=g)`) in a graph.
+    generator_in_graph = TORCH >= (2, 12)
 
 
 HAS = _Has()

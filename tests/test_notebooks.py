@@ -23,6 +23,7 @@ from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 
 import predispatch
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -82,10 +83,17 @@ def _generator():
     return generator
 
 
+def _torch_release(printed: list[str]) -> str | None:
+    """`2.13` from the `torch 2.13.0+cpu, predispatch ...` line a notebook prints first."""
+    found = re.search(r"torch (\d+\.\d+)\.", "".join(printed))
+    return found.group(1) if found else None
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes_as_stored(path: Path, kernel_dir: Path):
-    """Each notebook asserts the claims it prints (`check(...)`), so running it checks them; and
-    what it prints now is what the stored outputs show, numbers and temporary paths aside."""
+    """Each notebook asserts the claims it prints (`check(...)`), so running it checks them, on
+    every torch release; and on the release the notebooks were stored with (the development
+    torch), what it prints now is what the stored outputs show, numbers and temporary paths aside."""
     generator = _generator()
     stored = nbformat.read(path, as_version=4)
     fresh = nbformat.read(path, as_version=4)
@@ -94,6 +102,8 @@ def test_notebook_executes_as_stored(path: Path, kernel_dir: Path):
             cell.outputs, cell.execution_count = [], None
     execute(fresh, kernel_dir)
     assert f"predispatch {predispatch.__version__}" in "".join(generator.printed(fresh))  # this predispatch
+    if _torch_release(generator.printed(stored)) != _torch_release(generator.printed(fresh)):
+        return  # stored on the development torch: graphs and counts differ by release; the claims ran
     for i, (now, then) in enumerate(zip(generator.printed(fresh), generator.printed(stored))):
         assert generator.comparable(now) == generator.comparable(then), (
             f"{path.name}, code cell {i}: prints something else than its stored output; run examples/make_notebooks.py"
@@ -177,7 +187,7 @@ def markdown_rows(text: str, first_column: str) -> list[dict[str, str]]:
 def test_compare_with_torch_export_matches_docs():
     """The script's table equals docs/comparison.md's, timings aside (they vary by machine)."""
     out = run_example("examples/compare_with_torch_export.py")
-    assert re.match(r"torch 2\.13\.\S+, predispatch \S+\n", out)
+    assert re.match(r"torch 2\.1[1-5]\.\S+, predispatch \S+\n", out)
     for case in ("no_grad_region", "enable_grad_under_caller_no_grad", "in_place_ops", "mutation_under_no_grad",
                  "custom_backward", "composites"):
         assert f"===== {case}:" in out
@@ -188,7 +198,8 @@ def test_compare_with_torch_export_matches_docs():
     documented = markdown_rows((ROOT / "docs" / "comparison.md").read_text(), "case")
     for row in measured + documented:
         del row["seconds"]
-    assert measured == documented, "docs/comparison.md's table is out of date: rerun the script and update it"
+    if torch.__version__.startswith("2.13."):  # the page was measured on the development torch
+        assert measured == documented, "docs/comparison.md's table is out of date: rerun the script and update it"
     for row in measured:
         if row["exporter"] == "predispatch":
             assert (row["runs like eager"], row["in-place ops"]) == ("yes", "none"), row

@@ -10,6 +10,8 @@ ways; the printed programs (graph, subgraphs, signature) must be the same text.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import StraightThrough
@@ -144,4 +146,5 @@ def test_forward_frame_stack_traces_are_torchs_text(monkeypatch):
     traces = [n.meta.get("stack_trace") for n in fast.graph.nodes]
     assert traces == [n.meta.get("stack_trace") for n in torch_own.graph.nodes]
     assert sum(t is not None for t in traces) >= 3
-    assert all("in forward" in t and "predispatch" not in t for t in traces if t)
+    package = os.path.dirname(predispatch.__file__)  # not "predispatch": a checkout or venv path may hold the word
+    assert all("in forward" in t and package not in t for t in traces if t)

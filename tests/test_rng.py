@@ -17,7 +17,15 @@ from helpers import stable_message as message
 from torch import nn
 
 import predispatch
+from predispatch import _torch_internals as ti
 from predispatch.errors import RngStateError
+
+#: Cases whose forward passes a `torch.Generator` to a random op, which FX records from torch 2.12 on.
+_GENERATOR_CASES = {"module_generator", "global_generator", "generator_made_in_forward"}
+needs_generator_in_graph = pytest.mark.skipif(
+    not ti.HAS.generator_in_graph,
+    reason="torch 2.11's FX cannot record a Generator argument; test_generator_argument_refused_on_torch_2_11 pins the refusal",
+)
 
 #: A module-level generator, reached by forward through its globals.
 GLOBAL_GENERATOR = torch.Generator().manual_seed(7)
@@ -158,7 +166,9 @@ def _assert_unchanged(before: dict, after: dict) -> None:
     assert all(torch.equal(after["state_dict"][k], v) for k, v in before["state_dict"].items())
 
 
-@pytest.mark.parametrize("variant", list(REFUSED))
+@pytest.mark.parametrize(
+    "variant", [pytest.param(v, marks=needs_generator_in_graph) if v in _GENERATOR_CASES else v for v in REFUSED]
+)
 def test_refused_and_nothing_changed(variant):
     body, first_line, line = REFUSED[variant]
     module = Seeded(body)
@@ -190,6 +200,22 @@ def _draws(m, x):
     return F.dropout(x, 0.5) + torch.rand(4, generator=m.generator)
 
 
+@pytest.mark.skipif(ti.HAS.generator_in_graph, reason="torch 2.12 and later record a Generator argument")
+def test_generator_argument_refused_on_torch_2_11():
+    """torch 2.11's FX cannot hold a Generator in a graph: our error, naming the line and the
+    release, not FX's `NotImplementedError: argument of type Generator`; nothing changed."""
+    module = Seeded(_draws)
+    x = torch.ones(4)
+    before = _snapshot(module)
+    with pytest.raises(RngStateError) as info:
+        predispatch.export(module, (x,))
+    text = message(info.value)
+    assert text.startswith("a random op draws from an explicit torch.Generator (generator=...), which torch 2.11"), text
+    assert "fix: draw from the default generator (seed it outside forward), or use torch 2.12 or later." in text
+    _assert_unchanged(before, _snapshot(module))
+
+
+@needs_generator_in_graph
 def test_random_draws_still_match_eager_bitwise():
     """Not over-broad: drawing (and reading the state) exports; outputs and generators after the
     call equal eager's when both start from the same states."""

@@ -63,13 +63,15 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from predispatch._torch_internals.decomposition import ask as ask_decompose
 from predispatch._torch_internals.decomposition import decomposition_hook, pristine_dispatch, torch_can_decompose_fast
-from predispatch._torch_internals.mechanism import Hook, drift, patched, require
+from predispatch._torch_internals.mechanism import Hook, caller_frame, drift, patched, require
 from predispatch._torch_versions import HAS, TESTED, TORCH, tested, warn_if_untested
 
 __all__ = [
     "HAS",
     "ask_decompose",
     "Hook",
+    "caller_frame",
+    "is_generator_argument_error",
     "TESTED",
     "TORCH",
     "drift",
@@ -146,6 +148,9 @@ __all__ = [
     "TENSOR_HOOKS",
     "probe_register_hook",
     "DISPATCH_OBSERVER",
+    "REGION_CAPTURE",
+    "MODULE_HOOKS",
+    "check_module_hook_tables",
     "FUNCTIONAL_REWRITES",
     "MODULE_CALLS",
     "inside_op_call",
@@ -200,6 +205,8 @@ def probe_register_hook() -> None:
     _PROBE_TENSOR.register_hook(None)
 
 
+REGION_CAPTURE = "grad-mode region capture (make_fx recording torch._C._set_grad_enabled at PreDispatch)"
+MODULE_HOOKS = "module hook capture (nn.Module's hook tables)"
 DISPATCH_OBSERVER = "the dispatch observer (in-place ops seen at FunctionalTensorMode.__torch_dispatch__)"
 FUNCTIONAL_REWRITES = "the functional rewrites (trace/decompose.py REWRITES, at FunctionalTensorMode.__torch_dispatch__)"
 MODULE_CALLS = "module-call interception for repeated blocks (make_fx's _ModuleStackTracer.call_module)"
@@ -545,6 +552,15 @@ def discarding_unbacked_symbols(fake_mode: FakeTensorMode):
     if fake_mode.shape_env is None:
         return contextlib.nullcontext()
     return fake_mode.shape_env.ignore_fresh_unbacked_symbols()
+
+
+def is_generator_argument_error(exc: BaseException) -> bool:
+    """Whether `exc` is FX refusing a `torch.Generator` argument (torch 2.11; see HAS.generator_in_graph)."""
+    return (
+        not HAS.generator_in_graph
+        and isinstance(exc, NotImplementedError)
+        and "torch._C.Generator" in str(exc)
+    )
 
 
 def is_traced_tensor(value: Any) -> bool:
@@ -922,6 +938,34 @@ _SWITCHES: tuple[GlobalSwitch | None, ...] = (
     ),
 )
 GLOBAL_SWITCHES: tuple[GlobalSwitch, ...] = tuple(switch for switch in _SWITCHES if switch is not None)
+
+
+#: Every hook table torch 2.11-2.15 gives an nn.Module (`module._backward_hooks`, ...) and keeps
+#: process-wide (`nn.modules.module._global_backward_hooks`, ...): the module hook capture, its
+#: refusals and the isolation handle exactly these.  A table torch adds is a hook the trace would
+#: run, or drop, unseen: `check_module_hook_tables` raises before anything is traced.
+KNOWN_MODULE_HOOK_TABLES = frozenset({
+    "_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called",
+    "_forward_hooks_with_kwargs", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+    "_load_state_dict_post_hooks", "_load_state_dict_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+})
+KNOWN_GLOBAL_HOOK_TABLES = frozenset({
+    "_global_backward_hooks", "_global_backward_pre_hooks", "_global_buffer_registration_hooks",
+    "_global_forward_hooks", "_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs",
+    "_global_forward_pre_hooks", "_global_module_registration_hooks", "_global_parameter_registration_hooks",
+})
+
+
+def check_module_hook_tables() -> None:
+    """Raise `TorchDriftError` unless torch's module hook tables are exactly the known ones."""
+    from torch.nn.modules import module as module_globals
+
+    tables = {name for name, value in vars(torch.nn.Module()).items() if "hook" in name and isinstance(value, dict)}
+    global_tables = {name for name, value in vars(module_globals).items() if name.startswith("_global_") and "hook" in name and isinstance(value, dict)}
+    unknown = (tables - KNOWN_MODULE_HOOK_TABLES) | (global_tables - KNOWN_GLOBAL_HOOK_TABLES)
+    missing = ({"_backward_hooks", "_backward_pre_hooks"} - tables) | ({"_global_backward_hooks", "_global_backward_pre_hooks"} - global_tables)
+    if unknown or missing:
+        raise drift(MODULE_HOOKS, f"nn.Module's hook tables changed (new: {sorted(unknown)}, gone: {sorted(missing)})")
 
 
 def global_module_hook_tables() -> tuple[dict, ...]:

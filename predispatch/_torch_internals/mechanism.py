@@ -19,6 +19,7 @@ meanwhile gets torch's own (Note [Export touches only its own thread]).
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -28,7 +29,7 @@ import torch
 
 from predispatch.errors import TorchDriftError
 
-__all__ = ["Hook", "drift", "patched", "require"]
+__all__ = ["Hook", "caller_frame", "drift", "patched", "require"]
 
 
 def drift(mechanism: str, what: str) -> TorchDriftError:
@@ -122,6 +123,9 @@ def _served(hook: Hook, replacement: Callable[..., Any], original: Callable[...,
     return serve
 
 
+_SERVE_CODE = _served(Hook(""), lambda: None, lambda: None).__code__
+
+
 def _run_probe(hook: Hook, probe: Callable[[], Any]) -> None:
     """Call the hook point as torch would; it must reach the replacement."""
     before = hook.calls
@@ -133,3 +137,12 @@ def _run_probe(hook: Hook, probe: Callable[[], Any]) -> None:
     if hook.calls == before:
         raise drift(hook.mechanism, "the probe call did not reach predispatch's replacement")
     hook.calls = before
+
+
+def caller_frame(depth: int = 1) -> Any:
+    """The frame `depth` levels above the caller, not counting `patched`'s own serving frames:
+    a replacement that names the line that called it sees the user's line, not ours."""
+    frame = sys._getframe(depth + 1)
+    while frame is not None and frame.f_code is _SERVE_CODE:
+        frame = frame.f_back
+    return frame

@@ -19,6 +19,7 @@ from predispatch import _torch_internals as ti
 from predispatch.errors import (
     DataDependentError,
     PredispatchError,
+    RngStateError,
     TraceError,
     UnsupportedOutputError,
     from_torch,
@@ -80,6 +81,7 @@ class _Program:
         self.grad_mode_on_exit: bool | None = None
         self.input_metadata_write: str | None = None
         self.visible_generators: frozenset[int] = frozenset()
+        self.engaged: dict[str, Any] = {}  # the hooks `_check_engaged` asks afterwards
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         prepared = self._prepared
@@ -104,7 +106,8 @@ class _Program:
             stack.enter_context(ti.reparametrize(prepared.module, inside))
             stack.enter_context(_bound_beyond(prepared.module, beyond))
             stack.enter_context(keeper)  # Note [Mutations inside grad regions]
-            stack.enter_context(keeper.observer())
+            self.engaged["observer"] = stack.enter_context(keeper.observer())
+            self.engaged["keeper"] = keeper
             stack.enter_context(backward_hooks(prepared.module, keeper))
             stack.enter_context(capture_autograd_functions())
             assigned = stack.enter_context(_buffer_assignments())
@@ -276,6 +279,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
         stack.enter_context(_counted())
         with _user_errors():
             captured = ti.trace_program(program, (*prepared.fake_state, *prepared.fake_user_inputs), prepared.module)
+    _check_engaged(program, captured.graph_module)
     _check_metadata_mutations(prepared, captured, program.input_metadata_write)
     _check_repeated_inputs(prepared, captured.mutated)
     refuse_generators_made_in_forward(captured.graph_module, program.visible_generators)
@@ -290,6 +294,21 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
     return TracedGraph(
         gm, captured.mutated, output_leaves, out_spec, log, program.grad_mode_on_exit, captured.metadata_mutated
     )
+
+
+def _check_engaged(program: _Program, gm: fx.GraphModule) -> None:
+    """The hooks that must have run did run (Note [Drift is loud] in _torch_internals/mechanism.py):
+    ops reached the graph through FunctionalTensorMode, so its observer saw them; every grad-mode
+    toggle forward made was recorded in the graph, so its region can be rebuilt."""
+    ops = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes)
+    if ops:
+        program.engaged["observer"].expect_calls("the graph holds ops traced through FunctionalTensorMode")
+    keeper = program.engaged["keeper"]
+    if keeper.toggles_unrecorded:
+        raise ti.drift(
+            ti.REGION_CAPTURE,
+            f"{keeper.toggles_unrecorded} grad-mode change(s) in forward were not recorded in the graph",
+        )
 
 
 def _check_metadata_mutations(prepared: PreparedInputs, captured: ti.ProgramTrace, where: str | None) -> None:
@@ -477,6 +496,16 @@ def _user_errors():
         raise
     except Exception as exc:  # noqa: BLE001 - every torch failure is re-raised with context
         where = user_frame(exc.__traceback__) or f"{user_frame()} (the export call; torch found this after tracing)"
+        if ti.is_generator_argument_error(exc):
+            raise from_torch(
+                RngStateError(
+                    f"a random op draws from an explicit torch.Generator (generator=...), which torch "
+                    f"{torch.__version__}'s FX cannot record in a graph (torch 2.12 and later can).",
+                    where=where,
+                    fix="draw from the default generator (seed it outside forward), or use torch 2.12 or later.",
+                ),
+                exc,
+            ) from None
         if _is_data_dependent(exc):
             raise from_torch(
                 DataDependentError(

@@ -94,6 +94,9 @@ class GradHistoryKeeper(TorchFunctionMode):
         #: where forward first changed an input's shape, strides or storage in place (`x.t_()`),
         #: for the error a functional graph's refusal of it gives
         self.input_metadata_write: str | None = None
+        #: grad-mode changes the trace did not record as graph nodes: the region capture did not
+        #: engage (`trace/functional.py` `_check_engaged` raises)
+        self.toggles_unrecorded = 0
         self.open_regions = 0  # grad regions entered and not exited: > 0 when forward returns
         # means forward leaves grad mode set for its caller (a plain set_grad_enabled call)
         self._pending: list[tuple[Any, torch.Tensor, Any]] = []  # (tensor, value before, mode)
@@ -108,6 +111,8 @@ class GradHistoryKeeper(TorchFunctionMode):
         self.open_regions += -1 if closing else 1
         if isinstance(result, fx.Node):  # recorded in the graph: tell wrap_regions how to nest
             result.meta[_meta.GRAD_TOGGLE] = "exit" if closing else "enter"
+        elif ti.current_tracer() is not None:
+            self.toggles_unrecorded += 1
         if args[0] and not was_enabled:
             self._rebind_pending()
         return result

@@ -183,7 +183,13 @@ def _bind(cls: type, args: tuple, kwargs: dict) -> tuple:
     with_ctx = not has_setup_context(cls)
     if with_ctx and not kwargs:
         return args
-    bound = inspect.signature(cls.forward).bind(*((None,) if with_ctx else ()), *args, **kwargs)
+    signature, ctx = inspect.signature(cls.forward), (None,) if with_ctx else ()
+    try:
+        bound = signature.bind(*ctx, *args, **kwargs)
+    except TypeError:
+        # torch 2.11's `Function.apply` binds a setup_context Function's keywords into `args`
+        # and still passes them on as keywords (later releases pass only what is left)
+        bound = signature.bind(*ctx, *args)
     bound.apply_defaults()
     return bound.args[1:] if with_ctx else bound.args
 

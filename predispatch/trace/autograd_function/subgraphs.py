@@ -476,7 +476,7 @@ def _torch_only(function: type, phase: str) -> Iterator[None]:
     """
 
     def numpy(tensor, *args, **kwargs):
-        caller = sys._getframe(1)
+        caller = ti.caller_frame(1)
         line = (linecache.getline(caller.f_code.co_filename, caller.f_lineno) or "").strip()
         raise AutogradFunctionError(
             f"autograd.Function {function.__qualname__} ({phase}): {phase} leaves torch: it calls "

@@ -62,6 +62,7 @@ from typing import Any
 
 from torch import nn
 
+from predispatch import _torch_internals as ti
 from predispatch.trace.hooks.inspection import side_effect
 from predispatch.trace.hooks.module import captured_module_hooks
 from predispatch.trace.hooks.refusal import check_global_hooks, refusing_module_hooks
@@ -76,6 +77,7 @@ def backward_hooks(root: nn.Module, keeper: Any) -> Iterator[None]:
     be, and calling a module with any other backward hook raises (see the module docstring).
     `keeper` tells which tensors ops have read."""
     names = {id(m): path or type(root).__name__ for path, m in root.named_modules(remove_duplicate=False)}
+    ti.check_module_hook_tables()
     check_global_hooks()
     with captured_module_hooks(root, names), refusing_module_hooks(root, names), captured_tensor_hooks(keeper):
         yield
