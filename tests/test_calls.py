@@ -12,6 +12,7 @@ from helpers import check_gradients, export_and_check, graph, stable_message
 from torch import nn
 
 import predispatch
+from predispatch import _torch_internals as ti
 from predispatch import errors
 from predispatch._isolation import GlobalState
 from predispatch.passes import mutable_ops
@@ -167,6 +168,10 @@ the program changes input 'x' in place, and it shares memory with another input 
                 self.w.data.mul_(0.5)
                 return x * self.w
 
+        if not ti.HAS.data_write_in_trace:  # torch 2.11 and 2.12 cannot trace `.data` of a parameter
+            with pytest.raises(errors.TraceError, match="Attempting to use FunctionalTensor on its own"):
+                predispatch.export(DataEma(), (torch.randn(3),))
+            return
         program = predispatch.export(DataEma(), (torch.randn(3),)).module()
         with pytest.raises(errors.MutationTargetError):
             program(torch.randn(3))

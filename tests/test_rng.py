@@ -20,11 +20,11 @@ import predispatch
 from predispatch import _torch_internals as ti
 from predispatch.errors import RngStateError
 
-#: Cases whose forward passes a `torch.Generator` to a random op, which FX records from torch 2.12 on.
+#: Cases whose forward passes a `torch.Generator` to a random op, which FX records from torch 2.13 on.
 _GENERATOR_CASES = {"module_generator", "global_generator", "generator_made_in_forward"}
 needs_generator_in_graph = pytest.mark.skipif(
     not ti.HAS.generator_in_graph,
-    reason="torch 2.11's FX cannot record a Generator argument; test_generator_argument_refused_on_torch_2_11 pins the refusal",
+    reason="torch 2.11 and 2.12's FX cannot record a Generator argument; test_generator_argument_refused_before_torch_2_13 pins the refusal",
 )
 
 #: A module-level generator, reached by forward through its globals.
@@ -200,9 +200,9 @@ def _draws(m, x):
     return F.dropout(x, 0.5) + torch.rand(4, generator=m.generator)
 
 
-@pytest.mark.skipif(ti.HAS.generator_in_graph, reason="torch 2.12 and later record a Generator argument")
-def test_generator_argument_refused_on_torch_2_11():
-    """torch 2.11's FX cannot hold a Generator in a graph: our error, naming the line and the
+@pytest.mark.skipif(ti.HAS.generator_in_graph, reason="torch 2.13 and later record a Generator argument")
+def test_generator_argument_refused_before_torch_2_13():
+    """torch 2.11 and 2.12's FX cannot hold a Generator in a graph: our error, naming the line and the
     release, not FX's `NotImplementedError: argument of type Generator`; nothing changed."""
     module = Seeded(_draws)
     x = torch.ones(4)
@@ -210,8 +210,8 @@ def test_generator_argument_refused_on_torch_2_11():
     with pytest.raises(RngStateError) as info:
         predispatch.export(module, (x,))
     text = message(info.value)
-    assert text.startswith("a random op draws from an explicit torch.Generator (generator=...), which torch 2.11"), text
-    assert "fix: draw from the default generator (seed it outside forward), or use torch 2.12 or later." in text
+    assert text.startswith(f"a random op draws from an explicit torch.Generator (generator=...), which torch {torch.__version__}'s FX"), text
+    assert "fix: draw from the default generator (seed it outside forward), or use torch 2.13 or later." in text
     _assert_unchanged(before, _snapshot(module))
 
 

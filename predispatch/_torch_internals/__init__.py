@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 import torch._decomp.decompositions  # noqa: F401  (registers Python CIA kernels via py_impl)
 from torch._dispatch.python import enable_python_dispatcher
 from torch._ops import OpOverload
@@ -72,6 +73,7 @@ __all__ = [
     "Hook",
     "caller_frame",
     "is_generator_argument_error",
+    "NOOP_SAVE_INPUTS",
     "TESTED",
     "TORCH",
     "drift",
@@ -552,6 +554,10 @@ def discarding_unbacked_symbols(fake_mode: FakeTensorMode):
     if fake_mode.shape_env is None:
         return contextlib.nullcontext()
     return fake_mode.shape_env.ignore_fresh_unbacked_symbols()
+
+
+#: torch 2.11's non-reentrant checkpoint applies this Function (later releases apply none).
+NOOP_SAVE_INPUTS: type | None = getattr(torch.utils.checkpoint, "_NoopSaveInputs", None) if HAS.checkpoint_applies_function else None
 
 
 def is_generator_argument_error(exc: BaseException) -> bool:

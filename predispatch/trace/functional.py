@@ -500,9 +500,9 @@ def _user_errors():
             raise from_torch(
                 RngStateError(
                     f"a random op draws from an explicit torch.Generator (generator=...), which torch "
-                    f"{torch.__version__}'s FX cannot record in a graph (torch 2.12 and later can).",
+                    f"{torch.__version__}'s FX cannot record in a graph (torch 2.13 and later can).",
                     where=where,
-                    fix="draw from the default generator (seed it outside forward), or use torch 2.12 or later.",
+                    fix="draw from the default generator (seed it outside forward), or use torch 2.13 or later.",
                 ),
                 exc,
             ) from None

@@ -51,6 +51,13 @@ RUN_INSTEAD: dict[type, tuple[Callable[..., Any], str]] = {
         "(same values and gradients, without the memory saving).",
     ),
 }
+if ti.NOOP_SAVE_INPUTS is not None:
+    RUN_INSTEAD[ti.NOOP_SAVE_INPUTS] = (
+        _torch_apply,
+        "non-reentrant activation checkpointing's placeholder (torch 2.11): it only anchors saved-tensor "
+        "hooks, and its backward is never meant to run; the program runs the checkpointed function plainly "
+        "(same values and gradients, without the memory saving), as later releases' export does.",
+    )
 
 
 @dataclass
