@@ -1096,3 +1096,15 @@ def import_op_registrations() -> None:
     from it, would depend on whether the process had compiled anything before.
     """
     import torch._inductor.inductor_prims  # noqa: F401
+
+
+# --- ep.module()'s write-back checks (runtime-cost branch) -------------------------------------
+
+
+def view_creation_meta(t: torch.Tensor) -> str:
+    """How autograd recorded the view `t` was made (`"DEFAULT"`, `"MULTI_OUTPUT_NODE"`,
+    `"NO_GRAD_MODE"`, ...): eager refuses an in-place change with grad mode on to any but a
+    DEFAULT one (`handle_view_on_rebase`); "DEFAULT" for a tensor that is not a view."""
+    if not t._is_view():
+        return "DEFAULT"
+    return torch._C._autograd._get_creation_meta(t).name

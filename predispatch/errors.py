@@ -282,7 +282,9 @@ class MutationTargetError(PredispatchError):
 
     Cause: the tensor to be written is expanded (its elements share memory), an inference tensor
     outside `torch.inference_mode()`, a leaf that requires grad (or a view of one) written with
-    grad mode on, or it shares memory with another input of the call.
+    grad mode on, one of several views of one op (`unbind`) written with grad mode on, or it
+    shares memory with another input of the call (the same tensor passed twice, `m(t, t)`, or
+    the module's own buffer passed in, `m(m.c)`).
     Example: `ep.module()(torch.zeros(3).expand(2, 3))` for a forward doing `x.add_(1)`.
     Fix: pass a tensor with its own memory (`x.clone()`), or call under `torch.no_grad()` for a
     leaf that requires grad.

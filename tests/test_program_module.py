@@ -177,6 +177,64 @@ def forward(self, x, scale, tag):
         assert_same_tree(copied.state_dict(), program.state_dict())
 
 
+class SharesState(TestCase):
+    """Note [module() shares the program's state] in predispatch/program/unlift.py."""
+
+    def test_module_holds_the_models_own_tensors(self):
+        module = ConvBn()
+        program = predispatch.export(module, (torch.randn(2, 3, 8, 8),)).module()
+        own = module.state_dict(keep_vars=True)
+        held = program.state_dict(keep_vars=True)
+        self.assertEqual(list(held), list(own))
+        for name, tensor in own.items():
+            self.assertIs(held[name], tensor, name)
+        self.assertEqual([n for n, _ in program.named_parameters()], [n for n, _ in module.named_parameters()])
+
+    def test_running_the_program_trains_the_model_as_eager_would(self):
+        """One train step through the program and one through a copy of the model: the model's
+        own parameters get eager's gradients and its buffers eager's updates, bitwise."""
+        torch.manual_seed(0)
+        module, x = ConvBn(), torch.randn(2, 3, 8, 8)
+        eager = copy.deepcopy(module)
+        program = predispatch.export(module, (x,)).module()
+        assert_same_tree(program(x), eager(x))
+        program(x).sum().backward()
+        eager(x).sum().backward()
+        assert_same_tree(module.state_dict(), eager.state_dict())
+        for (name, p), (_, e) in zip(module.named_parameters(), eager.named_parameters()):
+            assert_same_tree(p.grad, e.grad)
+
+    def test_state_is_read_at_each_call(self):
+        """The call's checks cache the contract, not the state (Note [What a call caches]): a
+        buffer replaced after a first call is the one checked and written."""
+
+        from test_calls import Counts
+
+        program = predispatch.export(Counts(), (torch.zeros(3),)).module()
+        program(torch.zeros(3))
+        program.c = torch.zeros(1).expand(3)  # eager's add_ would refuse this buffer
+        with pytest.raises(predispatch.errors.MutationTargetError, match="more than one of its elements"):
+            program(torch.zeros(3))
+        program.c = fresh = torch.full((3,), 5.0)
+        assert torch.equal(program(torch.zeros(3)), torch.full((3,), 6.0)) and torch.equal(fresh, torch.full((3,), 6.0))
+
+    def test_saved_buffer_written_back_small_and_large(self):
+        """Batch norm's running stats: the graph reads them, autograd saves them, the write-back
+        then changes them.  Backward must see the values read, whether a buffer is cloned as it is
+        read (small) or when autograd saves it (large: more than 64 KiB); outputs, gradients and
+        buffers equal eager's bitwise (Note [Saved inputs that are written back])."""
+        for n in (4, 20_000):
+            torch.manual_seed(0)
+            module, x = nn.BatchNorm1d(n), torch.randn(2, n)
+            eager, program = copy.deepcopy(module), predispatch.export(module, (x,)).module()
+            xe, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+            (eager(xe) * x).sum().backward()
+            (program(xp) * x).sum().backward()
+            assert_same_tree(xp.grad, xe.grad)
+            assert_same_tree(module.weight.grad, eager.weight.grad)
+            assert_same_tree(module.state_dict(), eager.state_dict())
+
+
 def _compiled(module):
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     return torch.compile(module, backend=counter, fullgraph=True), counter
