@@ -305,6 +305,38 @@ class ModeSwitchError(PredispatchError):
     """
 
     anchor = "modeswitcherror"
+class ModuleCopyError(PredispatchError):
+    """`pickle` or `copy.copy` of `ep.module()`, which would lose the module's call contract.
+
+    Cause: pickling (and a shallow copy, which goes through pickling's protocol) rebuilds an
+    `fx.GraphModule` from its code alone: the copy would run without the input checks, the
+    write-back checks and the mode guard (`.eval()` would silently keep dropout on), so it is
+    refused.  `copy.deepcopy` keeps all of them and is allowed.
+    Example: `pickle.dumps(ep.module())`, `torch.save(ep.module(), path)`, `copy.copy(ep.module())`.
+    Fix: `copy.deepcopy(m)` for a copy in this process; `predispatch.save(ep, path)` and
+    `predispatch.load(path).module()` to store it; `m.state_dict()` for its weights.
+    """
+
+    anchor = "modulecopyerror"
+
+
+class ModuleConversionError(PredispatchError):
+    """`ep.module().to(dtype)` (or `.double()`, `.half()`, `.to(device)`, `.cuda()`) would change
+    the dtype or device of the program's state.
+
+    Cause: the graph is traced for the exported dtypes and devices (casts, tensors it creates, the
+    input checks), so converting the state would leave a module that refuses the new inputs and
+    fails on the old ones; and the module shares the exported model's tensors, so the model would
+    be converted too.  The conversion is refused before anything is converted; one that changes
+    nothing (`.float()` of a float32 program) is allowed.
+    Example: `ep.module().to(torch.float64)`.
+    Fix: convert the model and export again: `predispatch.export(model.to(torch.float64), args)`
+    (for a device, with the model and the inputs on it).
+    """
+
+    anchor = "moduleconversionerror"
+
+
 class DedupVerificationError(PredispatchError):
     """`export(..., dedup="verify")` found a call that differs from the body its key shares.
 

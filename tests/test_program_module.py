@@ -10,16 +10,18 @@ gradient is 0), with outputs, gradients and buffers equal to eager's; torchao's 
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
 import torch._dynamo.testing
 from expecttest import TestCase
-from helpers import StraightThrough, assert_same_tree
+from helpers import StraightThrough, assert_same_tree, stable_message
 from torch import fx, nn
 
 import predispatch
-from predispatch.errors import DynamicShapeError, InputMismatchError
+from predispatch.errors import DynamicShapeError, InputMismatchError, ModeSwitchError, ModuleConversionError, ModuleCopyError
 
 
 class Mlp(nn.Module):
@@ -177,6 +179,15 @@ def forward(self, x, scale, tag):
         assert_same_tree(copied.state_dict(), program.state_dict())
 
 
+class Dropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(4, 4), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.lin(x))
+
+
 class SharesState(TestCase):
     """Note [module() shares the program's state] in predispatch/program/unlift.py."""
 
@@ -233,6 +244,64 @@ class SharesState(TestCase):
             assert_same_tree(xp.grad, xe.grad)
             assert_same_tree(module.weight.grad, eager.weight.grad)
             assert_same_tree(module.state_dict(), eager.state_dict())
+
+
+class Copies(TestCase):
+    """`ep.module()` keeps its contract across copies, or refuses to be copied (issue 21.10)."""
+
+    def test_pickle_and_shallow_copy_are_refused(self):
+        program = predispatch.export(Dropout(), (torch.randn(2, 4),)).module()
+        with pytest.raises(ModuleCopyError) as info:
+            pickle.dumps(program)
+        self.assertExpectedInline(stable_message(info.value), """\
+ep.module() cannot be pickled or shallow-copied: fx rebuilds a pickled GraphModule from its code alone, without the input checks, the write-back checks and the train/eval guard.
+  at test_program_module.py:N (pickle.dumps(program))
+  fix: copy.deepcopy(m) for a copy in this process; predispatch.save(ep, path) and predispatch.load(path).module() to store it; m.state_dict() for its weights.
+  see docs/errors.md#modulecopyerror""")
+        with pytest.raises(ModuleCopyError):
+            copy.copy(program)
+        with pytest.raises(ModuleCopyError):
+            torch.save(program, io.BytesIO())
+        with pytest.raises(ModuleCopyError):
+            pickle.dumps(predispatch.export_train_eval(Dropout(), (torch.randn(2, 4),)).module())
+
+    def test_deepcopy_keeps_the_checks_and_the_mode_guard(self):
+        torch.manual_seed(0)
+        module, x = Dropout(), torch.randn(2, 4)
+        copied = copy.deepcopy(predispatch.export(module, (x,)).module())
+        with pytest.raises(ModeSwitchError):
+            copied.eval()
+        with pytest.raises(InputMismatchError):
+            copied(torch.randn(3, 5))
+        eager = copy.deepcopy(module)
+        torch.manual_seed(1)
+        expected = eager(x)
+        torch.manual_seed(1)
+        assert_same_tree(copied(x), expected)  # dropout still on, as exported
+        self.assertIsNot(copied.lin.weight, module.lin.weight)
+
+
+class Conversions(TestCase):
+    """`.to(dtype)` / `.to(device)` of `ep.module()` are refused before converting (issue 21.11)."""
+
+    def test_to_float64_is_refused_and_converts_nothing(self):
+        module, x = Mlp(), torch.randn(3, 8)
+        program = predispatch.export(module, (x,)).module()
+        with pytest.raises(ModuleConversionError) as info:
+            program.to(torch.float64)
+        self.assertExpectedInline(stable_message(info.value), """\
+converting the program module's torch.float32 state on cpu to torch.float64 on cpu is refused: its graph and input checks are traced for the exported dtypes and devices, and it shares the exported model's tensors; nothing was converted.
+  at test_program_module.py:N (program.to(torch.float64))
+  fix: convert the model and export again: predispatch.export(model.to(torch.float64), args) (for a device, with the model and the inputs on it).
+  see docs/errors.md#moduleconversionerror""")
+        for convert in (lambda m: m.double(), lambda m: m.half(), lambda m: m.to(torch.device("meta"))):
+            with pytest.raises(ModuleConversionError):
+                convert(program)
+        self.assertEqual({p.dtype for p in (*program.parameters(), *module.parameters())}, {torch.float32})
+        assert_same_tree(program.float().to("cpu")(x), module(x))  # changing nothing is allowed
+        both = predispatch.export_train_eval(Mlp(), (x,)).module()
+        with pytest.raises(ModuleConversionError):
+            both.double()
 
 
 def _compiled(module):

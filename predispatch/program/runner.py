@@ -24,7 +24,7 @@ import copy
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.utils._pytree as pytree
@@ -33,7 +33,7 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
 from predispatch.frontend.reachable import in_tree, resolve
-from predispatch.program.modes import check_mode_switch
+from predispatch.program.modes import check_conversion, check_mode_switch, refuse_copy
 from predispatch.program.signature import InputKind, Leaf, OutputKind, ShapeRecord
 from predispatch.program.writes import (
     PLAIN_TENSOR_TYPES,
@@ -104,6 +104,19 @@ class ProgramModule(fx.GraphModule):
         copied.graph = graph  # generates the copy's own code
         keep_class_names(self, copied)
         return copied
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        """Pickling is refused (`refuse_copy`): fx would rebuild a plain GraphModule."""
+        refuse_copy()
+
+    def __copy__(self) -> NoReturn:
+        refuse_copy()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ProgramModule:
+        """`.to()`, `.double()`, `.cuda()` ...: refused if they change a dtype or device
+        (`check_conversion`); one that changes nothing is applied as usual."""
+        check_conversion(self, fn)
+        return super()._apply(fn, recurse)
 
     def train(self, mode: bool = True) -> ProgramModule:
         """Refuse a mode the program was not exported in (`.eval()` calls this too); see
