@@ -265,6 +265,18 @@ ep.module() cannot be pickled or shallow-copied: fx rebuilds a pickled GraphModu
         with pytest.raises(ModuleCopyError):
             pickle.dumps(predispatch.export_train_eval(Dropout(), (torch.randn(2, 4),)).module())
 
+    def test_deepcopy_of_both_modes_switches_over_its_own_state(self):
+        torch.manual_seed(0)
+        module, x = Dropout(), torch.randn(2, 4)
+        both = predispatch.export_train_eval(module, (x,)).module()
+        copied = copy.deepcopy(both).eval()
+        assert_same_tree(copied(x), copy.deepcopy(module).eval()(x))
+        self.assertIsNot(copied.lin.weight, module.lin.weight)
+        with torch.no_grad():
+            copied.lin.weight.zero_()
+        assert_same_tree(copied(x), copied.lin.bias.expand(2, 4))  # the eval program reads the copy's state
+        self.assertFalse(torch.equal(module.lin.weight, torch.zeros(4, 4)))
+
     def test_deepcopy_keeps_the_checks_and_the_mode_guard(self):
         torch.manual_seed(0)
         module, x = Dropout(), torch.randn(2, 4)

@@ -17,6 +17,7 @@ or the eval program by its `.training` flag, over one set of state (pytorch#1036
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -155,6 +156,14 @@ class TrainEvalModule(nn.Module):
 
     def __copy__(self) -> NoReturn:
         refuse_copy()
+
+    def __deepcopy__(self, memo: dict) -> TrainEvalModule:
+        """A deep copy (which would otherwise go through the refused `__reduce_ex__`): both
+        programs' modules copied, the eval one reading the copied train one's state."""
+        copied = TrainEvalModule.__new__(TrainEvalModule)
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     @property
     def positional_names(self) -> tuple[str, ...]:
