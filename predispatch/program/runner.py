@@ -118,6 +118,12 @@ class ProgramModule(fx.GraphModule):
         check_conversion(self, fn)
         return super()._apply(fn, recurse)
 
+    def recompile(self) -> Any:
+        """fx's recompile, after which the next call plans itself again from the graph (a tool
+        that edited the graph in place calls this; setting `.graph` does too)."""
+        self.__dict__.pop("_call_plan", None)  # Note [What a call caches]
+        return super().recompile()
+
     def train(self, mode: bool = True) -> ProgramModule:
         """Refuse a mode the program was not exported in (`.eval()` calls this too); see
         Note [One mode per program] in modes.py."""
@@ -241,6 +247,7 @@ def _small_plain(t: torch.Tensor) -> bool:
 # first call: each state path, each write target's position among the graph's inputs, and a
 # check of a call made of positional tensors only that gives `check_inputs`' verdict without
 # flattening the call.  The state itself, and every tensor's memory, is read again at each call.
+# A new graph (`recompile`, which setting `.graph` calls) drops the plan.
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,7 @@ def check_write_values(targets: Sequence[torch.Tensor], values: Sequence[torch.T
             problem = _eager_view_refusal(target)
             if problem is not None:
                 raise MutationTargetError(
-                    f"the program changes an input in place with a value that requires grad, and {problem[0]}; "
+                    f"the program changes a tensor in place with a value that requires grad, and {problem[0]}; "
                     "the graph ran, nothing was written.",
                     where=user_frame(),
                     fix=problem[1],
