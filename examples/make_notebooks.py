@@ -177,9 +177,10 @@ check("shares the model's tensors", ep.state_dict["embed.weight"] is model.embed
 ## `ep.module()` runs like the model
 
 `ep.module()` returns an `nn.Module` with the original calling convention (positional and
-keyword arguments, dict output) and the original `state_dict()` keys. Its weights are copies,
-so running or training it never changes `model`. It writes the mutation outputs back into its
-buffers after each call, as eager `forward` does in place.
+keyword arguments, dict output) and the original `state_dict()` keys. It holds `model`'s own
+parameters and buffers, as torch.export's module does (no copy), so training it trains `model`.
+It writes the mutation outputs back into those buffers after each call, as eager `forward`
+does in place: the program's step below counts in `model.steps` too.
 
 Below, the model and the program each run one training step from the same weights: outputs,
 buffer updates and gradients are bitwise equal."""),
@@ -202,7 +203,8 @@ check("gradients equal", all(torch.equal(grads_e[n], grads_p[n]) for n in grads_
 
 buffers_p = dict(program.named_buffers())
 check("buffers updated like eager", all(torch.equal(b, buffers_p[n]) for n, b in eager.named_buffers()))
-print("program steps:", buffers_p["steps"].item(), "| exported model's steps:", model.steps.item())"""),
+print("program steps:", buffers_p["steps"].item(), "| exported model's steps:", model.steps.item())
+check("the program's buffers are the model's", buffers_p["steps"] is model.steps)"""),
     md("""\
 ## The graph is an ordinary FX graph
 
@@ -761,7 +763,8 @@ assert grads["eager"].eq(-0.5).all() and grads["predispatch"].eq(-0.5).all() and
 ## Training the program
 
 The program trains like the model: a few SGD steps from the same weights give identical
-parameters."""),
+parameters.  And it trains the model itself: `ep.module()` holds the model's own parameters
+and buffers, as torch.export's module does (no copy)."""),
     code("""\
 def train(module, steps=3):
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
@@ -773,8 +776,10 @@ def train(module, steps=3):
     return dict(module.named_parameters())
 
 
+untrained = copy.deepcopy(model)
 trained_eager, trained_program = train(copy.deepcopy(model)), train(ep.module())
-check("parameters after 3 steps equal", all(torch.equal(p, trained_program[n]) for n, p in trained_eager.items()))"""),
+check("parameters after 3 steps equal", all(torch.equal(p, trained_program[n]) for n, p in trained_eager.items()))
+check("and they are the model's own", all(p is trained_program[n] for n, p in model.named_parameters()))"""),
     md("""\
 ## Into torch's ExportedProgram, and to inference consumers
 
@@ -786,7 +791,7 @@ Consumers that only run forward (ONNX, PT2E quantization, ExecuTorch) take
 `ep.to_torch(for_inference=True)`: each Function's forward is inlined and its backward
 dropped, with a warning that says so."""),
     code("""\
-torch_program = ep.to_torch()
+torch_program = predispatch.export(untrained, (x,)).to_torch()  # from the same weights again
 trained_torch = train(torch_program.module())
 check("torch's program trains like eager", all(torch.allclose(p, trained_torch[n]) for n, p in trained_eager.items()))
 
@@ -1106,6 +1111,9 @@ predispatch.save(ep, path)
 loaded = predispatch.load(path)
 print(f"{path.name}: {path.stat().st_size} bytes")
 check("prints the same", str(loaded) == str(ep))
+again = workdir / "again.pd"
+predispatch.save(loaded, again)
+check("saved again, same bytes", again.read_bytes() == path.read_bytes())
 
 original, restored = ep.module(), loaded.module()
 out_o, out_r = original(x, mask=mask), restored(x, mask=mask)
@@ -1114,11 +1122,7 @@ out_r.square().sum().backward()
 grads_r = dict(restored.named_parameters())
 check("outputs bitwise equal", torch.equal(out_o, out_r))
 check("gradients bitwise equal", all(torch.equal(p.grad, grads_r[n].grad) for n, p in original.named_parameters()))
-check("buffers equal", all(torch.equal(b, dict(restored.named_buffers())[n]) for n, b in original.named_buffers()))
-
-again = workdir / "again.pd"
-predispatch.save(loaded, again)
-check("saved again, same bytes", again.read_bytes() == path.read_bytes())"""),
+check("buffers equal", all(torch.equal(b, dict(restored.named_buffers())[n]) for n, b in original.named_buffers()))"""),
     md("""\
 The file is a plain zip: a manifest with a SHA-256 per member, the program as JSON, and the
 tensors as safetensors. Loading runs no code from the file: ops are looked up by name in

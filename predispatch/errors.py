@@ -311,7 +311,9 @@ class MutationTargetError(PredispatchError):
 
     Cause: the tensor to be written is expanded (its elements share memory), an inference tensor
     outside `torch.inference_mode()`, a leaf that requires grad (or a view of one) written with
-    grad mode on, or it shares memory with another input of the call.
+    grad mode on, one of several views of one op (`unbind`) written with grad mode on, or it
+    shares memory with another input of the call (the same tensor passed twice, `m(t, t)`, or
+    the module's own buffer passed in, `m(m.c)`).
     Example: `ep.module()(torch.zeros(3).expand(2, 3))` for a forward doing `x.add_(1)`.
     Fix: pass a tensor with its own memory (`x.clone()`), or call under `torch.no_grad()` for a
     leaf that requires grad.
@@ -332,6 +334,38 @@ class ModeSwitchError(PredispatchError):
     """
 
     anchor = "modeswitcherror"
+class ModuleCopyError(PredispatchError):
+    """`pickle` or `copy.copy` of `ep.module()`, which would lose the module's call contract.
+
+    Cause: pickling (and a shallow copy, which goes through pickling's protocol) rebuilds an
+    `fx.GraphModule` from its code alone: the copy would run without the input checks, the
+    write-back checks and the mode guard (`.eval()` would silently keep dropout on), so it is
+    refused.  `copy.deepcopy` keeps all of them and is allowed.
+    Example: `pickle.dumps(ep.module())`, `torch.save(ep.module(), path)`, `copy.copy(ep.module())`.
+    Fix: `copy.deepcopy(m)` for a copy in this process; `predispatch.save(ep, path)` and
+    `predispatch.load(path).module()` to store it; `m.state_dict()` for its weights.
+    """
+
+    anchor = "modulecopyerror"
+
+
+class ModuleConversionError(PredispatchError):
+    """`ep.module().to(dtype)` (or `.double()`, `.half()`, `.to(device)`, `.cuda()`) would change
+    the dtype or device of the program's state.
+
+    Cause: the graph is traced for the exported dtypes and devices (casts, tensors it creates, the
+    input checks), so converting the state would leave a module that refuses the new inputs and
+    fails on the old ones; and the module shares the exported model's tensors, so the model would
+    be converted too.  The conversion is refused before anything is converted; one that changes
+    nothing (`.float()` of a float32 program) is allowed.
+    Example: `ep.module().to(torch.float64)`.
+    Fix: convert the model and export again: `predispatch.export(model.to(torch.float64), args)`
+    (for a device, with the model and the inputs on it).
+    """
+
+    anchor = "moduleconversionerror"
+
+
 class DedupVerificationError(PredispatchError):
     """`export(..., dedup="verify")` found a call that differs from the body its key shares.
 

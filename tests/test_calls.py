@@ -45,6 +45,18 @@ class EmaParameter(nn.Module):
         return x * self.w
 
 
+class Counts(nn.Module):
+    """Counts its calls in a buffer and adds the count: `m(m.c)` passes the buffer it writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("c", torch.zeros(3))
+
+    def forward(self, x):
+        self.c.add_(1)
+        return x + self.c
+
+
 class MutatesTwo(nn.Module):
     def forward(self, x, y):
         x.mul_(2)
@@ -152,6 +164,87 @@ the program changes input 'x' in place, and it shares memory with another input 
   at test_calls.py:N (program(shared, shared[:]))
   fix: pass tensors that do not share memory (x.clone() at one place).
   see docs/errors.md#mutationtargeterror""")
+
+    def test_same_tensor_passed_twice(self):
+        """`m(t, t)`: eager's `x.mul_(2)` shows through `y`, the same tensor; the overlap check
+        counts positions, not objects, so the program refuses instead of returning 3s."""
+        eager_t = torch.ones(3)
+        assert torch.equal(MutatesTwo()(eager_t, eager_t), torch.full((3,), 4.0))
+        program = predispatch.export(MutatesTwo(), (torch.ones(3), torch.ones(3))).module()
+        t = torch.ones(3)
+        with pytest.raises(errors.MutationTargetError) as info:
+            program(t, t)
+        assert torch.equal(t, torch.ones(3))
+        self.assertExpectedInline(stable_message(info.value), """\
+the program changes input 'x' in place, and the same tensor is also another input of the call (passed twice, or the module's own state passed in); eager's change would show through the other use, the program's inputs are independent values; nothing was run or written.
+  at test_calls.py:N (program(t, t))
+  fix: pass a copy at one place (x.clone(); for the module's state, m.c.clone()).
+  see docs/errors.md#mutationtargeterror""")
+        assert torch.equal(program(t, t.clone()), MutatesTwo()(torch.ones(3), torch.ones(3)))
+
+    def test_the_mutated_buffer_passed_in(self):
+        """`m(m.c)` (the program module's buffer, which is also the model's own: Note [module()
+        shares the program's state]): eager's `self.c.add_(1)` shows through `x`; refused,
+        nothing written.  A copy of the buffer runs as eager does."""
+
+        eager = Counts()
+        assert torch.equal(eager(eager.c), torch.full((3,), 2.0))  # x sees the update (the program would give 1s)
+        model = Counts()
+        program = predispatch.export(model, (torch.zeros(3),)).module()
+        for passed in (program.c, model.c):
+            with pytest.raises(errors.MutationTargetError, match="the same tensor is also another input"):
+                program(passed)
+            assert torch.equal(model.c, torch.zeros(3))
+        assert torch.equal(program(model.c.clone()), Counts()(torch.zeros(3)))
+        assert torch.equal(model.c, torch.ones(3))
+
+    def test_several_views_of_one_op(self):
+        """Inputs that are outputs of one multi-output view op (`unbind`) of a tensor that requires
+        grad: eager refuses the first in-place change; the program refuses before writing any."""
+
+        def make():
+            base = torch.randn(2, 3, requires_grad=True).clone()
+            return (torch.zeros(3), *base.unbind(0))
+
+        class WritesThree(nn.Module):
+            def forward(self, x, a, b):
+                x.add_(1)
+                a.mul_(2)
+                b.mul_(2)
+                return x + a + b
+
+        message = self._refused(WritesThree(), make)
+        self.assertExpectedInline(message, """\
+the program changes input 'a' in place, and it is one of several views one op returned (unbind, split, chunk), which eager may not change in place with grad mode on ('This view is the output of a function that returns multiple views'); nothing was run or written.
+  at test_calls.py:N (program(*args))
+  fix: pass x.clone() (a tensor of its own) instead of the view, or call under torch.no_grad().
+  see docs/errors.md#mutationtargeterror""")
+
+    def test_view_getting_a_value_that_requires_grad(self):
+        """The view itself needs no grad, the value written into it does (`b.add_(self.w)`): only
+        the graph's values tell, so the write-back checks them all before the first write."""
+
+        class AddsWeight(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.ones(3))
+
+            def forward(self, x, b):
+                x.add_(1)
+                b.add_(self.w)
+                return x + b
+
+        def make():
+            return (torch.zeros(3), *torch.zeros(2, 3).unbind(0)[:1])
+
+        assert _outcome(lambda: AddsWeight()(*make())) is not None  # eager refuses
+        program = predispatch.export(AddsWeight(), make()).module()
+        x, b = make()
+        with pytest.raises(errors.MutationTargetError, match="with a value that requires grad, and it is one of several views"):
+            program(x, b)
+        assert torch.equal(x, torch.zeros(3)) and torch.equal(b, torch.zeros(3))
+        with torch.no_grad():
+            assert torch.equal(program(x, b), AddsWeight()(*make()))
 
     def test_ema_of_a_parameter_under_no_grad_still_runs(self):
         """A parameter is a leaf that requires grad; written under no_grad, eager allows it."""

@@ -258,8 +258,26 @@ class ModulesOutsideTheTree(TestCase):
         # the batch norm in the plain list updated its running stats in the program, as in eager
         torch.testing.assert_close(program.helpers.get_submodule("1").running_mean, eager.helpers[1].running_mean)
         self.assertEqual(int(program.helpers.get_submodule("1").num_batches_tracked), 1)
-        # and export left the user's outside modules as they were
+
+    def test_the_users_outside_modules_are_trained_through_the_program(self):
+        """`module()` shares the user's tensors (Note [module() shares the program's state]): the
+        modules kept in a plain list, dict or tuple get the gradients and the buffer updates an
+        eager step gives them, bitwise, and export alone changed nothing."""
+        model, x = OutsideTheTree().train(), torch.randn(4, 3)
+        eager = copy.deepcopy(model)
+        program = predispatch.export(model, (x,)).module()
         torch.testing.assert_close(model.helpers[1].running_mean, torch.zeros(3), rtol=0, atol=0)
+        expected, actual = eager(x), program(x)
+        expected.sum().backward()
+        actual.sum().backward()
+        want, got = _parameters_by_path(eager), _parameters_by_path(model)  # the user's own modules
+        self.assertIn("helpers.0.weight", got)
+        for path in want:
+            assert got[path].grad is not None, path
+            torch.testing.assert_close(got[path].grad, want[path].grad, rtol=0, atol=0, msg=path)
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(getattr(model.helpers[1], name), getattr(eager.helpers[1], name), rtol=0, atol=0)
+        self.assertIs(program.helpers.get_submodule("0").weight, model.helpers[0].weight)
 
     def test_tensor_cached_in_a_plain_dict_is_a_constant(self):
         """A real tensor an earlier eager call cached in a dict (timm's attention_bias_cache) is

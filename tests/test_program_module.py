@@ -10,16 +10,18 @@ gradient is 0), with outputs, gradients and buffers equal to eager's; torchao's 
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
 import torch._dynamo.testing
 from expecttest import TestCase
-from helpers import StraightThrough, assert_same_tree
+from helpers import StraightThrough, assert_same_tree, stable_message
 from torch import fx, nn
 
 import predispatch
-from predispatch.errors import DynamicShapeError, InputMismatchError
+from predispatch.errors import DynamicShapeError, InputMismatchError, ModeSwitchError, ModuleConversionError, ModuleCopyError
 
 
 class Mlp(nn.Module):
@@ -175,6 +177,143 @@ def forward(self, x, scale, tag):
         self.assertIsNot(copied.conv.weight, program.conv.weight)
         assert_same_tree(copied(x), program(x))
         assert_same_tree(copied.state_dict(), program.state_dict())
+
+
+class Dropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(4, 4), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.lin(x))
+
+
+class SharesState(TestCase):
+    """Note [module() shares the program's state] in predispatch/program/unlift.py."""
+
+    def test_module_holds_the_models_own_tensors(self):
+        module = ConvBn()
+        program = predispatch.export(module, (torch.randn(2, 3, 8, 8),)).module()
+        own = module.state_dict(keep_vars=True)
+        held = program.state_dict(keep_vars=True)
+        self.assertEqual(list(held), list(own))
+        for name, tensor in own.items():
+            self.assertIs(held[name], tensor, name)
+        self.assertEqual([n for n, _ in program.named_parameters()], [n for n, _ in module.named_parameters()])
+
+    def test_running_the_program_trains_the_model_as_eager_would(self):
+        """One train step through the program and one through a copy of the model: the model's
+        own parameters get eager's gradients and its buffers eager's updates, bitwise."""
+        torch.manual_seed(0)
+        module, x = ConvBn(), torch.randn(2, 3, 8, 8)
+        eager = copy.deepcopy(module)
+        program = predispatch.export(module, (x,)).module()
+        assert_same_tree(program(x), eager(x))
+        program(x).sum().backward()
+        eager(x).sum().backward()
+        assert_same_tree(module.state_dict(), eager.state_dict())
+        for (name, p), (_, e) in zip(module.named_parameters(), eager.named_parameters()):
+            assert_same_tree(p.grad, e.grad)
+
+    def test_state_is_read_at_each_call(self):
+        """The call's checks cache the contract, not the state (Note [What a call caches]): a
+        buffer replaced after a first call is the one checked and written."""
+
+        from test_calls import Counts
+
+        program = predispatch.export(Counts(), (torch.zeros(3),)).module()
+        program(torch.zeros(3))
+        program.c = torch.zeros(1).expand(3)  # eager's add_ would refuse this buffer
+        with pytest.raises(predispatch.errors.MutationTargetError, match="more than one of its elements"):
+            program(torch.zeros(3))
+        program.c = fresh = torch.full((3,), 5.0)
+        assert torch.equal(program(torch.zeros(3)), torch.full((3,), 6.0)) and torch.equal(fresh, torch.full((3,), 6.0))
+
+    def test_saved_buffer_written_back_small_and_large(self):
+        """Batch norm's running stats: the graph reads them, autograd saves them, the write-back
+        then changes them.  Backward must see the values read, whether a buffer is cloned as it is
+        read (small) or when autograd saves it (large: more than 64 KiB); outputs, gradients and
+        buffers equal eager's bitwise (Note [Saved inputs that are written back])."""
+        for n in (4, 20_000):
+            torch.manual_seed(0)
+            module, x = nn.BatchNorm1d(n), torch.randn(2, n)
+            eager, program = copy.deepcopy(module), predispatch.export(module, (x,)).module()
+            xe, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+            (eager(xe) * x).sum().backward()
+            (program(xp) * x).sum().backward()
+            assert_same_tree(xp.grad, xe.grad)
+            assert_same_tree(module.weight.grad, eager.weight.grad)
+            assert_same_tree(module.state_dict(), eager.state_dict())
+
+
+class Copies(TestCase):
+    """`ep.module()` keeps its contract across copies, or refuses to be copied (issue 21.10)."""
+
+    def test_pickle_and_shallow_copy_are_refused(self):
+        program = predispatch.export(Dropout(), (torch.randn(2, 4),)).module()
+        with pytest.raises(ModuleCopyError) as info:
+            pickle.dumps(program)
+        self.assertExpectedInline(stable_message(info.value), """\
+ep.module() cannot be pickled or shallow-copied: fx rebuilds a pickled GraphModule from its code alone, without the input checks, the write-back checks and the train/eval guard.
+  at test_program_module.py:N (pickle.dumps(program))
+  fix: copy.deepcopy(m) for a copy in this process; predispatch.save(ep, path) and predispatch.load(path).module() to store it; m.state_dict() for its weights.
+  see docs/errors.md#modulecopyerror""")
+        with pytest.raises(ModuleCopyError):
+            copy.copy(program)
+        with pytest.raises(ModuleCopyError):
+            torch.save(program, io.BytesIO())
+        with pytest.raises(ModuleCopyError):
+            pickle.dumps(predispatch.export_train_eval(Dropout(), (torch.randn(2, 4),)).module())
+
+    def test_deepcopy_of_both_modes_switches_over_its_own_state(self):
+        torch.manual_seed(0)
+        module, x = Dropout(), torch.randn(2, 4)
+        both = predispatch.export_train_eval(module, (x,)).module()
+        copied = copy.deepcopy(both).eval()
+        assert_same_tree(copied(x), copy.deepcopy(module).eval()(x))
+        self.assertIsNot(copied.lin.weight, module.lin.weight)
+        with torch.no_grad():
+            copied.lin.weight.zero_()
+        assert_same_tree(copied(x), copied.lin.bias.expand(2, 4))  # the eval program reads the copy's state
+        self.assertFalse(torch.equal(module.lin.weight, torch.zeros(4, 4)))
+
+    def test_deepcopy_keeps_the_checks_and_the_mode_guard(self):
+        torch.manual_seed(0)
+        module, x = Dropout(), torch.randn(2, 4)
+        copied = copy.deepcopy(predispatch.export(module, (x,)).module())
+        with pytest.raises(ModeSwitchError):
+            copied.eval()
+        with pytest.raises(InputMismatchError):
+            copied(torch.randn(3, 5))
+        eager = copy.deepcopy(module)
+        torch.manual_seed(1)
+        expected = eager(x)
+        torch.manual_seed(1)
+        assert_same_tree(copied(x), expected)  # dropout still on, as exported
+        self.assertIsNot(copied.lin.weight, module.lin.weight)
+
+
+class Conversions(TestCase):
+    """`.to(dtype)` / `.to(device)` of `ep.module()` are refused before converting (issue 21.11)."""
+
+    def test_to_float64_is_refused_and_converts_nothing(self):
+        module, x = Mlp(), torch.randn(3, 8)
+        program = predispatch.export(module, (x,)).module()
+        with pytest.raises(ModuleConversionError) as info:
+            program.to(torch.float64)
+        self.assertExpectedInline(stable_message(info.value), """\
+converting the program module's torch.float32 state on cpu to torch.float64 on cpu is refused: its graph and input checks are traced for the exported dtypes and devices, and it shares the exported model's tensors; nothing was converted.
+  at test_program_module.py:N (program.to(torch.float64))
+  fix: convert the model and export again: predispatch.export(model.to(torch.float64), args) (for a device, with the model and the inputs on it).
+  see docs/errors.md#moduleconversionerror""")
+        for convert in (lambda m: m.double(), lambda m: m.half(), lambda m: m.to(torch.device("meta"))):
+            with pytest.raises(ModuleConversionError):
+                convert(program)
+        self.assertEqual({p.dtype for p in (*program.parameters(), *module.parameters())}, {torch.float32})
+        assert_same_tree(program.float().to("cpu")(x), module(x))  # changing nothing is allowed
+        both = predispatch.export_train_eval(Mlp(), (x,)).module()
+        with pytest.raises(ModuleConversionError):
+            both.double()
 
 
 def _compiled(module):

@@ -1163,7 +1163,8 @@ def import_op_registrations() -> None:
     import torch._inductor.inductor_prims  # noqa: F401
 
 
-# ==== issue 26 (day one): backend switches while tracing ==========================================
+# ==== issue 26 (day one): backend switches while tracing ===================================
+
 # Kept apart from the rest of this file, which is being rewritten for torch-version support.
 
 
@@ -1185,3 +1186,14 @@ def backends_off() -> Iterator[None]:
     finally:
         torch._C._set_mkldnn_enabled(saved[0])
         torch._C._set_nnpack_enabled(saved[1])
+=======
+# --- ep.module()'s write-back checks (runtime-cost branch) -------------------------------------
+
+
+def view_creation_meta(t: torch.Tensor) -> str:
+    """How autograd recorded the view `t` was made (`"DEFAULT"`, `"MULTI_OUTPUT_NODE"`,
+    `"NO_GRAD_MODE"`, ...): eager refuses an in-place change with grad mode on to any but a
+    DEFAULT one (`handle_view_on_rebase`); "DEFAULT" for a tensor that is not a view."""
+    if not t._is_view():
+        return "DEFAULT"
+    return torch._C._autograd._get_creation_meta(t).name

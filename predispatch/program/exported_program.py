@@ -37,12 +37,12 @@ class ExportedProgram:
         returns `(*mutations, *user_outputs)` in `signature.outputs` order.
     signature: what each graph input and output stands for.
     state_dict: parameters and buffers by fully qualified name: the exported module's own
-        tensors (export copies no weights; `module()` copies them).
+        tensors (export copies no weights, nor does `module()`, which holds these tensors).
     constants: tensor attributes lifted as CONSTANT_TENSOR inputs, by fully qualified name.
     decompositions: for each composite op the trace met, whether it was kept whole and why.
     live_root: for a function (or a nested export), the module whose live state `module()`
         reads and writes at each call, as the exported code itself would; None for a module
-        export, whose `module()` holds copies.
+        export, whose `module()` holds the tensors of `state_dict` and `constants`.
     hooks: the module and global hooks in force at export (see `verify_hooks`).
     state_dict_owner: the exported module, kept only when it has state_dict hooks, so that
         `module().state_dict()` / `load_state_dict()` apply them exactly as the module does.
@@ -83,9 +83,11 @@ class ExportedProgram:
         generated code (see predispatch/program/unlift.py), so `torch.compile(..., fullgraph=True)`
         and graph tools such as PT2E quantizers take it whole.  A forward pre-hook checks each
         call against the exported one.  For a module export, its parameters and buffers are
-        copies, so running or training it never changes the exported model; its `state_dict()`
-        has the original module's keys.  For a function export it uses the reached modules
-        themselves, as calling the function would.
+        the exported model's own tensors, as in torch.export's module: it adds no memory,
+        training it trains the model, and running it updates the buffers it shares as running
+        the model would (Note [module() shares the program's state] in program/unlift.py); its
+        `state_dict()` has the original module's keys.  For a function export it uses the
+        reached modules themselves, as calling the function would.
         """
         from predispatch.program.unlift import module_of
 

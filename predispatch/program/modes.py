@@ -1,4 +1,6 @@
-"""Train/eval for `ep.module()`: the graph was traced in one mode, and a mode switch cannot change it.
+"""Train/eval for `ep.module()`: the graph was traced in one mode, and a mode switch cannot change it;
+likewise its dtypes and devices (`check_conversion`), and copies that would drop the contract
+(`refuse_copy`).
 
 Note [One mode per program]
 ---------------------------
@@ -15,13 +17,15 @@ or the eval program by its `.training` flag, over one set of state (pytorch#1036
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
+import torch
 from torch import nn
 
-from predispatch.errors import ModeSwitchError, user_frame
+from predispatch.errors import ModeSwitchError, ModuleConversionError, ModuleCopyError, user_frame
 
 if TYPE_CHECKING:
     from predispatch.program.exported_program import ExportedProgram
@@ -65,6 +69,39 @@ def check_mode_switch(training_flags: Sequence[tuple[str, bool]], mode: bool) ->
     )
 
 
+def check_conversion(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Raise `ModuleConversionError` if `fn` (what `nn.Module._apply` applies: `.to()`,
+    `.double()`, `.cuda()` ...) changes the dtype or device of any of `module`'s tensors.
+
+    `fn` is tried on an empty tensor of each dtype and device the state has, before anything is
+    converted: the graph is traced for those (casts, created tensors, input checks), and the
+    module shares the exported model's tensors, which a conversion would change too."""
+    kinds = {(t.dtype, t.device) for t in (*module.parameters(), *module.buffers())}
+    for dtype, device in sorted(kinds, key=str):
+        converted = fn(torch.empty(0, dtype=dtype, device=device))
+        if converted.dtype != dtype or converted.device != device:
+            raise ModuleConversionError(
+                f"converting the program module's {dtype} state on {device} to {converted.dtype} on "
+                f"{converted.device} is refused: its graph and input checks are traced for the exported "
+                "dtypes and devices, and it shares the exported model's tensors; nothing was converted.",
+                where=user_frame(),
+                fix=f"convert the model and export again: predispatch.export(model.to({converted.dtype}), args) "
+                "(for a device, with the model and the inputs on it).",
+            )
+
+
+def refuse_copy() -> NoReturn:
+    """Raise `ModuleCopyError`: a pickled (or shallow-copied) program module would be a plain
+    GraphModule, without its input checks, write-back checks and mode guard."""
+    raise ModuleCopyError(
+        "ep.module() cannot be pickled or shallow-copied: fx rebuilds a pickled GraphModule from its "
+        "code alone, without the input checks, the write-back checks and the train/eval guard.",
+        where=user_frame(),
+        fix="copy.deepcopy(m) for a copy in this process; predispatch.save(ep, path) and "
+        "predispatch.load(path).module() to store it; m.state_dict() for its weights.",
+    )
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TrainEvalProgram:
     """One module exported in both modes (`predispatch.export_train_eval`).
@@ -91,7 +128,7 @@ class TrainEvalProgram:
 class TrainEvalModule(nn.Module):
     """Both programs of a `TrainEvalProgram` over one set of state, switched by `.train()`/`.eval()`.
 
-    The train program's module holds the copies of the state; the eval program's reads them
+    The train program's module holds the state (the model's own tensors); the eval program's reads them
     live from it at each call (as a function export reads its modules), so training in one
     mode and evaluating in the other see the same parameters and buffers.  Its submodules and
     `state_dict()` keys are the exported module's.
@@ -110,6 +147,25 @@ class TrainEvalModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._runners[self.training](*args, **kwargs)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TrainEvalModule:
+        """`.to()`, `.double()` ...: refused if they change a dtype or device (`check_conversion`)."""
+        check_conversion(self, fn)
+        return super()._apply(fn, recurse)
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        refuse_copy()
+
+    def __copy__(self) -> NoReturn:
+        refuse_copy()
+
+    def __deepcopy__(self, memo: dict) -> TrainEvalModule:
+        """A deep copy (which would otherwise go through the refused `__reduce_ex__`): both
+        programs' modules copied, the eval one reading the copied train one's state."""
+        copied = TrainEvalModule.__new__(TrainEvalModule)
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     @property
     def positional_names(self) -> tuple[str, ...]:

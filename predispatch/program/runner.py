@@ -22,8 +22,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.utils._pytree as pytree
@@ -32,10 +33,16 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
 from predispatch.frontend.reachable import in_tree, resolve
-from predispatch.program.modes import check_mode_switch
 from predispatch.program.call_structure import describe_mismatch
+from predispatch.program.modes import check_conversion, check_mode_switch, refuse_copy
 from predispatch.program.signature import InputKind, Leaf, OutputKind, ShapeRecord
-from predispatch.program.writes import WritePlan, apply_metadata_mutation, check_write_targets
+from predispatch.program.writes import (
+    PLAIN_TENSOR_TYPES,
+    WritePlan,
+    apply_metadata_mutation,
+    check_write_targets,
+    check_write_values,
+)
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
@@ -89,7 +96,7 @@ class ProgramModule(fx.GraphModule):
             memo[id(shared)] = shared  # the exported module (for its hooks); plain immutable data
         copied = ProgramModule(nn.Module(), fx.Graph())
         memo[id(self)] = copied
-        skip = ("_graph", "_code", "_in_spec", "_out_spec")
+        skip = ("_graph", "_code", "_in_spec", "_out_spec", "_call_plan")  # the copy plans its own calls
         copied.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in skip}, memo))
         graph = fx.Graph()
         output, old_output = graph.graph_copy(self.graph, {}, return_output_node=True)
@@ -98,6 +105,25 @@ class ProgramModule(fx.GraphModule):
         copied.graph = graph  # generates the copy's own code
         keep_class_names(self, copied)
         return copied
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        """Pickling is refused (`refuse_copy`): fx would rebuild a plain GraphModule."""
+        refuse_copy()
+
+    def __copy__(self) -> NoReturn:
+        refuse_copy()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ProgramModule:
+        """`.to()`, `.double()`, `.cuda()` ...: refused if they change a dtype or device
+        (`check_conversion`); one that changes nothing is applied as usual."""
+        check_conversion(self, fn)
+        return super()._apply(fn, recurse)
+
+    def recompile(self) -> Any:
+        """fx's recompile, after which the next call plans itself again from the graph (a tool
+        that edited the graph in place calls this; setting `.graph` does too)."""
+        self.__dict__.pop("_call_plan", None)  # Note [What a call caches]
+        return super().recompile()
 
     def train(self, mode: bool = True) -> ProgramModule:
         """Refuse a mode the program was not exported in (`.eval()` calls this too); see
@@ -185,15 +211,169 @@ def attach_call_hooks(module: ProgramModule) -> None:
 def _before_call(module: ProgramModule, args: tuple, kwargs: dict) -> None:
     if torch.compiler.is_dynamo_compiling():  # Note [Checks under torch.compile]
         return
-    contract = module.call_contract
-    tensors = check_inputs(contract, args, kwargs)
-    root = module.__dict__.get(LIVE_ROOT, module)
-    targets = [tensors[w] if isinstance(w, int) else getattr(*owner_of(root, w)) for w in contract.writes]
-    state = [getattr(*owner_of(root, target)) for target, _ in contract.state]
-    check_write_targets(contract.write_plans, targets, (*state, *tensors))  # before any write
-    snapshot = _snapshot_saved(targets)
+    plan = module.__dict__.get("_call_plan") or _plan_calls(module)
+    tensors = plan.positional(args) if plan.positional is not None and not kwargs else None
+    if tensors is None:
+        tensors = check_inputs(module.call_contract, args, kwargs)
+    inputs = (*plan.read_state(), *tensors)
+    targets = [inputs[i] for i in plan.target_at]
+    check_write_targets(plan.write_plans, targets, inputs, plan.target_at)  # before any write
+    _open_snapshots().append((module, _keep_saved_values(plan, targets)))
+
+
+def _keep_saved_values(plan: _CallPlan, targets: list[torch.Tensor]) -> tuple[Any, frozenset[int]]:
+    """Enter what keeps backward's copy of each target (Note [Saved inputs that are written
+    back]); returns what `_after_call` undoes: the snapshot, and the previous clone-on-read ids."""
+    previous = _clone_on_read()
+    if not targets or not (plan.enables_grad or torch.is_grad_enabled()):
+        _THREAD.clone_on_read = _NOTHING  # autograd saves nothing: no copy at all
+        return contextlib.nullcontext(), previous
+    on_read = [t for t, may in zip(targets, plan.may_clone_on_read) if may and _small_plain(t)]
+    watched = [t for t in targets if all(t is not c for c in on_read)]
+    snapshot = _snapshot_saved(watched) if watched else contextlib.nullcontext()
     snapshot.__enter__()
-    _open_snapshots().append((module, snapshot))
+    _THREAD.clone_on_read = frozenset(map(id, on_read))
+    return snapshot, previous
+
+
+def _small_plain(t: torch.Tensor) -> bool:
+    """A plain contiguous tensor small enough to clone as it is read."""
+    return type(t) in PLAIN_TENSOR_TYPES and t.is_contiguous() and t.nbytes <= _CLONE_ON_READ_BYTES
+
+
+# Note [What a call caches]
+# A call's checks read the contract (pytree specs, leaves, write plans), which never change,
+# and the module's state, which may (`m.bn = BatchNorm1d(...)`, `load_state_dict(assign=True)`,
+# `p.data = ...`).  So `_CallPlan` caches what follows from the contract alone, made at the
+# first call: each state path, each write target's position among the graph's inputs, and a
+# check of a call made of positional tensors only that gives `check_inputs`' verdict without
+# flattening the call.  The state itself, and every tensor's memory, is read again at each call.
+# A new graph (`recompile`, which setting `.graph` calls) drops the plan.
+
+
+@dataclass(frozen=True)
+class _CallPlan:
+    """What a call's checks need that cannot change between calls (Note [What a call caches]).
+
+    read_state: the module's state tensors now, in `CallContract.state` order.
+    target_at: each mutation's target, as its position in `(*state, *user tensors)`.
+    write_plans: the contract's `write_plans`.
+    positional: for a program called with positional tensors only, a check of such a call that
+        returns its tensors (None: anything else, which `check_inputs` checks); None also when
+        the program has dynamic shapes or constant inputs.
+    enables_grad: the graph turns grad mode on somewhere (a region, a captured Function), so
+        autograd may save tensors even in a call made under `torch.no_grad()`.
+    may_clone_on_read: per write target, whether only functional ops read it, so that a small
+        one may be cloned as it is read (Note [Saved inputs that are written back]).
+    """
+
+    read_state: Callable[[], tuple[torch.Tensor, ...]]
+    target_at: tuple[int, ...]
+    write_plans: tuple[WritePlan, ...]
+    positional: Callable[[tuple], list[torch.Tensor] | None] | None
+    enables_grad: bool = True
+    may_clone_on_read: tuple[bool, ...] = ()
+
+
+def _plan_calls(module: ProgramModule) -> _CallPlan:
+    """Make and keep the module's `_CallPlan` (a copy of the module makes its own)."""
+    contract = module.call_contract
+    names = [target for target, _ in contract.state]
+    plan = _CallPlan(
+        _state_reader(module, names),
+        tuple(len(names) + w if isinstance(w, int) else names.index(w) for w in contract.writes),
+        contract.write_plans,
+        _positional_check(contract),
+        _enables_grad(module),
+        _read_by_functional_ops(module.graph),
+    )
+    module.__dict__["_call_plan"] = plan
+    return plan
+
+
+def _enables_grad(module: ProgramModule) -> bool:
+    """Whether any graph of the module may run ops with grad mode on whatever the caller's mode:
+    a grad-mode region, a grad-mode switch, or a captured Function (its graphs run under
+    autograd's own rules)."""
+    switches = (ti.wrap_with_set_grad_enabled, torch._C._set_grad_enabled, ti.autograd_function_apply, run_autograd_function)
+    return any(
+        node.op == "call_function" and node.target in switches
+        for gm in module.modules()
+        if isinstance(gm, fx.GraphModule)
+        for node in gm.graph.nodes
+    )
+
+
+def _read_by_functional_ops(graph: fx.Graph) -> tuple[bool, ...]:
+    """Per write target (in `apply_mutations` order), whether every reader of its
+    `read_before_write` is an ATen op none of whose outputs may alias an input."""
+    writes = graph.find_nodes(op="call_function", target=apply_mutations)
+    if not writes:
+        return ()
+    readers = {node.args[0]: node for node in graph.find_nodes(op="call_function", target=read_before_write)}
+    return tuple(target in readers and all(_functional_op(user) for user in readers[target].users) for target in writes[0].args[1])
+
+
+def _functional_op(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and not any(r.alias_info for r in node.target._schema.returns)
+
+
+def _state_reader(module: ProgramModule, names: list[str]) -> Callable[[], tuple[torch.Tensor, ...]]:
+    """A function reading the state at `names` now, in that order.
+
+    A module export's state sits on the module itself: owners are reached through `_modules`
+    (or, for a container outside the registered tree, as plain attributes) and tensors read
+    from `_parameters` / `_buffers` (or as attributes), which is what `getattr` finds there,
+    without its `nn.Module.__getattr__` per step; each owner is walked once.  A function
+    export's state may sit in the user's lists and dicts, which `owner_of` walks."""
+    root = module.__dict__.get(LIVE_ROOT)
+    if root is not None:
+        return lambda: tuple(getattr(*owner_of(root, name)) for name in names)
+    by_owner: dict[str, list[tuple[int, str]]] = {}
+    for i, name in enumerate(names):
+        owner, _, attr = name.rpartition(".")
+        by_owner.setdefault(owner, []).append((i, attr))
+    owners = [(tuple(owner.split(".")) if owner else (), attrs) for owner, attrs in by_owner.items()]
+
+    def read() -> tuple[torch.Tensor, ...]:
+        found: list[Any] = [None] * len(names)
+        for parts, attrs in owners:
+            owner = module
+            for part in parts:
+                child = owner._modules.get(part)
+                owner = getattr(owner, part) if child is None else child
+            for i, attr in attrs:
+                value = owner._parameters.get(attr)
+                if value is None:
+                    value = owner._buffers.get(attr)
+                found[i] = getattr(owner, attr) if value is None else value
+        return tuple(found)
+
+    return read
+
+
+def _positional_check(contract: CallContract) -> Callable[[tuple], list[torch.Tensor] | None] | None:
+    """For a program exported with positional tensors only and static shapes: a check of a call
+    that is such a call (no kwargs, plain tensors), returning its tensors when each has the
+    exported dtype, shape and device, None for `check_inputs` to check it (and word the error)."""
+    n = len(contract.input_leaves)
+    if contract.shapes.is_dynamic or not all(leaf.is_tensor for leaf in contract.input_leaves):
+        return None
+    if contract.in_spec != pytree.tree_flatten((tuple(range(n)), {}))[1] or None in contract.tensor_meta:
+        return None
+    if any(None in shape for _, shape, _ in contract.tensor_meta):
+        return None
+    expected = [(dtype, torch.Size(shape), device) for dtype, shape, device in contract.tensor_meta]
+
+    def check(args: tuple) -> list[torch.Tensor] | None:
+        if len(args) != n:
+            return None
+        for value, (dtype, shape, device) in zip(args, expected):
+            if type(value) not in PLAIN_TENSOR_TYPES or value.dtype != dtype or value.shape != shape or value.device != device:
+                return None
+        return list(args)
+
+    return check
 
 
 def _after_call(module: ProgramModule, args: tuple, output: Any) -> None:
@@ -202,7 +382,9 @@ def _after_call(module: ProgramModule, args: tuple, output: Any) -> None:
         return
     snapshots = _open_snapshots()
     if snapshots and snapshots[-1][0] is module:  # none if the pre-hook refused the call
-        snapshots.pop()[1].__exit__(None, None, None)
+        snapshot, previous = snapshots.pop()[1]
+        _THREAD.clone_on_read = previous
+        snapshot.__exit__(None, None, None)
 
 
 _THREAD = threading.local()
@@ -365,17 +547,37 @@ def _check_tensor(path: str, value: Any, example: tuple[torch.dtype, tuple[int |
 # Note [Saved inputs that are written back]
 # The graph reads a buffer (or a mutated input), autograd may save it for backward, and the
 # write-back then changes it in place: backward would see a bumped version (an error) or, with
-# the version hidden, the new values (a wrong gradient).  Eagerly, `_snapshot_saved` clones
-# exactly the saved ones as autograd saves them.  Dynamo cannot trace saved-tensor hooks, so
-# under Dynamo the ops read a clone instead (`read_before_write`); AOTAutograd then saves the
-# value the graph read, and the compiled write-back leaves it alone.
+# the version hidden, the new values (a wrong gradient).  So backward must get a copy of the
+# value the graph read.  Three ways, one per call and target:
+# - under Dynamo, the ops read a clone (`read_before_write`); AOTAutograd then saves the value
+#   the graph read, and the compiled write-back leaves it alone;
+# - eagerly, a small target (at most `_CLONE_ON_READ_BYTES`) whose readers are all functional
+#   ops (no output of theirs aliases it) is cloned as the graph reads it: one small copy is
+#   cheaper than watching every tensor autograd saves, and no result can alias the copy;
+# - eagerly, any other target is cloned only if autograd saves it (`_snapshot_saved`, saved-tensor
+#   hooks over the whole call), so a large buffer (a KV cache) is never copied for nothing.
+# When grad mode is off and the graph never turns it on, autograd saves nothing: no copy at all.
+
+
+#: The largest target cloned as it is read (Note [Saved inputs that are written back]).
+_CLONE_ON_READ_BYTES = 1 << 16
 
 
 def read_before_write(target: torch.Tensor) -> torch.Tensor:
     """What the ops read of a tensor written back later; see Note [Saved inputs that are written back]."""
     if torch.compiler.is_dynamo_compiling():
         return target.clone()
+    if id(target) in _clone_on_read():
+        return target.clone()
     return target
+
+
+def _clone_on_read() -> frozenset[int]:
+    """The ids of the targets this thread's running call clones as the graph reads them."""
+    return getattr(_THREAD, "clone_on_read", _NOTHING)
+
+
+_NOTHING: frozenset[int] = frozenset()
 
 
 def apply_mutations(writers: tuple[str, ...], targets: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> None:
@@ -384,8 +586,10 @@ def apply_mutations(writers: tuple[str, ...], targets: tuple[torch.Tensor, ...],
     One call in the generated code for all of a call's mutations (`writers` are keys of
     `_WRITE_BACK`, strings so the generated code can hold them; `writer_of` picks them).  The
     targets were checked before the graph ran (`_before_call`), so no write here can fail
-    half-way.
+    half-way; what only the values tell (`check_write_values`) is checked before the first write.
     """
+    if not torch.compiler.is_dynamo_compiling():
+        check_write_values(targets, values)
     for writer, target, value in zip(writers, targets, values):
         _WRITE_BACK[writer](target, value)
 
@@ -427,14 +631,20 @@ def _snapshot_saved(targets: list[torch.Tensor]):
     new values back in place, which would bump the saved tensors' versions.  Saving a copy of
     exactly those tensors keeps backward's view of the values the graph read.
     """
-    if not targets or any(type(t) not in (torch.Tensor, nn.Parameter) for t in targets):
-        return contextlib.nullcontext()  # nothing written back, or being traced (a re-export)
+    if not targets or any(type(t) not in PLAIN_TENSOR_TYPES for t in targets):
+        return contextlib.nullcontext()  # nothing written, or being traced (a re-export)
     storages = {t.untyped_storage().data_ptr() for t in targets}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        return t.clone() if storages and t.untyped_storage().data_ptr() in storages else t
+        if t.untyped_storage().data_ptr() in storages:
+            return t.clone()
+        return t
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 # --- captured autograd.Functions (called from the generated code) ------------------------------

@@ -174,7 +174,7 @@ class ExportSignature:
         the exported module's.  Empty for a function export (its module reads the user's own).
     state_order: every name of the lifted state inside the registered tree, in the exported
         module's own order (module by module, parameters then buffers, as `state_dict()` lists
-        them): `module()` registers its copies in this order, so a submodule registered under
+        them): `module()` registers its state in this order, so a submodule registered under
         two paths (a shared position encoding) does not move its other paths' state ahead of
         their siblings.  Empty for a function export and for files written before the field.
     """

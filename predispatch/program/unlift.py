@@ -223,8 +223,9 @@ def _identifier(path: str) -> str:
 
 
 def _install_state(module: ProgramModule, ep: ExportedProgram) -> None:
-    """State under every fully qualified name: copies for a module export; for a function (or
-    nested) export the reached modules themselves, read at each call."""
+    """State under every fully qualified name: the program's own tensors (for a module export,
+    the user's: Note [module() shares the program's state]); for a function (or nested) export
+    the reached modules themselves, read at each call."""
     if ep.live_root is not None:  # read through `_live_root`; its children show in state_dict()
         module.__dict__[runner.LIVE_ROOT] = ep.live_root
         for name, child in ep.live_root.named_children():
@@ -234,7 +235,7 @@ def _install_state(module: ProgramModule, ep: ExportedProgram) -> None:
     names = {}
     for spec in ep.signature.inputs_of(*_STATE_KINDS):
         source = ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else ep.state_dict[spec.target]
-        tensor = _copy(source, spec.kind)
+        tensor = _shared(source, spec.kind)
         names.update((fqn, (tensor, spec)) for fqn in spec.names)
     # the exported module's order first (ExportSignature.state_order), then any other name
     for fqn in dict.fromkeys((*(n for n in ep.signature.state_order if n in names), *names)):
@@ -312,11 +313,24 @@ def _contract(ep: ExportedProgram, plans: tuple[WritePlan, ...]) -> CallContract
     )
 
 
-def _copy(tensor: torch.Tensor, kind: InputKind) -> torch.Tensor:
-    copy_ = tensor.detach().clone()
-    if kind is InputKind.PARAMETER:
-        return nn.Parameter(copy_, requires_grad=tensor.requires_grad)
-    return copy_
+# Note [module() shares the program's state]
+# `ep.module()` holds the program's tensors themselves, as torch.export's module does: for a
+# module export `ep.state_dict` holds the exported module's own parameters and buffers, so the
+# module adds no memory, training it trains the user's model (outside-tree helpers included:
+# their parameters are the user's objects, so gradients reach them), and running it updates the
+# buffers it shares, as running the model would.  Two consequences:
+# - a call may pass one of those tensors as an input (`m(m.c)`, the user's `model.c`); when the
+#   program also writes it, eager's write shows through the alias and the program's does not,
+#   so `check_write_targets` refuses any target that is also another input of the call;
+# - `copy.deepcopy(ep.module())` copies the tensors (an explicit copy, as for any nn.Module).
+
+
+def _shared(tensor: torch.Tensor, kind: InputKind) -> torch.Tensor:
+    """The program's tensor itself (Note [module() shares the program's state]).  A parameter
+    held as a plain tensor (a program built by hand) is wrapped: same storage, no copy."""
+    if kind is InputKind.PARAMETER and not isinstance(tensor, nn.Parameter):
+        return nn.Parameter(tensor.detach(), requires_grad=tensor.requires_grad)
+    return tensor
 
 
 def _install(

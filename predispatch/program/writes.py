@@ -23,8 +23,18 @@ rules:
   leaf that requires grad, although eager allows it.  (The trace gets such a write wrong too:
   later uses differentiate through the update as if it were recorded; a write under
   `torch.no_grad()` is kept right by Note [Mutations inside grad regions].);
+- a view eager may not change in place with grad mode on: one of several views one op
+  returned (`unbind`, `split`), a view made under `no_grad` or in inference mode;
 - a target sharing memory with another input of the call: the program takes its inputs as
   independent values, so eager's change seen through the other alias would be lost silently.
+  The same tensor at two positions counts too (`m(t, t)`, or `m(m.c)` passing the module's own
+  buffer, which for a module export is also the model's: Note [module() shares the program's
+  state] in unlift.py).
+
+One rule needs the values the graph computed: eager refuses to write a value that requires grad
+into such a view even when the view itself does not.  `check_write_values` checks every pair
+after the graph ran and before the first write, so that call too writes nothing (the graph
+has run, so a random draw in it has happened).
 
 The helpers take plain lists so any runner (today's `ProgramModule`, or a generated
 `GraphModule`) can call them.
@@ -43,6 +53,9 @@ from torch import fx
 from predispatch import _torch_internals as ti
 from predispatch.errors import MutationTargetError, user_frame
 from predispatch.program.signature import ExportSignature, InputKind, OutputKind
+
+#: Tensor types whose memory the checks read; a subclass or a traced tensor has none to read.
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 #: How a mutation's target is named in messages, by the kind of the mutation.
 _TARGET_NOUN = {
@@ -109,7 +122,10 @@ def _grad_mode_of(node: object) -> bool | None:
 
 
 def check_write_targets(
-    plans: Sequence[WritePlan], targets: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor] = ()
+    plans: Sequence[WritePlan],
+    targets: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor] = (),
+    positions: Sequence[int] | None = None,
 ) -> None:
     """Raise `MutationTargetError` if eager would refuse to change any of `targets` in place.
 
@@ -117,16 +133,23 @@ def check_write_targets(
     targets: the tensors the call will write back to, in the same order.
     inputs: every tensor the graph takes in this call (state and user tensors): a target whose
         data is written may share memory with none of them but itself.
+    positions: each target's position in `inputs` (found by identity when not given): the same
+        tensor at another position (`m(t, t)`, `m(m.c)`) is another input and is refused (Note
+        [All or nothing calls]).
     Called before the graph runs, so a failing call changes nothing (Note [All or nothing calls]).
     """
-    if not plans or any(ti.is_traced_tensor(t) for t in targets):
+    if not plans or _traced(targets):
         return  # nothing written, or a re-export traces this call: checks would be recorded as ops
-    spans = _spans_by_storage(inputs) if any(plan.writes_data for plan in plans) else {}
-    for plan, target in zip(plans, targets):
+    storages = None
+    for i, (plan, target) in enumerate(zip(plans, targets)):
         grad_on = torch.is_grad_enabled() if plan.grad_mode is None else plan.grad_mode
         problem = _eager_refusal(target, grad_on, plan.writes_data)
         if problem is None and plan.writes_data:
-            problem = _shared_memory(target, spans)
+            if storages is None:  # one list comprehension: this runs at every call
+                storages = [t.untyped_storage().data_ptr() if type(t) in PLAIN_TENSOR_TYPES and t.numel() else None for t in inputs]
+            position = _position(target, inputs) if positions is None else positions[i]
+            if position < 0 or storages.count(storages[position]) > 1:
+                problem = _shared_memory(target, inputs, position)
         if problem is not None:
             what, fix = problem
             raise MutationTargetError(
@@ -134,6 +157,35 @@ def check_write_targets(
                 where=user_frame(),
                 fix=fix,
             )
+
+
+def _traced(targets: Sequence[torch.Tensor]) -> bool:
+    """Whether a trace runs this call (a re-export): its tensors are not plain ones."""
+    return any(type(t) not in PLAIN_TENSOR_TYPES for t in targets) and any(ti.is_traced_tensor(t) for t in targets)
+
+
+def _position(target: torch.Tensor, inputs: Sequence[torch.Tensor]) -> int:
+    """`target`'s position in `inputs` by identity, -1 when it is none of them."""
+    return next((i for i, t in enumerate(inputs) if t is target), -1)
+
+
+def check_write_values(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    """Raise `MutationTargetError` before the first write-back if any would raise: a view eager
+    may not change in place with grad mode on (`_eager_view_refusal`) that gets a value that
+    requires grad.  `check_write_targets` refused the targets that require grad themselves
+    before the graph ran; what a value requires is known only once the graph has run."""
+    if not torch.is_grad_enabled():
+        return
+    for target, value in zip(targets, values):
+        if type(target) in PLAIN_TENSOR_TYPES and value.requires_grad and target._is_view():
+            problem = _eager_view_refusal(target)
+            if problem is not None:
+                raise MutationTargetError(
+                    f"the program changes a tensor in place with a value that requires grad, and {problem[0]}; "
+                    "the graph ran, nothing was written.",
+                    where=user_frame(),
+                    fix=problem[1],
+                )
 
 
 def apply_metadata_mutation(target: torch.Tensor, value: torch.Tensor, writes_data: bool) -> None:
@@ -177,6 +229,10 @@ def _eager_refusal(target: torch.Tensor, grad_on: bool, writes_data: bool) -> tu
             "torch.inference_mode() ('Inplace update to inference tensor outside InferenceMode')",
             "call inside torch.inference_mode(), or pass x.clone() made outside it.",
         )
+    if grad_on and target.requires_grad and target._is_view():
+        problem = _eager_view_refusal(target)
+        if problem is not None:
+            return problem
     if grad_on and target.requires_grad and _is_leaf_or_view_of_leaf(target):
         return (
             "it is a leaf tensor that requires grad (or a view of one) written with grad mode on, so "
@@ -192,37 +248,57 @@ def _is_leaf_or_view_of_leaf(t: torch.Tensor) -> bool:
     return t.is_leaf or (t._is_view() and t._base is not None and t._base.is_leaf and t._base.requires_grad)
 
 
-def _shared_memory(target: torch.Tensor, spans: dict[int, list[tuple[int, int, torch.Tensor]]]) -> tuple[str, str] | None:
-    """(what, fix) when `target`'s memory overlaps another input's, else None.  `spans`: the
-    inputs' byte ranges grouped by storage (`_spans_by_storage`), so a call costs one pass over
-    the inputs, not one per target."""
+#: Why eager refuses an in-place change with grad mode on to a view made in a special way, by
+#: the view's `CreationMeta` (torch's `handle_view_on_rebase`); a view made the ordinary way is fine.
+_VIEW_REFUSALS = {
+    "MULTI_OUTPUT_NODE": "it is one of several views one op returned (unbind, split, chunk), which eager may "
+    "not change in place with grad mode on ('This view is the output of a function that returns multiple views')",
+    "NO_GRAD_MODE": "it is a view made under torch.no_grad(), which eager may not change in place with grad mode "
+    "on ('A view was created in no_grad mode and is being modified inplace with grad mode enabled')",
+    "INFERENCE_MODE": "it is a view made in inference mode, which eager may not change in place with grad mode on",
+    "IN_CUSTOM_FUNCTION": "it is a view returned by a custom autograd.Function, which eager may not change in "
+    "place with grad mode on",
+}
+
+
+def _eager_view_refusal(target: torch.Tensor) -> tuple[str, str] | None:
+    """(what, fix) when `target` is a view eager may not change in place with grad mode on."""
+    what = _VIEW_REFUSALS.get(ti.view_creation_meta(target))
+    if what is None:
+        return None
+    return what, "pass x.clone() (a tensor of its own) instead of the view, or call under torch.no_grad()."
+
+
+def _shared_memory(target: torch.Tensor, inputs: Sequence[torch.Tensor], position: int) -> tuple[str, str] | None:
+    """(what, fix) when `target`'s elements overlap another input's (the same tensor at another
+    position included), else None (two halves of one tensor do not overlap).  The rare path:
+    only a target whose storage another input shares gets here (inputs without readable
+    memory, a tensor subclass or an empty tensor, share none)."""
     span = _byte_span(target)
     if span is None:
         return None
-    storage, start, end = span
-    for other_start, other_end, other in spans.get(storage, ()):
-        if other is not target and other_start < end and start < other_end:
-            return (
-                "it shares memory with another input of the call; eager's change would show through "
-                "that alias, the program's inputs are independent values",
-                "pass tensors that do not share memory (x.clone() at one place).",
-            )
+    others = [t for i, t in enumerate(inputs) if i != position and (position >= 0 or t is not target)]
+    if any(t is target for t in others):
+        return (
+            "the same tensor is also another input of the call (passed twice, or the module's own "
+            "state passed in); eager's change would show through the other use, the program's inputs "
+            "are independent values",
+            "pass a copy at one place (x.clone(); for the module's state, m.c.clone()).",
+        )
+    start, end = span
+    if any((other := _byte_span(t)) is not None and other[0] < end and start < other[1] for t in others):
+        return (
+            "it shares memory with another input of the call; eager's change would show through "
+            "that alias, the program's inputs are independent values",
+            "pass tensors that do not share memory (x.clone() at one place).",
+        )
     return None
 
 
-def _spans_by_storage(inputs: Sequence[torch.Tensor]) -> dict[int, list[tuple[int, int, torch.Tensor]]]:
-    spans: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
-    for t in inputs:
-        span = _byte_span(t)
-        if span is not None:
-            spans.setdefault(span[0], []).append((span[1], span[2], t))
-    return spans
-
-
-def _byte_span(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """(storage id, first byte, one past the last byte) of `t`'s elements; None when empty or
-    storage-less (a tensor subclass or a traced tensor of a re-export)."""
-    if t.numel() == 0 or type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """(first byte, one past the last byte) of `t`'s elements, as addresses.  None when empty or
+    without readable memory (a tensor subclass, a traced tensor of a re-export)."""
+    if type(t) not in PLAIN_TENSOR_TYPES or t.numel() == 0:
         return None
-    size = t.element_size()
-    return t.untyped_storage().data_ptr(), t.storage_offset() * size, (t.storage_offset() + _extent(t)) * size
+    start = t.data_ptr()
+    return start, start + (t.nbytes if t.is_contiguous() else _extent(t) * t.element_size())
