@@ -1163,9 +1163,7 @@ def import_op_registrations() -> None:
     import torch._inductor.inductor_prims  # noqa: F401
 
 
-# ==== issue 26 (day one): backend switches while tracing ===================================
-
-# Kept apart from the rest of this file, which is being rewritten for torch-version support.
+# --- backend switches while tracing (trace/functional.py) ----------------------------------------
 
 
 @contextlib.contextmanager
@@ -1186,8 +1184,9 @@ def backends_off() -> Iterator[None]:
     finally:
         torch._C._set_mkldnn_enabled(saved[0])
         torch._C._set_nnpack_enabled(saved[1])
-=======
-# --- ep.module()'s write-back checks (runtime-cost branch) -------------------------------------
+
+
+# --- ep.module()'s write-back checks (program/writes.py) ----------------------------------------
 
 
 def view_creation_meta(t: torch.Tensor) -> str:
