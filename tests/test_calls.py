@@ -280,7 +280,7 @@ class Transposes(nn.Module):
 class MetadataAndData(nn.Module):
     def forward(self, x, y):
         x.unsqueeze_(0).add_(1)
-        y.resize_(4, 4)
+        y.resize_(1, 4)  # same size: torch 2.15's functionalization refuses growing an input (test below)
         y.fill_(3)
         return x.sum() + y.sum()
 
@@ -327,6 +327,23 @@ Graph signature:
         ep = _check_metadata_like_eager(MetadataAndData(), lambda: (torch.arange(6.0).view(2, 3), torch.ones(2, 2)))
         kinds = [s.kind for s in ep.signature.mutations]
         assert kinds == [OutputKind.USER_INPUT_METADATA_MUTATION] * 2
+
+    def test_growing_an_input_in_place(self):
+        """`y.resize_(4, 4)` of a 2x2 input: exported on torch <= 2.14; torch 2.15's
+        functionalization refuses it, and export says so in our words, changing nothing."""
+
+        class Grows(nn.Module):
+            def forward(self, y):
+                y.resize_(4, 4)
+                return y.fill_(3).sum()
+
+        if ti.TORCH < (2, 15):
+            _check_metadata_like_eager(Grows(), lambda: (torch.ones(2, 2),))
+            return
+        y = torch.ones(2, 2)
+        with pytest.raises(errors.TraceError, match="Attempted to resize a view tensor to a larger size"):
+            predispatch.export(Grows(), (y,))
+        assert torch.equal(y, torch.ones(2, 2))
 
     def test_gradients_through_the_new_view(self):
         module = ReadsAfterTranspose()

@@ -3,6 +3,8 @@ can override both ways (within what is safe), and `ep.audit` says what happened 
 
 from __future__ import annotations
 
+import re
+
 
 import pytest
 import torch
@@ -125,8 +127,11 @@ class Overrides(TestCase):
     def test_preserving_a_liar_is_refused_with_the_audits_reason(self):
         with pytest.raises(errors.DecompositionError) as info:
             predispatch.export(Liars(), (torch.randn(3, 4),), preserve=[torch.ops.aten.dropout.default])
-        self.assertExpectedInline(message(info.value), """\
-cannot preserve aten.dropout.default: the composite audit found: output 0 aliases input 'input' (returned it unchanged) but the schema declares no alias (in 18 of 48 runs) (evidence: op_db:nn.functional.dropout#0 (C++ kernel)).
+        # the audit's run counts and the kernel that showed it differ between torch releases
+        text = re.sub(r"\(in \d+ of \d+ runs\)", "(in N of M runs)", message(info.value))
+        text = re.sub(r"\((C\+\+|Python) kernel\)", "(its kernel)", text)
+        self.assertExpectedInline(text, """\
+cannot preserve aten.dropout.default: the composite audit found: output 0 aliases input 'input' (returned it unchanged) but the schema declares no alias (in N of M runs) (evidence: op_db:nn.functional.dropout#0 (its kernel)).
   at test_decompose.py:N (predispatch.export(Liars(), (torch.randn(3, 4),), preserve=[torch.ops.aten.dropout.default]))
   fix: remove 'aten.dropout.default' from preserve=; keeping it whole would give a wrong program.
   see docs/errors.md#decompositionerror""")
