@@ -91,6 +91,20 @@ class TraceError(PredispatchError):
     anchor = "traceerror"
 
 
+class SharedStorageError(PredispatchError):
+    """The module's state tensors share memory in a way export cannot lift as views of one tensor.
+
+    Cause: overlapping parameters, buffers or tensor attributes are lifted as views of the one
+    that holds them all (Note [State that shares storage] in frontend/shared_storage.py); that
+    fails when none holds the others whole, when that one does not start its storage contiguously,
+    when a view has another dtype, or when a parameter is the view (its gradient is its own).
+    Example: `self.a = nn.Parameter(t[:3]); self.b = nn.Parameter(t[1:])` on one tensor `t`.
+    Fix: give the tensor its own memory (`.clone()`), or share the tensor object itself.
+    """
+
+    anchor = "sharedstorageerror"
+
+
 class InputMismatchError(PredispatchError):
     """A program was called with inputs that differ from the ones it was exported for.
 

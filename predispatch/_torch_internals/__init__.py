@@ -1135,3 +1135,14 @@ def backends_off() -> Iterator[None]:
     finally:
         torch._C._set_mkldnn_enabled(saved[0])
         torch._C._set_nnpack_enabled(saved[1])
+
+
+# --- state that shares storage (frontend/shared_storage.py, trace/functional.py) ---------------
+
+def mutated_in_trace(t: torch.Tensor) -> bool:
+    """Whether a graph input of the running functional trace had its data changed so far
+    (directly or through a view), by AOTAutograd's own test; False for any other tensor."""
+    if not isinstance(t, FunctionalTensor):
+        return False
+    torch._sync(t)
+    return bool(_has_data_mutation(t))

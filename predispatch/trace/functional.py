@@ -83,38 +83,58 @@ class _Program:
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         prepared = self._prepared
-        state, user_tensors = tensors[: len(prepared.state)], tensors[len(prepared.state) :]
-        bound = {
-            fqn: tensor
-            for lifted, tensor in zip(prepared.state, state)
-            for fqn in (*lifted.spec.names, *lifted.bind_also)
-        }
+        inputs, user_tensors = tensors[: len(prepared.state)], tensors[len(prepared.state) :]
         # buffers and constants that do not require grad: their updates need no history kept
         without_history = [
             tensor
-            for lifted, tensor in zip(prepared.state, state)
+            for lifted, tensor in zip(prepared.state, inputs)
             if lifted.spec.kind is not InputKind.PARAMETER and not lifted.tensor.requires_grad
         ]
         args, kwargs = prepared.call_args(user_tensors)
-        keeper = GradHistoryKeeper(without_history, [*state, *user_tensors])
+        keeper = GradHistoryKeeper(without_history, [*inputs, *user_tensors])
         with contextlib.ExitStack() as stack:
             # Note [RNG state in forward]
             self.visible_generators = stack.enter_context(refusing_rng_changes(prepared.module))
+            stack.enter_context(keeper)  # Note [Mutations inside grad regions]
+            stack.enter_context(keeper.observer())
+            state = _bind_storage_views(prepared, inputs)  # Note [State that shares storage]
+            bound = {
+                fqn: tensor
+                for lifted, tensor in zip(prepared.state, state)
+                for fqn in (*lifted.spec.names, *lifted.bind_also)
+            }
             inside, beyond = _split_by_reach(prepared.module, bound)
             stack.enter_context(ti.reparametrize(prepared.module, inside))
             stack.enter_context(_bound_beyond(prepared.module, beyond))
-            stack.enter_context(keeper)  # Note [Mutations inside grad regions]
-            stack.enter_context(keeper.observer())
             stack.enter_context(backward_hooks(prepared.module, keeper))
             stack.enter_context(capture_autograd_functions())
             assigned = stack.enter_context(_buffer_assignments())
             self.sharing = stack.enter_context(share_repeated_blocks(prepared.module, self._dedup))
             out = prepared.module(*args, **kwargs)
             _record_reassigned_buffers(prepared, state, assigned)
+            _write_storage_views(prepared, inputs)
         self.grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
         self.input_metadata_write = keeper.input_metadata_write
         self.outputs = _output_leaves(out, prepared.module)
         return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, _GRAPH_OUTPUT_TYPES) and not _is_static(x))
+
+
+def _bind_storage_views(prepared: PreparedInputs, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors to bind to the state's names: each input, except that a tensor lying in
+    another's memory is a view of that base's input (its own input is left unread)."""
+    return tuple(
+        lifted.view_of.of(inputs[lifted.view_of.base]) if lifted.view_of else tensor
+        for lifted, tensor in zip(prepared.state, inputs)
+    )
+
+
+def _write_storage_views(prepared: PreparedInputs, inputs: tuple[torch.Tensor, ...]) -> None:
+    """Give each storage view's own input its new value when forward changed its base: a view
+    of the base's new value, so the program writes it back with the base."""
+    for lifted, tensor in zip(prepared.state, inputs):
+        view = lifted.view_of
+        if view is not None and ti.mutated_in_trace(inputs[view.base]):
+            ti.set_functional_value(tensor, view.of(inputs[view.base]))
 
 
 def _split_by_reach(root: torch.nn.Module, bound: dict[str, torch.Tensor]) -> tuple[dict, dict]:
