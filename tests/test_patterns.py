@@ -301,3 +301,87 @@ class GraphModule(torch.nn.Module):
                 return x * self.w.data + self.w
 
         check_gradients(ReadData(), (torch.randn(3),))
+
+
+# --- torch.inference_mode() inside forward (Note [inference_mode in forward]) --------------
+
+
+class InferenceBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        with torch.inference_mode():
+            frozen = self.lin(x)
+        return frozen * 2 + self.lin(x)
+
+
+class InferenceDecorated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 3)
+
+    @torch.inference_mode()
+    def _frozen(self, x):
+        with torch.inference_mode(False):  # grad back on inside: eager differentiates this part
+            inner = x.sin()
+        return self.lin(x), inner
+
+    def forward(self, x):
+        frozen, inner = self._frozen(x)
+        return frozen + inner + self.lin(x)
+
+
+class InferenceModeRegions(TestCase):
+    maxDiff = None
+
+    def test_inference_mode_is_a_no_grad_region(self):
+        x = torch.randn(2, 3)
+        ep = check_gradients(InferenceBranch(), (x,))
+        export_and_check(InferenceBranch(), (x,))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]", x: "f32[2, 3]"):
+        grad_region_0 = self.grad_region_0
+        wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled(False, grad_region_0, x, p_lin_weight, p_lin_bias);  grad_region_0 = None
+        linear: "f32[2, 3]" = wrap_with_set_grad_enabled[0];  wrap_with_set_grad_enabled = None
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(linear, 2);  linear = None
+        linear_1: "f32[2, 3]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul, linear_1);  mul = linear_1 = None
+        return (add,)
+
+    class grad_region_0(torch.nn.Module):
+        def forward(self, x: "f32[2, 3]", p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]"):
+            linear: "f32[2, 3]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+            return (linear,)""")
+
+    def test_decorator_and_nested_false(self):
+        x = torch.randn(2, 3)
+        ep = check_gradients(InferenceDecorated(), (x,))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]", x: "f32[2, 3]"):
+        grad_region_0 = self.grad_region_0
+        wrap_with_set_grad_enabled_1 = torch.ops.higher_order.wrap_with_set_grad_enabled(False, grad_region_0, x, p_lin_weight, p_lin_bias);  grad_region_0 = None
+        sin: "f32[2, 3]" = wrap_with_set_grad_enabled_1[0]
+        linear: "f32[2, 3]" = wrap_with_set_grad_enabled_1[1];  wrap_with_set_grad_enabled_1 = None
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(linear, sin);  linear = sin = None
+        linear_1: "f32[2, 3]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+        add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(add, linear_1);  add = linear_1 = None
+        return (add_1,)
+
+    class grad_region_0(torch.nn.Module):
+        def forward(self, x: "f32[2, 3]", p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]"):
+            grad_region_1 = self.grad_region_1
+            wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled(True, grad_region_1, x);  grad_region_1 = None
+            sin: "f32[2, 3]" = wrap_with_set_grad_enabled[0];  wrap_with_set_grad_enabled = None
+            linear: "f32[2, 3]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+            return (sin, linear)
+
+        class grad_region_1(torch.nn.Module):
+            def forward(self, x: "f32[2, 3]"):
+                sin: "f32[2, 3]" = torch.ops.aten.sin.default(x);  x = None
+                return (sin,)""")

@@ -34,6 +34,7 @@ from predispatch.trace.decompose import FAST_INPLACE_META, REWRITES, Decompositi
 from predispatch.trace.dedup import Dedup, share_repeated_blocks
 from predispatch.trace.grad_history import GradHistoryKeeper
 from predispatch.trace.hooks import backward_hooks
+from predispatch.trace.inference_mode import inference_mode_as_grad_mode
 from predispatch.trace.rng import refuse_generators_made_in_forward, refusing_rng_changes
 
 
@@ -285,6 +286,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_no_garbage_collection())
         stack.enter_context(torch.enable_grad())  # the ambient mode regions are relative to
+        stack.enter_context(inference_mode_as_grad_mode())  # Note [inference_mode in forward]
         stack.enter_context(ti.exporting_flags())
         stack.enter_context(_no_backend_heuristics())
         stack.enter_context(
