@@ -105,6 +105,21 @@ class SharedStorageError(PredispatchError):
     anchor = "sharedstorageerror"
 
 
+class UnsupportedConstructError(PredispatchError):
+    """forward uses a construct export cannot capture as eager runs it; refused by name.
+
+    Cause: a torch.func transform (`vmap`, `grad`, `jacrev`, `jacfwd`, `vjp`, `hessian`) inside
+    forward, a TorchScript submodule (`torch.jit.script`), or `nn.TransformerEncoder`'s
+    nested-tensor fast path (eval mode with a `src_key_padding_mask`), whose output eager
+    computes differently under `torch.no_grad()` than the traced program does.
+    Example: `return torch.func.vmap(self.head)(x)` in forward.
+    Fix: the message says what to do for each construct (apply the transform to `ep.module()`,
+    export the module before scripting it, build the encoder with `enable_nested_tensor=False`).
+    """
+
+    anchor = "unsupportedconstructerror"
+
+
 class InputMismatchError(PredispatchError):
     """A program was called with inputs that differ from the ones it was exported for.
 

@@ -14,7 +14,7 @@ from helpers import check_gradients, export_and_check, graph, stable_message
 from torch import nn
 
 import predispatch
-from predispatch.errors import SharedStorageError
+from predispatch.errors import SharedStorageError, UnsupportedConstructError
 
 
 def _run(module: nn.Module, *args: torch.Tensor) -> tuple:
@@ -385,3 +385,110 @@ class GraphModule(torch.nn.Module):
             def forward(self, x: "f32[2, 3]"):
                 sin: "f32[2, 3]" = torch.ops.aten.sin.default(x);  x = None
                 return (sin,)""")
+
+
+# --- refused by name (trace/constructs.py) ----------------------------------------------------
+
+
+class Refusals(TestCase):
+    maxDiff = None
+
+    def test_vmap_in_forward(self):
+        class PerRow(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(3, 3)
+
+            def forward(self, x):
+                return torch.func.vmap(lambda row: self.lin(row).sin())(x)
+
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(PerRow(), (torch.randn(2, 3),))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward calls a torch.func transform (vmap, grad, grad_and_value, jacrev, jacfwd, vjp, hessian); export does not capture torch.func transforms yet.
+  at test_patterns.py:N (return torch.func.vmap(lambda row: self.lin(row).sin())(x))
+  fix: export the function the transform is applied to and apply torch.func to the program (torch.func.vmap(ep.module())(x) works); or write the batched computation with batched ops (a leading batch dimension, torch.bmm) instead of vmap.
+  see docs/errors.md#unsupportedconstructerror""")
+        assert "FunctionalTensor" in str(info.value.torch_error)
+
+    def test_other_transforms(self):
+        calls = {
+            "grad": lambda x: torch.func.grad(lambda r: r.sin().sum())(x),
+            "jacrev": lambda x: torch.func.jacrev(torch.sin)(x),
+            "vjp": lambda x: torch.func.vjp(torch.sin, x)[1](torch.ones_like(x))[0],
+        }
+        for call in calls.values():
+            with pytest.raises(UnsupportedConstructError, match="torch.func transform"):
+                predispatch.export(call, (torch.randn(2, 3),))
+
+    def test_torchscript_submodule(self):
+        class Scripted(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.jit.script(nn.Linear(3, 3))
+
+            def forward(self, x):
+                return self.net(x)
+
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(Scripted(), (torch.randn(2, 3),))
+        self.assertExpectedInline(stable_message(info.value), """\
+submodule 'net' is a TorchScript module (torch.jit.script / torch.jit.trace); export traces Python code, and a scripted module runs in TorchScript's interpreter.
+  at test_patterns.py:N (predispatch.export(Scripted(), (torch.randn(2, 3),))) (the export call)
+  fix: export the original nn.Module (before torch.jit.script), e.g. keep a reference to it and assign that as the submodule for export.
+  see docs/errors.md#unsupportedconstructerror""")
+
+
+def _encoder(nested: bool) -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+
+
+class EncoderFastPath(TestCase):
+    maxDiff = None
+    x = torch.randn(2, 5, 8)
+    mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+
+    def test_nested_fast_path_refused(self):
+        """Eager under no_grad zeroes padded positions (nested tensors); the program cannot."""
+        encoder = _encoder(nested=True)
+        with torch.no_grad():
+            fast = encoder(self.x, src_key_padding_mask=self.mask)
+        slow = encoder(self.x, src_key_padding_mask=self.mask)
+        assert torch.equal(fast[1, 3:], torch.zeros(2, 8)) and not torch.allclose(fast, slow)
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(encoder, (self.x,), {"src_key_padding_mask": self.mask})
+        self.assertExpectedInline(stable_message(info.value), """\
+nn.TransformerEncoder in eval mode with a src_key_padding_mask: eager under torch.no_grad() takes its nested-tensor fast path and returns 0 at padded positions, the exported program computes the layers there (eager's path with grad on); their outputs differ.
+  at test_patterns.py:N (predispatch.export(encoder, (self.x,), {"src_key_padding_mask": self.mask}))
+  fix: build the encoder with enable_nested_tensor=False (or set encoder.use_nested_tensor = False before export): eager then returns the layers' values at padded positions too, and so does the program; mask the padded positions of the output yourself if you need zeros there.
+  see docs/errors.md#unsupportedconstructerror""")
+
+    def test_without_nested_tensor_matches_eager(self):
+        """The fix the refusal gives: eager's fast and slow paths then agree, and the program is eager's."""
+        kwargs = {"src_key_padding_mask": self.mask}
+        export_and_check(_encoder(nested=False), (self.x,), kwargs)
+        program = predispatch.export(_encoder(nested=False), (self.x,), kwargs).module()
+        with torch.no_grad():
+            fast = _encoder(nested=False)(self.x, **kwargs)
+            torch.testing.assert_close(program(self.x, **kwargs), fast)
+        # torch.export's program takes the same (slow) path as ours
+        exported = torch.export.export(_encoder(nested=False), (self.x,), kwargs).module()
+        torch.testing.assert_close(exported(self.x, **kwargs), program(self.x, **kwargs), rtol=0, atol=0)
+
+    def test_training_mode_is_not_refused(self):
+        check_gradients(_encoder(nested=True).train(), (self.x,), {"src_key_padding_mask": self.mask})
+
+
+class TraceErrorFix(TestCase):
+    def test_fix_fits_the_cause(self):
+        """Issue 23 (12): a raw failure's fix no longer speaks of in-place metadata changes."""
+
+        class ToNumpy(nn.Module):
+            def forward(self, x):
+                return torch.from_numpy(x.numpy() * 2)
+
+        with pytest.raises(predispatch.errors.PredispatchError) as info:
+            predispatch.export(ToNumpy(), (torch.randn(2),))
+        assert "metadata" not in str(info.value) and "x.t_()" not in str(info.value)

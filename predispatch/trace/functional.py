@@ -30,6 +30,7 @@ from predispatch.frontend.inputs import CONSTANT_TYPES, hf_cache_fix, is_hf_cach
 from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
+from predispatch.trace.constructs import refuse_script_modules, refusing_encoder_fast_path, torch_func_refusal
 from predispatch.trace.decompose import FAST_INPLACE_META, REWRITES, DecompositionLog, DecompositionPolicy
 from predispatch.trace.dedup import Dedup, share_repeated_blocks
 from predispatch.trace.grad_history import GradHistoryKeeper
@@ -281,12 +282,14 @@ def _counted():
 def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = Dedup.OFF) -> TracedGraph:
     """Capture `prepared.module` once as a functional graph (see the package docstring);
     `dedup`: how repeated blocks are shared (Note [Sharing repeated blocks])."""
+    refuse_script_modules(prepared.module)
     program = _Program(prepared, dedup)
     log = DecompositionLog()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_no_garbage_collection())
         stack.enter_context(torch.enable_grad())  # the ambient mode regions are relative to
         stack.enter_context(inference_mode_as_grad_mode())  # Note [inference_mode in forward]
+        stack.enter_context(refusing_encoder_fast_path())
         stack.enter_context(ti.exporting_flags())
         stack.enter_context(_no_backend_heuristics())
         stack.enter_context(
@@ -509,16 +512,27 @@ def _user_errors():
                 ),
                 exc,
             ) from None
+        refusal = torch_func_refusal(exc)
+        if refusal is not None:
+            raise from_torch(refusal, exc) from None
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise from_torch(
-            TraceError(
-                f"tracing failed: {type(exc).__name__}: {first_line}",
-                where=where,
-                fix="torch's full error is kept as err.torch_error; if it is an in-place metadata change "
-                "of an input (x.t_(), x.resize_()), write it out of place.",
-            ),
+            TraceError(f"tracing failed: {type(exc).__name__}: {first_line}", where=where, fix=_trace_error_fix(exc)),
             exc,
         ) from None
+
+
+#: Words in torch's message of a failed in-place change of shape, strides or storage.
+_METADATA_WORDS = ("metadata", "resize", "set_", "as_strided_", "storage", "t_()", "transpose_", "squeeze_")
+
+
+def _trace_error_fix(exc: Exception) -> str:
+    """The fix for a raw torch failure: the advice for in-place metadata changes only where
+    torch's message is about one; otherwise where torch's full error is."""
+    where = "torch's full error is kept as err.torch_error (traceback.print_exception(err.torch_error))"
+    if any(word in str(exc) for word in _METADATA_WORDS):
+        return f"an in-place change of an input's shape, strides or storage (x.t_(), x.resize_()): write it out of place; {where}."
+    return f"{where}; rewrite the named line with other operations, or report it to predispatch with that error."
 
 
 def _is_data_dependent(exc: Exception) -> bool:
