@@ -35,10 +35,6 @@ Note [Variants by torch version]
 | a `torch.Generator` argument     | no   | no   | T    | T    | T    | FX's `create_arg` takes a Generator from   |
 | in a graph (`rand(generator=g)`)  |      |      |      |      |      | 2.13 on; before, such a program is refused |
 |                                   |      |      |      |      |      | with `RngStateError`, naming the release.  |
-| `p.data.mul_(...)` in forward    | no   | no   | T    | T    | T    | 2.11 and 2.12: FunctionalTensor cannot give|
-|                                   |      |      |      |      |      | `.data` of a traced parameter: export      |
-|                                   |      |      |      |      |      | raises TraceError ("FunctionalTensor on    |
-|                                   |      |      |      |      |      | its own"); later releases export it.       |
 | non-reentrant checkpoint applies | yes  | no   | no   | no   | no   | 2.11's placeholder Function is run by      |
 | `_NoopSaveInputs`                 |      |      |      |      |      | torch, not captured (RUN_INSTEAD).         |
 | keyword arguments to a            | no   | no   | T    | T    | T    | torch's own C++ apply refuses keywords     |
@@ -98,8 +94,6 @@ class _Has:
     stack_trace_anchors = TORCH >= (2, 13)
     #: FX records a `torch.Generator` argument (`torch.rand(4, generator=g)`) in a graph.
     generator_in_graph = TORCH >= (2, 13)
-    #: `p.data` of a traced parameter can be written in forward (2.11, 2.12 raise inside torch).
-    data_write_in_trace = TORCH >= (2, 13)
     #: non-reentrant `torch.utils.checkpoint` applies `_NoopSaveInputs` (2.11 only).
     checkpoint_applies_function = TORCH < (2, 12)
     #: eager `MyFn.apply(x, bias=b)` works for a setup_context Function (before: TypeError).

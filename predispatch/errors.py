@@ -91,6 +91,35 @@ class TraceError(PredispatchError):
     anchor = "traceerror"
 
 
+class SharedStorageError(PredispatchError):
+    """The module's state tensors share memory in a way export cannot lift as views of one tensor.
+
+    Cause: overlapping parameters, buffers or tensor attributes are lifted as views of the one
+    that holds them all (Note [State that shares storage] in frontend/shared_storage.py); that
+    fails when none holds the others whole, when that one does not start its storage contiguously,
+    when a view has another dtype, or when a parameter is the view (its gradient is its own).
+    Example: `self.a = nn.Parameter(t[:3]); self.b = nn.Parameter(t[1:])` on one tensor `t`.
+    Fix: give the tensor its own memory (`.clone()`), or share the tensor object itself.
+    """
+
+    anchor = "sharedstorageerror"
+
+
+class UnsupportedConstructError(PredispatchError):
+    """forward uses a construct export cannot capture as eager runs it; refused by name.
+
+    Cause: a torch.func transform (`vmap`, `grad`, `jacrev`, `jacfwd`, `vjp`, `hessian`) inside
+    forward, a TorchScript submodule (`torch.jit.script`), or `nn.TransformerEncoder`'s
+    nested-tensor fast path (eval mode with a `src_key_padding_mask`), whose output eager
+    computes differently under `torch.no_grad()` than the traced program does.
+    Example: `return torch.func.vmap(self.head)(x)` in forward.
+    Fix: the message says what to do for each construct (apply the transform to `ep.module()`,
+    export the module before scripting it, build the encoder with `enable_nested_tensor=False`).
+    """
+
+    anchor = "unsupportedconstructerror"
+
+
 class InputMismatchError(PredispatchError):
     """A program was called with inputs that differ from the ones it was exported for.
 

@@ -37,12 +37,23 @@ def assert_same_tree(actual: Any, expected: Any, exact: bool = True) -> None:
             assert a == e, (a, e)
 
 
-def export_and_check(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, exact: bool = True, **options):
+def export_and_check(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    exact: bool = True,
+    eager: torch.nn.Module | None = None,
+    **options,
+):
     """Export, then check what every test of a module must hold; returns the program.
 
     - the graph (and its subgraphs) holds no mutable op, and the program keeps the IR contract `load` checks;
     - the module's state_dict is bit-identical after export and its parameters are the same objects;
     - `ep.module()` on clones of the inputs gives eager's outputs, mutated inputs and buffers.
+
+    `eager`: a twin of `module` to run eager on, where `copy.deepcopy` is not one (it does not
+    keep a buffer made as a view of a parameter sharing the parameter's memory).
     """
     kwargs = kwargs or {}
     before = state_bits(module)
@@ -56,7 +67,7 @@ def export_and_check(module: torch.nn.Module, args: tuple, kwargs: dict | None =
         assert torch.equal(v, after[k]) and v.dtype == after[k].dtype, k
     assert all(p is params_before[n] for n, p in module.named_parameters())
 
-    eager_module = copy.deepcopy(module)
+    eager_module = copy.deepcopy(module) if eager is None else eager
     program = ep.module()
     e_args, e_kwargs = clone_tree((args, kwargs))
     p_args, p_kwargs = clone_tree((args, kwargs))
@@ -72,18 +83,26 @@ def graph(ep: predispatch.ExportedProgram) -> str:
     return format_graph(ep.graph_module)
 
 
-def check_gradients(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, outer_no_grad: bool = False):
+def check_gradients(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    outer_no_grad: bool = False,
+    eager: torch.nn.Module | None = None,
+):
     """Outputs, `requires_grad` of outputs, and gradients of inputs and parameters equal eager's.
 
-    Runs eager on a deep copy of the module and the program on `ep.module()`, each on fresh
-    clones of the inputs (floating inputs require grad).  With `outer_no_grad`, both run inside
-    `torch.no_grad()` and only outputs and their `requires_grad` are compared.
+    Runs eager on a deep copy of the module (or on `eager`, its twin, where a deep copy is not
+    one) and the program on `ep.module()`, each on fresh clones of the inputs (floating inputs
+    require grad).  With `outer_no_grad`, both run inside `torch.no_grad()` and only outputs
+    and their `requires_grad` are compared.
     """
     kwargs = kwargs or {}
     ep = predispatch.export(module, args, kwargs)
     assert mutable_ops(ep.graph_module) == []
     assert_verified(ep)
-    eager, program = copy.deepcopy(module), ep.module()
+    eager, program = copy.deepcopy(module) if eager is None else eager, ep.module()
 
     def fresh():
         return pytree.tree_map_only(

@@ -1196,3 +1196,14 @@ def view_creation_meta(t: torch.Tensor) -> str:
     if not t._is_view():
         return "DEFAULT"
     return torch._C._autograd._get_creation_meta(t).name
+
+
+# --- state that shares storage (frontend/shared_storage.py, trace/functional.py) ---------------
+
+def mutated_in_trace(t: torch.Tensor) -> bool:
+    """Whether a graph input of the running functional trace had its data changed so far
+    (directly or through a view), by AOTAutograd's own test; False for any other tensor."""
+    if not isinstance(t, FunctionalTensor):
+        return False
+    torch._sync(t)
+    return bool(_has_data_mutation(t))

@@ -17,6 +17,7 @@ from predispatch import _torch_internals as ti
 from predispatch.errors import UnsupportedInputError, user_frame
 from predispatch.frontend.dynamic import DynamicInputs, fake_dynamic_inputs
 from predispatch.frontend.reachable import Beyond, beyond_tree, modules_reached, resolve
+from predispatch.frontend.shared_storage import StorageView, with_storage_views
 from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, Leaf
 
 #: Leaf types that are baked into the program as constants instead of becoming graph inputs.
@@ -36,6 +37,9 @@ class LiftedTensor:
     #: more names to bind it to during the trace, not program names: a plain container holding
     #: the same tensor (RNNs' `_flat_weights` list, `self.refs = [self.lin.weight]`)
     bind_also: tuple[str, ...] = ()
+    #: where it lies in another lifted tensor's memory, when it shares that memory (Note [State
+    #: that shares storage] in frontend/shared_storage.py): the trace binds it as a view of that base
+    view_of: StorageView | None = None
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,7 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     register_dataclasses((args, kwargs))
     module, signature_of = as_module(module_or_fn, args, kwargs)
     leaves, in_spec = _named_leaves(signature_of, args, kwargs)
-    state = lift_state(module, beyond_tree(module))
+    state = with_storage_views(lift_state(module, beyond_tree(module)))
     _check_state(state)
     dynamic = fake_dynamic_inputs(module, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
     fake_mode = dynamic.fake_mode if dynamic else ti.new_fake_mode()

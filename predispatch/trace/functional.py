@@ -31,10 +31,12 @@ from predispatch.frontend.inputs import CONSTANT_TYPES, hf_cache_fix, is_hf_cach
 from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.program.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
+from predispatch.trace.constructs import refuse_script_modules, refusing_encoder_fast_path, torch_func_refusal
 from predispatch.trace.decompose import FAST_INPLACE_META, REWRITES, DecompositionLog, DecompositionPolicy
 from predispatch.trace.dedup import Dedup, share_repeated_blocks
 from predispatch.trace.grad_history import GradHistoryKeeper
 from predispatch.trace.hooks import backward_hooks
+from predispatch.trace.inference_mode import inference_mode_as_grad_mode
 from predispatch.trace.rng import refuse_generators_made_in_forward, refusing_rng_changes
 
 
@@ -85,39 +87,59 @@ class _Program:
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         prepared = self._prepared
-        state, user_tensors = tensors[: len(prepared.state)], tensors[len(prepared.state) :]
-        bound = {
-            fqn: tensor
-            for lifted, tensor in zip(prepared.state, state)
-            for fqn in (*lifted.spec.names, *lifted.bind_also)
-        }
+        inputs, user_tensors = tensors[: len(prepared.state)], tensors[len(prepared.state) :]
         # buffers and constants that do not require grad: their updates need no history kept
         without_history = [
             tensor
-            for lifted, tensor in zip(prepared.state, state)
+            for lifted, tensor in zip(prepared.state, inputs)
             if lifted.spec.kind is not InputKind.PARAMETER and not lifted.tensor.requires_grad
         ]
         args, kwargs = prepared.call_args(user_tensors)
-        keeper = GradHistoryKeeper(without_history, [*state, *user_tensors])
+        keeper = GradHistoryKeeper(without_history, [*inputs, *user_tensors])
         with contextlib.ExitStack() as stack:
             # Note [RNG state in forward]
             self.visible_generators = stack.enter_context(refusing_rng_changes(prepared.module))
-            inside, beyond = _split_by_reach(prepared.module, bound)
-            stack.enter_context(ti.reparametrize(prepared.module, inside))
-            stack.enter_context(_bound_beyond(prepared.module, beyond))
             stack.enter_context(keeper)  # Note [Mutations inside grad regions]
             self.engaged["observer"] = stack.enter_context(keeper.observer())
             self.engaged["keeper"] = keeper
+            state = _bind_storage_views(prepared, inputs)  # Note [State that shares storage]
+            bound = {
+                fqn: tensor
+                for lifted, tensor in zip(prepared.state, state)
+                for fqn in (*lifted.spec.names, *lifted.bind_also)
+            }
+            inside, beyond = _split_by_reach(prepared.module, bound)
+            stack.enter_context(ti.reparametrize(prepared.module, inside))
+            stack.enter_context(_bound_beyond(prepared.module, beyond))
             stack.enter_context(backward_hooks(prepared.module, keeper))
             stack.enter_context(capture_autograd_functions())
             assigned = stack.enter_context(_buffer_assignments())
             self.sharing = stack.enter_context(share_repeated_blocks(prepared.module, self._dedup))
             out = prepared.module(*args, **kwargs)
             _record_reassigned_buffers(prepared, state, assigned)
+            _write_storage_views(prepared, inputs)
         self.grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
         self.input_metadata_write = keeper.input_metadata_write
         self.outputs = _output_leaves(out, prepared.module)
         return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, _GRAPH_OUTPUT_TYPES) and not _is_static(x))
+
+
+def _bind_storage_views(prepared: PreparedInputs, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors to bind to the state's names: each input, except that a tensor lying in
+    another's memory is a view of that base's input (its own input is left unread)."""
+    return tuple(
+        lifted.view_of.of(inputs[lifted.view_of.base]) if lifted.view_of else tensor
+        for lifted, tensor in zip(prepared.state, inputs)
+    )
+
+
+def _write_storage_views(prepared: PreparedInputs, inputs: tuple[torch.Tensor, ...]) -> None:
+    """Give each storage view's own input its new value when forward changed its base: a view
+    of the base's new value, so the program writes it back with the base."""
+    for lifted, tensor in zip(prepared.state, inputs):
+        view = lifted.view_of
+        if view is not None and ti.mutated_in_trace(inputs[view.base]):
+            ti.set_functional_value(tensor, view.of(inputs[view.base]))
 
 
 def _split_by_reach(root: torch.nn.Module, bound: dict[str, torch.Tensor]) -> tuple[dict, dict]:
@@ -263,11 +285,14 @@ def _counted():
 def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = Dedup.OFF) -> TracedGraph:
     """Capture `prepared.module` once as a functional graph (see the package docstring);
     `dedup`: how repeated blocks are shared (Note [Sharing repeated blocks])."""
+    refuse_script_modules(prepared.module)
     program = _Program(prepared, dedup)
     log = DecompositionLog()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_no_garbage_collection())
         stack.enter_context(torch.enable_grad())  # the ambient mode regions are relative to
+        stack.enter_context(inference_mode_as_grad_mode())  # Note [inference_mode in forward]
+        stack.enter_context(refusing_encoder_fast_path())
         stack.enter_context(ti.exporting_flags())
         stack.enter_context(_no_backend_heuristics())
         stack.enter_context(
@@ -516,16 +541,27 @@ def _user_errors():
                 ),
                 exc,
             ) from None
+        refusal = torch_func_refusal(exc)
+        if refusal is not None:
+            raise from_torch(refusal, exc) from None
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise from_torch(
-            TraceError(
-                f"tracing failed: {type(exc).__name__}: {first_line}",
-                where=where,
-                fix="torch's full error is kept as err.torch_error; if it is an in-place metadata change "
-                "of an input (x.t_(), x.resize_()), write it out of place.",
-            ),
+            TraceError(f"tracing failed: {type(exc).__name__}: {first_line}", where=where, fix=_trace_error_fix(exc)),
             exc,
         ) from None
+
+
+#: Words in torch's message of a failed in-place change of shape, strides or storage.
+_METADATA_WORDS = ("metadata", "resize", "set_", "as_strided_", "storage", "t_()", "transpose_", "squeeze_")
+
+
+def _trace_error_fix(exc: Exception) -> str:
+    """The fix for a raw torch failure: the advice for in-place metadata changes only where
+    torch's message is about one; otherwise where torch's full error is."""
+    where = "torch's full error is kept as err.torch_error (traceback.print_exception(err.torch_error))"
+    if any(word in str(exc) for word in _METADATA_WORDS):
+        return f"an in-place change of an input's shape, strides or storage (x.t_(), x.resize_()): write it out of place; {where}."
+    return f"{where}; rewrite the named line with other operations, or report it to predispatch with that error."
 
 
 def _is_data_dependent(exc: Exception) -> bool:

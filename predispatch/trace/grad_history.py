@@ -33,6 +33,19 @@ time autograd decides whether the old value has any history.
 
 A stretch that is still open when forward returns (a plain `torch.set_grad_enabled(False)`
 never undone) gets no rebinding: nothing after it runs with grad on.
+
+Note [Writes through a detached alias]
+--------------------------------------
+`p.detach().mul_(0.5)`, `p.data.mul_(0.5)`, `nn.Embedding(max_norm=...)` (which renormalises
+`weight.detach()` in place) and a buffer lifted as a view of a parameter (Note [State that
+shares storage]) change a tensor's data behind autograd's back, with grad mode on or off: eager
+keeps the tensor's history (a parameter stays a leaf), and its later uses differentiate as if
+the change were not there.  Functionalization gives the tensor a new value computed from its
+detached alias, with no history.  So each `detach` (and each view of one) remembers the tensor
+it was taken from; a write through it is treated as a write of that tensor made with grad off:
+the tensor is rebound to `keep_history(new_value, old_value)` right after a write made with grad
+on (at the next grad-on switch after one made with grad off), which also tells `ep.module()` that the write ran with grad
+off (program/writes.py), as eager's did.
 """
 
 from __future__ import annotations
@@ -82,6 +95,13 @@ def _called_from_exit() -> bool:
 
 _HOP_FILE = os.path.join("_higher_order_ops", "wrap.py")
 
+_DATA = vars(torch._C.TensorBase)["data"]
+
+
+def _is_data_get(func: Any) -> bool:
+    """Whether a torch function is `tensor.data`'s getter (Note [Writes through a detached alias])."""
+    return getattr(func, "__self__", None) is _DATA and getattr(func, "__name__", None) == "__get__"
+
 
 class GradHistoryKeeper(TorchFunctionMode):
     """Active around the user's forward during the trace; see Note [Mutations inside grad regions]."""
@@ -100,9 +120,18 @@ class GradHistoryKeeper(TorchFunctionMode):
         self.open_regions = 0  # grad regions entered and not exited: > 0 when forward returns
         # means forward leaves grad mode set for its caller (a plain set_grad_enabled call)
         self._pending: list[tuple[Any, torch.Tensor, Any]] = []  # (tensor, value before, mode)
+        #: a detached alias (or a view of one) -> the tensor it aliases, which keeps its history
+        self._detached_from = _IdentityMap()
+        self._behind_autograd: list[tuple[Any, torch.Tensor, Any]] = []  # written through an alias, grad on
+        self._first_args: list[Any] = []  # the first argument of each op being dispatched, innermost last
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _is_data_get(func) and isinstance(args[0], ti.FunctionalTensor):
+            # a FunctionalTensor's `.data` is the tensor itself, history included: the trace
+            # would differentiate through it, and see a write through it as a write of the
+            # tensor.  `.detach()` is what it is in eager (Note [Writes through a detached alias]).
+            return args[0].detach()
         if func is not torch._C._set_grad_enabled:
             return func(*args, **kwargs)
         was_enabled = torch.is_grad_enabled()
@@ -130,6 +159,7 @@ class GradHistoryKeeper(TorchFunctionMode):
         return t in self._used
 
     def _before_op(self, mode, func, args, kwargs) -> None:
+        self._first_args.append(args[0] if args else None)  # for `_after_op`, which sees no args
         for value in pytree.tree_leaves((args, kwargs)):
             if isinstance(value, ti.FunctionalTensor):
                 self._used.add(value)
@@ -137,15 +167,27 @@ class GradHistoryKeeper(TorchFunctionMode):
             return
         if self.input_metadata_write is None and args and self.is_input(args[0]) and _writes_metadata(func):
             self.input_metadata_write = user_frame()
-        if torch.is_grad_enabled():
-            return
         for value, schema_arg in zip((*args, *kwargs.values()), func._schema.arguments):
             info = schema_arg.alias_info
-            if info is not None and info.is_write and self._keeps_history(value):
-                if not any(t is value for t, _, _ in self._pending):
-                    self._pending.append((value, ti.functional_value(value), mode))
+            if info is None or not info.is_write:
+                continue
+            aliased = self._detached_from.get(value)
+            if aliased is not None:  # Note [Writes through a detached alias]
+                self._remember(self._pending if not torch.is_grad_enabled() else self._behind_autograd, aliased, mode)
+            elif not torch.is_grad_enabled() and self._keeps_history(value):
+                self._remember(self._pending, value, mode)
+
+    def _remember(self, pending: list, tensor: Any, mode: Any) -> None:
+        """Keep `tensor`'s value before its first write of this stretch, to rebind it to later."""
+        if not any(t is tensor for t, _, _ in (*self._pending, *self._behind_autograd)):
+            pending.append((tensor, ti.functional_value(tensor), mode))
 
     def _after_op(self, func, out) -> None:
+        self._note_detached_aliases(func, out, self._first_args.pop() if self._first_args else None)
+        if self._behind_autograd:  # Note [Writes through a detached alias]
+            pending, self._behind_autograd = self._behind_autograd, []
+            with pending[0][2]:  # in the functional mode again, as its rewrites run
+                self._rebind(pending)
         if torch.is_grad_enabled():
             return
         for t in out if isinstance(out, (tuple, list)) else (out,):
@@ -157,11 +199,39 @@ class GradHistoryKeeper(TorchFunctionMode):
             return False
         return t not in self._born_without_grad
 
+    def _note_detached_aliases(self, func, out, source) -> None:
+        """Remember what a `detach` output, or a view of a remembered alias, aliases: a tensor
+        whose history a write through the alias must not lose."""
+        if not isinstance(func, torch._ops.OpOverload) or not isinstance(out, ti.FunctionalTensor):
+            return
+        if func is torch.ops.aten.detach.default and self._keeps_history(source):
+            self._detached_from.set(out, self._detached_from.get(source) or source)
+        elif func.is_view and self._detached_from.get(source) is not None:
+            self._detached_from.set(out, self._detached_from.get(source))
+
     def _rebind_pending(self) -> None:
         pending, self._pending = self._pending, []
+        self._rebind(pending)
+
+    @staticmethod
+    def _rebind(pending: list) -> None:
         for tensor, before, mode in pending:
             old = ti.wrap_functional(before, mode)
             tensor.copy_(torch.ops.predispatch.keep_history(tensor, old))
+
+
+class _IdentityMap:
+    """A map from objects by identity to values, holding the keys weakly."""
+
+    def __init__(self):
+        self._items: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def set(self, key: Any, value: Any) -> None:
+        self._items[id(key)] = (weakref.ref(key), value)
+
+    def get(self, key: Any) -> Any:
+        ref, value = self._items.get(id(key), (None, None))
+        return value if ref is not None and ref() is key else None
 
 
 class _IdentitySet:

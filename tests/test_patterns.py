@@ -1,0 +1,494 @@
+"""Code users write that export used to get wrong or refuse uselessly (issue 23).
+
+Each pattern: a golden graph, outputs and gradients against eager, the module untouched by
+export (`export_and_check`), and torch.export's behaviour where it is the reference; or the
+pinned refusal naming the construct.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from expecttest import TestCase
+from helpers import check_gradients, export_and_check, graph, stable_message
+from torch import nn
+
+import predispatch
+from predispatch.errors import SharedStorageError, UnsupportedConstructError
+
+
+def _run(module: nn.Module, *args: torch.Tensor) -> tuple:
+    """Two calls (the second sees the first's writes) and the state after them."""
+    return module(*args), module(*args), {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def _assert_same_runs(actual: tuple, expected: tuple) -> None:
+    for a, e in zip(actual[:2], expected[:2]):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert actual[2].keys() == expected[2].keys()
+    for key in expected[2]:
+        torch.testing.assert_close(actual[2][key], expected[2][key], rtol=0, atol=0, msg=key)
+
+
+# --- state that shares storage (Note [State that shares storage]) ---------------------------
+
+
+class RowOfWeight(nn.Module):
+    """A buffer that is a view of a parameter, written under no_grad before the parameter is read."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(12.0).view(4, 3) / 10)
+        self.register_buffer("row", self.w.detach()[1])
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.row.add_(1.0)
+        return x @ self.w.t()
+
+
+class HeadOfBuffer(nn.Module):
+    """A tensor attribute that is a slice of a buffer, written; the buffer is read."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(6))
+        self.head = self.buf[2:4]
+
+    def forward(self, x):
+        self.head.add_(x)
+        return self.buf * 2
+
+
+class ColumnOfBuffer(nn.Module):
+    """A strided view (a column) of a buffer, written through a further view of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.arange(12.0).view(3, 4))
+        self.register_buffer("col", self.table[:, 1])
+
+    def forward(self, x):
+        self.col[1:].mul_(x)
+        return self.table.sum(0)
+
+
+class SharedStorage(TestCase):
+    maxDiff = None
+
+    def test_buffer_view_of_parameter(self):
+        x = torch.randn(2, 3)
+        ep = export_and_check(RowOfWeight(), (x,), eager=RowOfWeight())
+        check_gradients(RowOfWeight(), (x,), eager=RowOfWeight())
+        _assert_same_runs(_run(ep.module(), x), _run(RowOfWeight(), x))
+        # torch.export gets it right too (its graph keeps the in-place add_)
+        _assert_same_runs(_run(torch.export.export(RowOfWeight(), (x,)).module(), x), _run(RowOfWeight(), x))
+        self.assertExpectedInline(str(ep), """\
+ExportedProgram:
+    class GraphModule(torch.nn.Module):
+        def forward(self, p_w: "f32[4, 3]", b_row: "f32[3]", x: "f32[2, 3]"):
+            detach: "f32[4, 3]" = torch.ops.aten.detach.default(p_w)
+            view: "f32[12]" = torch.ops.aten.view.default(detach, [-1]);  detach = None
+            slice_1: "f32[3]" = torch.ops.aten.slice.Tensor(view, 0, 3, 6);  view = None
+            grad_region_0 = self.grad_region_0
+            wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled(False, grad_region_0, slice_1, p_w);  grad_region_0 = slice_1 = None
+            view_2: "f32[4, 3]" = wrap_with_set_grad_enabled[0];  wrap_with_set_grad_enabled = None
+            keep_history: "f32[4, 3]" = torch.ops.predispatch.keep_history.default(view_2, p_w);  view_2 = p_w = None
+            t_1: "f32[3, 4]" = torch.ops.aten.t.default(keep_history)
+            matmul: "f32[2, 4]" = torch.ops.aten.matmul.default(x, t_1);  x = t_1 = None
+            detach_4: "f32[4, 3]" = torch.ops.aten.detach.default(keep_history)
+            view_5: "f32[12]" = torch.ops.aten.view.default(detach_4, [-1]);  detach_4 = None
+            slice_4: "f32[3]" = torch.ops.aten.slice.Tensor(view_5, 0, 3, 6);  view_5 = None
+            return (keep_history, slice_4, matmul)
+
+        class grad_region_0(torch.nn.Module):
+            def forward(self, slice_1: "f32[3]", p_w: "f32[4, 3]"):
+                add: "f32[3]" = torch.ops.aten.add.Tensor(slice_1, 1.0);  slice_1 = None
+                detach_1: "f32[4, 3]" = torch.ops.aten.detach.default(p_w);  p_w = None
+                view_1: "f32[12]" = torch.ops.aten.view.default(detach_1, [-1]);  detach_1 = None
+                slice_scatter: "f32[12]" = torch.ops.aten.slice_scatter.default(view_1, add, 0, 3, 6);  view_1 = add = None
+                view_2: "f32[4, 3]" = torch.ops.aten.view.default(slice_scatter, [4, 3]);  slice_scatter = None
+                return (view_2,)
+
+Graph signature:
+    Inputs:
+        p_w: PARAMETER target='w'
+        b_row: BUFFER target='row'
+        x: USER_INPUT target='x'
+    Outputs:
+        keep_history: PARAMETER_MUTATION target='w'
+        slice_4: BUFFER_MUTATION target='row'
+        matmul: USER_OUTPUT target='output'""")
+
+    def test_attribute_view_of_buffer(self):
+        x = torch.randn(2)
+        ep = export_and_check(HeadOfBuffer(), (x,), eager=HeadOfBuffer())
+        _assert_same_runs(_run(ep.module(), x), _run(HeadOfBuffer(), x))
+        _assert_same_runs(_run(torch.export.export(HeadOfBuffer(), (x,)).module(), x), _run(HeadOfBuffer(), x))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, b_buf: "f32[6]", c_head: "f32[2]", x: "f32[2]"):
+        detach: "f32[6]" = torch.ops.aten.detach.default(b_buf)
+        slice_1: "f32[2]" = torch.ops.aten.slice.Tensor(detach, 0, 2, 4);  detach = None
+        add: "f32[2]" = torch.ops.aten.add.Tensor(slice_1, x);  slice_1 = x = None
+        detach_1: "f32[6]" = torch.ops.aten.detach.default(b_buf);  b_buf = None
+        slice_scatter: "f32[6]" = torch.ops.aten.slice_scatter.default(detach_1, add, 0, 2, 4);  detach_1 = add = None
+        mul: "f32[6]" = torch.ops.aten.mul.Tensor(slice_scatter, 2)
+        detach_4: "f32[6]" = torch.ops.aten.detach.default(slice_scatter)
+        slice_4: "f32[2]" = torch.ops.aten.slice.Tensor(detach_4, 0, 2, 4);  detach_4 = None
+        return (slice_scatter, slice_4, mul)""")
+        kinds = [(s.kind.name, s.target) for s in ep.signature.mutations]
+        self.assertEqual(kinds, [("BUFFER_MUTATION", "buf"), ("BUFFER_MUTATION", "head")])
+
+    def test_strided_view_written_through_a_view(self):
+        x = torch.randn(2)
+        ep = export_and_check(ColumnOfBuffer(), (x,), eager=ColumnOfBuffer())
+        _assert_same_runs(_run(ep.module(), x), _run(ColumnOfBuffer(), x))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, b_table: "f32[3, 4]", b_col: "f32[3]", x: "f32[2]"):
+        detach: "f32[3, 4]" = torch.ops.aten.detach.default(b_table)
+        view: "f32[12]" = torch.ops.aten.view.default(detach, [-1]);  detach = None
+        slice_1: "f32[3]" = torch.ops.aten.slice.Tensor(view, 0, 1, 10, 4);  view = None
+        slice_2: "f32[2]" = torch.ops.aten.slice.Tensor(slice_1, 0, 1, 9223372036854775807);  slice_1 = None
+        mul: "f32[2]" = torch.ops.aten.mul.Tensor(slice_2, x);  slice_2 = x = None
+        detach_1: "f32[3, 4]" = torch.ops.aten.detach.default(b_table);  b_table = None
+        view_1: "f32[12]" = torch.ops.aten.view.default(detach_1, [-1]);  detach_1 = None
+        slice_3: "f32[3]" = torch.ops.aten.slice.Tensor(view_1, 0, 1, 10, 4)
+        slice_scatter: "f32[3]" = torch.ops.aten.slice_scatter.default(slice_3, mul, 0, 1, 9223372036854775807);  slice_3 = mul = None
+        slice_scatter_1: "f32[12]" = torch.ops.aten.slice_scatter.default(view_1, slice_scatter, 0, 1, 10, 4);  view_1 = slice_scatter = None
+        view_2: "f32[3, 4]" = torch.ops.aten.view.default(slice_scatter_1, [3, 4]);  slice_scatter_1 = None
+        sum_1: "f32[4]" = torch.ops.aten.sum.dim_IntList(view_2, [0])
+        detach_4: "f32[3, 4]" = torch.ops.aten.detach.default(view_2)
+        view_5: "f32[12]" = torch.ops.aten.view.default(detach_4, [-1]);  detach_4 = None
+        slice_7: "f32[3]" = torch.ops.aten.slice.Tensor(view_5, 0, 1, 10, 4);  view_5 = None
+        return (view_2, slice_7, sum_1)""")
+
+    def test_block_view_refused(self):
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.register_buffer("table", torch.zeros(3, 4))
+                self.register_buffer("block", self.table[:, 1:3])
+
+            def forward(self, x):
+                return self.block + x
+
+        with pytest.raises(SharedStorageError) as info:
+            predispatch.export(Block(), (torch.randn(3, 2),))
+        self.assertExpectedInline(stable_message(info.value), """\
+'block' is a view of 'table' that is neither contiguous nor one strided dimension (shape (3, 2), strides (4, 1)); export lifts shared state as such views only.
+  at test_patterns.py:N (predispatch.export(Block(), (torch.randn(3, 2),))) (the export call)
+  fix: keep 'block' out of the module's state and take the view inside forward (e.g. table[:, 1:3]), or give it its own memory (.clone()).
+  see docs/errors.md#sharedstorageerror""")
+
+    def test_overlapping_parameters_refused(self):
+        class TwoWindows(nn.Module):
+            def __init__(self):
+                super().__init__()
+                t = torch.arange(6.0)
+                self.a = nn.Parameter(t[:4])
+                self.b = nn.Parameter(t[2:])
+
+            def forward(self, x):
+                return x * self.a.sum() + self.b.sum()
+
+        with pytest.raises(SharedStorageError) as info:
+            predispatch.export(TwoWindows(), (torch.randn(2),))
+        self.assertExpectedInline(stable_message(info.value), """\
+the module's tensors 'a', 'b' share memory, and none of them holds the others' memory whole; export lifts overlapping state as views of one tensor.
+  at test_patterns.py:N (predispatch.export(TwoWindows(), (torch.randn(2),))) (the export call)
+  fix: register the tensor they are all views of as a buffer too (or make them views of one of them), or give each its own memory with .clone().
+  see docs/errors.md#sharedstorageerror""")
+
+    def test_parameter_view_of_parameter_refused(self):
+        class Halves(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.randn(4))
+                self.first = nn.Parameter(self.w.detach()[:2])
+
+            def forward(self, x):
+                return x * self.w.sum() + self.first.sum()
+
+        with pytest.raises(SharedStorageError, match="parameter 'first' shares memory with 'w'"):
+            predispatch.export(Halves(), (torch.randn(2),))
+
+    def test_disjoint_views_stay_independent(self):
+        class Flat(nn.Module):
+            def __init__(self):
+                super().__init__()
+                flat = torch.zeros(6)
+                self.register_buffer("a", flat[:3])
+                self.register_buffer("b", flat[3:])
+
+            def forward(self, x):
+                self.a.add_(x)
+                return self.b + 1
+
+        ep = export_and_check(Flat(), (torch.randn(3),), eager=Flat())
+        self.assertEqual([s.target for s in ep.signature.mutations], ["a"])
+
+
+# --- writes through a detached alias (Note [Writes through a detached alias]) --------------
+
+
+class DetachedScale(nn.Module):
+    def __init__(self, through_data: bool = False):
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(9.0).view(3, 3) / 10)
+        self.through_data = through_data
+
+    def forward(self, x):
+        alias = self.w.data if self.through_data else self.w.detach()
+        alias.mul_(0.5)
+        return x @ self.w
+
+
+class RenormedEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 4, max_norm=1.0)
+
+    def forward(self, ids):
+        return self.emb(ids) * 2
+
+
+class DetachedWrites(TestCase):
+    maxDiff = None
+
+    def test_write_through_detach(self):
+        x = torch.randn(2, 3)
+        ep = export_and_check(DetachedScale(), (x,))
+        check_gradients(DetachedScale(), (x,))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_w: "f32[3, 3]", x: "f32[2, 3]"):
+        detach: "f32[3, 3]" = torch.ops.aten.detach.default(p_w)
+        mul: "f32[3, 3]" = torch.ops.aten.mul.Tensor(detach, 0.5);  detach = None
+        keep_history: "f32[3, 3]" = torch.ops.predispatch.keep_history.default(mul, p_w);  mul = p_w = None
+        matmul: "f32[2, 3]" = torch.ops.aten.matmul.default(x, keep_history);  x = None
+        return (keep_history, matmul)""")
+
+    def test_write_through_data(self):
+        x = torch.randn(2, 3)
+        ep = export_and_check(DetachedScale(through_data=True), (x,))
+        check_gradients(DetachedScale(through_data=True), (x,))
+        self.assertEqual(graph(ep), graph(predispatch.export(DetachedScale(), (x,))))
+
+    def test_embedding_max_norm(self):
+        ids = torch.tensor([1, 2, 1, 7])
+        ep = export_and_check(RenormedEmbedding(), (ids,))
+        check_gradients(RenormedEmbedding(), (ids,))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_emb_weight: "f32[10, 4]", ids: "i64[4]"):
+        detach: "f32[10, 4]" = torch.ops.aten.detach.default(p_emb_weight)
+        embedding_renorm: "f32[10, 4]" = torch.ops.aten.embedding_renorm.default(detach, ids, 1.0, 2.0);  detach = None
+        keep_history: "f32[10, 4]" = torch.ops.predispatch.keep_history.default(embedding_renorm, p_emb_weight);  embedding_renorm = p_emb_weight = None
+        embedding: "f32[4, 4]" = torch.ops.aten.embedding.default(keep_history, ids);  ids = None
+        mul: "f32[4, 4]" = torch.ops.aten.mul.Tensor(embedding, 2);  embedding = None
+        return (keep_history, mul)""")
+
+    def test_data_read_has_no_gradient(self):
+        class ReadData(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.randn(3))
+
+            def forward(self, x):
+                return x * self.w.data + self.w
+
+        check_gradients(ReadData(), (torch.randn(3),))
+
+
+# --- torch.inference_mode() inside forward (Note [inference_mode in forward]) --------------
+
+
+class InferenceBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        with torch.inference_mode():
+            frozen = self.lin(x)
+        return frozen * 2 + self.lin(x)
+
+
+class InferenceDecorated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 3)
+
+    @torch.inference_mode()
+    def _frozen(self, x):
+        with torch.inference_mode(False):  # grad back on inside: eager differentiates this part
+            inner = x.sin()
+        return self.lin(x), inner
+
+    def forward(self, x):
+        frozen, inner = self._frozen(x)
+        return frozen + inner + self.lin(x)
+
+
+class InferenceModeRegions(TestCase):
+    maxDiff = None
+
+    def test_inference_mode_is_a_no_grad_region(self):
+        x = torch.randn(2, 3)
+        ep = check_gradients(InferenceBranch(), (x,))
+        export_and_check(InferenceBranch(), (x,))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]", x: "f32[2, 3]"):
+        grad_region_0 = self.grad_region_0
+        wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled(False, grad_region_0, x, p_lin_weight, p_lin_bias);  grad_region_0 = None
+        linear: "f32[2, 3]" = wrap_with_set_grad_enabled[0];  wrap_with_set_grad_enabled = None
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(linear, 2);  linear = None
+        linear_1: "f32[2, 3]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(mul, linear_1);  mul = linear_1 = None
+        return (add,)
+
+    class grad_region_0(torch.nn.Module):
+        def forward(self, x: "f32[2, 3]", p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]"):
+            linear: "f32[2, 3]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+            return (linear,)""")
+
+    def test_decorator_and_nested_false(self):
+        x = torch.randn(2, 3)
+        ep = check_gradients(InferenceDecorated(), (x,))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]", x: "f32[2, 3]"):
+        grad_region_0 = self.grad_region_0
+        wrap_with_set_grad_enabled_1 = torch.ops.higher_order.wrap_with_set_grad_enabled(False, grad_region_0, x, p_lin_weight, p_lin_bias);  grad_region_0 = None
+        sin: "f32[2, 3]" = wrap_with_set_grad_enabled_1[0]
+        linear: "f32[2, 3]" = wrap_with_set_grad_enabled_1[1];  wrap_with_set_grad_enabled_1 = None
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(linear, sin);  linear = sin = None
+        linear_1: "f32[2, 3]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+        add_1: "f32[2, 3]" = torch.ops.aten.add.Tensor(add, linear_1);  add = linear_1 = None
+        return (add_1,)
+
+    class grad_region_0(torch.nn.Module):
+        def forward(self, x: "f32[2, 3]", p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]"):
+            grad_region_1 = self.grad_region_1
+            wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled(True, grad_region_1, x);  grad_region_1 = None
+            sin: "f32[2, 3]" = wrap_with_set_grad_enabled[0];  wrap_with_set_grad_enabled = None
+            linear: "f32[2, 3]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+            return (sin, linear)
+
+        class grad_region_1(torch.nn.Module):
+            def forward(self, x: "f32[2, 3]"):
+                sin: "f32[2, 3]" = torch.ops.aten.sin.default(x);  x = None
+                return (sin,)""")
+
+
+# --- refused by name (trace/constructs.py) ----------------------------------------------------
+
+
+class Refusals(TestCase):
+    maxDiff = None
+
+    def test_vmap_in_forward(self):
+        class PerRow(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(3, 3)
+
+            def forward(self, x):
+                return torch.func.vmap(lambda row: self.lin(row).sin())(x)
+
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(PerRow(), (torch.randn(2, 3),))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward calls a torch.func transform (vmap, grad, grad_and_value, jacrev, jacfwd, vjp, hessian); export does not capture torch.func transforms yet.
+  at test_patterns.py:N (return torch.func.vmap(lambda row: self.lin(row).sin())(x))
+  fix: export the function the transform is applied to and apply torch.func to the program (torch.func.vmap(ep.module())(x) works); or write the batched computation with batched ops (a leading batch dimension, torch.bmm) instead of vmap.
+  see docs/errors.md#unsupportedconstructerror""")
+        assert "FunctionalTensor" in str(info.value.torch_error)
+
+    def test_other_transforms(self):
+        calls = {
+            "grad": lambda x: torch.func.grad(lambda r: r.sin().sum())(x),
+            "jacrev": lambda x: torch.func.jacrev(torch.sin)(x),
+            "vjp": lambda x: torch.func.vjp(torch.sin, x)[1](torch.ones_like(x))[0],
+        }
+        for call in calls.values():
+            with pytest.raises(UnsupportedConstructError, match="torch.func transform"):
+                predispatch.export(call, (torch.randn(2, 3),))
+
+    def test_torchscript_submodule(self):
+        class Scripted(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.jit.script(nn.Linear(3, 3))
+
+            def forward(self, x):
+                return self.net(x)
+
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(Scripted(), (torch.randn(2, 3),))
+        self.assertExpectedInline(stable_message(info.value), """\
+submodule 'net' is a TorchScript module (torch.jit.script / torch.jit.trace); export traces Python code, and a scripted module runs in TorchScript's interpreter.
+  at test_patterns.py:N (predispatch.export(Scripted(), (torch.randn(2, 3),))) (the export call)
+  fix: export the original nn.Module (before torch.jit.script), e.g. keep a reference to it and assign that as the submodule for export.
+  see docs/errors.md#unsupportedconstructerror""")
+
+
+def _encoder(nested: bool) -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+
+
+class EncoderFastPath(TestCase):
+    maxDiff = None
+    x = torch.randn(2, 5, 8)
+    mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+
+    def test_nested_fast_path_refused(self):
+        """Eager under no_grad zeroes padded positions (nested tensors); the program cannot."""
+        encoder = _encoder(nested=True)
+        with torch.no_grad():
+            fast = encoder(self.x, src_key_padding_mask=self.mask)
+        slow = encoder(self.x, src_key_padding_mask=self.mask)
+        assert torch.equal(fast[1, 3:], torch.zeros(2, 8)) and not torch.allclose(fast, slow)
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(encoder, (self.x,), {"src_key_padding_mask": self.mask})
+        self.assertExpectedInline(stable_message(info.value), """\
+nn.TransformerEncoder in eval mode with a src_key_padding_mask: eager under torch.no_grad() takes its nested-tensor fast path and returns 0 at padded positions, the exported program computes the layers there (eager's path with grad on); their outputs differ.
+  at test_patterns.py:N (predispatch.export(encoder, (self.x,), {"src_key_padding_mask": self.mask}))
+  fix: build the encoder with enable_nested_tensor=False (or set encoder.use_nested_tensor = False before export): eager then returns the layers' values at padded positions too, and so does the program; mask the padded positions of the output yourself if you need zeros there.
+  see docs/errors.md#unsupportedconstructerror""")
+
+    def test_without_nested_tensor_matches_eager(self):
+        """The fix the refusal gives: eager's fast and slow paths then agree, and the program is eager's."""
+        kwargs = {"src_key_padding_mask": self.mask}
+        export_and_check(_encoder(nested=False), (self.x,), kwargs)
+        program = predispatch.export(_encoder(nested=False), (self.x,), kwargs).module()
+        with torch.no_grad():
+            fast = _encoder(nested=False)(self.x, **kwargs)
+            torch.testing.assert_close(program(self.x, **kwargs), fast)
+        # torch.export's program takes the same (slow) path as ours
+        exported = torch.export.export(_encoder(nested=False), (self.x,), kwargs).module()
+        torch.testing.assert_close(exported(self.x, **kwargs), program(self.x, **kwargs), rtol=0, atol=0)
+
+    def test_training_mode_is_not_refused(self):
+        check_gradients(_encoder(nested=True).train(), (self.x,), {"src_key_padding_mask": self.mask})
+
+
+class TraceErrorFix(TestCase):
+    def test_fix_fits_the_cause(self):
+        """Issue 23 (12): a raw failure's fix no longer speaks of in-place metadata changes."""
+
+        class ToNumpy(nn.Module):
+            def forward(self, x):
+                return torch.from_numpy(x.numpy() * 2)
+
+        with pytest.raises(predispatch.errors.PredispatchError) as info:
+            predispatch.export(ToNumpy(), (torch.randn(2),))
+        assert "metadata" not in str(info.value) and "x.t_()" not in str(info.value)
