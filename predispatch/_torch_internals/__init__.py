@@ -271,7 +271,7 @@ def pop_modes_to(depths: tuple[int, int, int]) -> None:
 @contextlib.contextmanager
 def functional_dispatch_observer(
     before: Callable[[FunctionalTensorMode, Any, tuple, dict], None], after: Callable[[Any, Any], None]
-) -> Iterator[None]:
+) -> Iterator[Hook]:
     """Call `before(mode, func, args, kwargs)` / `after(func, out)` around every op FunctionalTensorMode handles.
 
     The functional mode is where in-place ops are seen as in-place (below it they are already
@@ -292,7 +292,7 @@ def functional_dispatch_observer(
 
 
 @contextlib.contextmanager
-def functional_rewrites(table: dict[OpOverload, tuple[Callable[..., Any], tuple[OpOverload, ...]]]) -> Iterator[None]:
+def functional_rewrites(table: dict[OpOverload, tuple[Callable[..., Any], tuple[OpOverload, ...]]]) -> Iterator[Hook]:
     """Run `rewrite(*args, **kwargs)` in FunctionalTensorMode in place of `func`, for
     `table[func] = (rewrite, skips)`.
 
@@ -1089,7 +1089,7 @@ from torch.fx.experimental.proxy_tensor import (  # noqa: E402
 
 
 @contextlib.contextmanager
-def intercept_module_calls(handler: Callable[[torch.nn.Module, Callable[..., Any], tuple, dict], Any]) -> Iterator[None]:
+def intercept_module_calls(handler: Callable[[torch.nn.Module, Callable[..., Any], tuple, dict], Any]) -> Iterator[Hook]:
     """While active, each submodule call make_fx's module-stack tracer meets runs as
     `handler(module, call, args, kwargs)`, where `call(*args, **kwargs)` runs the module as usual.
 

@@ -40,7 +40,7 @@ APPLY_CAPTURE = "the autograd.Function capture (Function.apply interception)"
 FORWARD_DETECTOR = "the autograd.Function forward detector (torch's apply making a Function's ctx)"
 
 
-def torch_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+def torch_apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
     """torch's own C++ apply for `cls` (what `Function.apply` ends in on every release)."""
     return super(SingleLevelFunction, cls).apply(*args, **kwargs)
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -86,7 +87,7 @@ def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+def _byte_range(t: torch.Tensor) -> tuple[Any, Any]:
     """The bytes of its storage `t` can reach: [first, last + 1)."""
     size = t.element_size()
     extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))

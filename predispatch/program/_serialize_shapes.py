@@ -157,8 +157,8 @@ def _build(node: ast.AST, known: Any, where: str, text: str, symbol: Any, calls:
     if isinstance(node, ast.BinOp) and type(node.op) in binary:
         left, right = build(node.left), build(node.right)
         return None if check_only else binary[type(node.op)](left, right)
-    calls = {"Max": sympy.Max, "Min": sympy.Min, "Mod": Mod, "FloorDiv": FloorDiv}
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in calls and not node.keywords:
+    functions = {"Max": sympy.Max, "Min": sympy.Min, "Mod": Mod, "FloorDiv": FloorDiv}
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions and not node.keywords:
         args = [build(a) for a in node.args]
-        return None if check_only else calls[node.func.id](*args)
+        return None if check_only else functions[node.func.id](*args)
     raise SerializationError(f"{where}: {text!r} is not a size expression over the program's symbols.")

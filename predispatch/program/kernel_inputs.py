@@ -167,6 +167,7 @@ def trusted_input_problems(node: fx.Node, *, root: bool) -> Iterator[str]:
     """Why `node`, a call of a `TRUSTING_PACKETS` packet, may not be in a stored program
     (`root`: it is in the program's root graph, not a subgraph)."""
     packet = _packet(node.target)
+    assert packet is not None, node.target  # the caller only asks for TRUSTING_PACKETS' calls
     if packet in REFUSED_IN_FILES:
         yield f"calls {node.target}, which a file may not call (trusts_inputs: {REFUSED_IN_FILES[packet]})"
         return

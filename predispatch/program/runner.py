@@ -338,12 +338,12 @@ def _state_reader(module: ProgramModule, names: list[str]) -> Callable[[], tuple
     def read() -> tuple[torch.Tensor, ...]:
         found: list[Any] = [None] * len(names)
         for parts, attrs in owners:
-            owner = module
+            owner: Any = module
             for part in parts:
                 child = owner._modules.get(part)
                 owner = getattr(owner, part) if child is None else child
             for i, attr in attrs:
-                value = owner._parameters.get(attr)
+                value: Any = owner._parameters.get(attr)
                 if value is None:
                     value = owner._buffers.get(attr)
                 found[i] = getattr(owner, attr) if value is None else value

@@ -33,7 +33,7 @@ _MECHANISM = "inference_mode regions (torch.inference_mode.__enter__/__exit__)"
 def _enter(original: Any) -> Any:
     def __enter__(self: torch.inference_mode) -> None:
         # made, it sets the mode (its `__enter__` would set it again: a second region's start)
-        self._as_grad_mode = torch.set_grad_enabled(not self.mode)
+        self._as_grad_mode = torch.set_grad_enabled(not self.mode)  # type: ignore[attr-defined]
 
     return __enter__
 
