@@ -185,12 +185,24 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
         () if isinstance(prepared.module, FunctionRoot) else outside_tree(prepared.module, inputs),
         () if isinstance(prepared.module, FunctionRoot) else state_order(prepared.module, inputs),
     )
+    gm.meta["storage_groups"] = _storage_groups(prepared)
     state = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is not InputKind.CONSTANT_TENSOR}
     constants = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is InputKind.CONSTANT_TENSOR}
     live_root = prepared.module if live or isinstance(prepared.module, FunctionRoot) else None
     hooks = record_hooks(prepared.module)
     owner = prepared.module if hooks.has_state_dict_hooks and live_root is None else None
     return ExportedProgram(gm, signature, state, constants, traced.decompositions, live_root, hooks, owner)
+
+
+def _storage_groups(prepared: PreparedInputs) -> tuple[tuple[str, ...], ...]:
+    """The state tensors that share memory, by target, one group per base (Note [State that
+    shares storage]): the graph writes each group back consistently, so `module()`, which holds
+    these very tensors, may write them though they overlap (`writes.check_write_targets`)."""
+    groups: dict[int, list[str]] = {}
+    for lifted in prepared.state:
+        if lifted.view_of is not None:
+            groups.setdefault(lifted.view_of.base, [prepared.state[lifted.view_of.base].spec.target]).append(lifted.spec.target)
+    return tuple(tuple(names) for names in groups.values())
 
 
 def training_flags(module: nn.Module) -> tuple[tuple[str, bool], ...]:

@@ -192,7 +192,7 @@ def _forward_of(backward: dict, proof: ForwardProof) -> fx.Node | None:
     """The one forward call every trusted argument comes from, or None."""
     sources = set()
     for argument, index in proof.outputs.items():
-        value = backward.get(argument)
+        value = _through_aliases(backward.get(argument))
         if not (isinstance(value, fx.Node) and value.op == "call_function" and value.target is _getitem()
                 and value.args[1] == index and isinstance(value.args[0], fx.Node)):
             return None
@@ -205,6 +205,14 @@ def _forward_of(backward: dict, proof: ForwardProof) -> fx.Node | None:
     forward = next(iter(sources)) if len(sources) == 1 else None
     ok = forward is not None and forward.op == "call_function" and _packet(forward.target) in proof.forwards
     return forward if ok else None
+
+
+def _through_aliases(value: Any) -> Any:
+    """`value` seen through `aten.alias` (same values, same shape), which torch 2.14+'s joint puts
+    between a forward's saved statistics and the backward that reads them."""
+    while isinstance(value, fx.Node) and value.op == "call_function" and value.target is torch.ops.aten.alias.default:
+        value = value.args[0]
+    return value
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import torch
@@ -66,6 +66,8 @@ class CallContract:
     write_plans: per mutation output, what eager's in-place op would check of its target
         (`writes.plan_writes`), checked for every target before the graph runs.
     training_flags: the `training` flags at export (`.train()`/`.eval()` to another mode is refused).
+    storage_groups: state targets that shared memory at export, one group per base: the graph
+        writes each group back consistently, so their overlap is no aliasing of the call.
     """
 
     in_spec: pytree.TreeSpec
@@ -77,6 +79,7 @@ class CallContract:
     state: tuple[tuple[str, tuple[str, ...]], ...]
     write_plans: tuple[WritePlan, ...] = ()
     training_flags: tuple[tuple[str, bool], ...] = ()
+    storage_groups: tuple[tuple[str, ...], ...] = ()
 
 
 class ProgramModule(fx.GraphModule):
@@ -217,7 +220,7 @@ def _before_call(module: ProgramModule, args: tuple, kwargs: dict) -> None:
         tensors = check_inputs(module.call_contract, args, kwargs)
     inputs = (*plan.read_state(), *tensors)
     targets = [inputs[i] for i in plan.target_at]
-    check_write_targets(plan.write_plans, targets, inputs, plan.target_at)  # before any write
+    check_write_targets(plan.write_plans, targets, inputs, plan.target_at, plan.shared)  # before any write
     _open_snapshots().append((module, _keep_saved_values(plan, targets)))
 
 
@@ -265,6 +268,8 @@ class _CallPlan:
         autograd may save tensors even in a call made under `torch.no_grad()`.
     may_clone_on_read: per write target, whether only functional ops read it, so that a small
         one may be cloned as it is read (Note [Saved inputs that are written back]).
+    shared: state position -> the positions of the state that shared its memory at export
+        (`CallContract.storage_groups`): overlaps the graph was traced for.
     """
 
     read_state: Callable[[], tuple[torch.Tensor, ...]]
@@ -273,6 +278,7 @@ class _CallPlan:
     positional: Callable[[tuple], list[torch.Tensor] | None] | None
     enables_grad: bool = True
     may_clone_on_read: tuple[bool, ...] = ()
+    shared: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
 
 def _plan_calls(module: ProgramModule) -> _CallPlan:
@@ -286,9 +292,19 @@ def _plan_calls(module: ProgramModule) -> _CallPlan:
         _positional_check(contract),
         _enables_grad(module),
         _read_by_functional_ops(module.graph),
+        _shared_positions(names, contract.storage_groups),
     )
     module.__dict__["_call_plan"] = plan
     return plan
+
+
+def _shared_positions(names: list[str], groups: tuple[tuple[str, ...], ...]) -> dict[int, frozenset[int]]:
+    """Each grouped state tensor's position -> its group's positions (`_CallPlan.shared`)."""
+    shared = {}
+    for group in groups:
+        positions = frozenset(names.index(name) for name in group if name in names)
+        shared.update({p: positions for p in positions})
+    return shared
 
 
 def _enables_grad(module: ProgramModule) -> bool:

@@ -310,6 +310,7 @@ def _contract(ep: ExportedProgram, plans: tuple[WritePlan, ...]) -> CallContract
         state=tuple((s.target, s.aliases) for s in sig.inputs_of(*_STATE_KINDS)),
         write_plans=plans,
         training_flags=sig.training_flags,
+        storage_groups=ep.graph_module.meta.get("storage_groups", ()),
     )
 
 

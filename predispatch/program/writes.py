@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +126,7 @@ def check_write_targets(
     targets: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor] = (),
     positions: Sequence[int] | None = None,
+    shared: Mapping[int, frozenset[int]] | None = None,
 ) -> None:
     """Raise `MutationTargetError` if eager would refuse to change any of `targets` in place.
 
@@ -136,6 +137,8 @@ def check_write_targets(
     positions: each target's position in `inputs` (found by identity when not given): the same
         tensor at another position (`m(t, t)`, `m(m.c)`) is another input and is refused (Note
         [All or nothing calls]).
+    shared: position -> positions of the state that shared its memory at export: the graph
+        writes those back consistently, so their overlap is not refused.
     Called before the graph runs, so a failing call changes nothing (Note [All or nothing calls]).
     """
     if not plans or _traced(targets):
@@ -149,7 +152,7 @@ def check_write_targets(
                 storages = [t.untyped_storage().data_ptr() if type(t) in PLAIN_TENSOR_TYPES and t.numel() else None for t in inputs]
             position = _position(target, inputs) if positions is None else positions[i]
             if position < 0 or storages.count(storages[position]) > 1:
-                problem = _shared_memory(target, inputs, position)
+                problem = _shared_memory(target, inputs, position, (shared or {}).get(position, frozenset()))
         if problem is not None:
             what, fix = problem
             raise MutationTargetError(
@@ -269,7 +272,9 @@ def _eager_view_refusal(target: torch.Tensor) -> tuple[str, str] | None:
     return what, "pass x.clone() (a tensor of its own) instead of the view, or call under torch.no_grad()."
 
 
-def _shared_memory(target: torch.Tensor, inputs: Sequence[torch.Tensor], position: int) -> tuple[str, str] | None:
+def _shared_memory(
+    target: torch.Tensor, inputs: Sequence[torch.Tensor], position: int, group: frozenset[int] = frozenset()
+) -> tuple[str, str] | None:
     """(what, fix) when `target`'s elements overlap another input's (the same tensor at another
     position included), else None (two halves of one tensor do not overlap).  The rare path:
     only a target whose storage another input shares gets here (inputs without readable
@@ -277,7 +282,7 @@ def _shared_memory(target: torch.Tensor, inputs: Sequence[torch.Tensor], positio
     span = _byte_span(target)
     if span is None:
         return None
-    others = [t for i, t in enumerate(inputs) if i != position and (position >= 0 or t is not target)]
+    others = [t for i, t in enumerate(inputs) if i != position and i not in group and (position >= 0 or t is not target)]
     if any(t is target for t in others):
         return (
             "the same tensor is also another input of the call (passed twice, or the module's own "
