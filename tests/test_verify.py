@@ -37,7 +37,7 @@ def test_op_table_decides_every_op():
     moved = sorted(p for family, packets in current.items() for p in packets if p in set().union(*stored.values()) and p not in stored.get(family, ()))
     assert (new, gone, moved) == ([], [], []), (
         f"torch's ops changed: new {new}, gone {gone}, moved between families {moved}. "
-        "Run `python -m predispatch.program.op_allowlist --write` and review the diff of _op_families.py."
+        "Run `python -m predispatch.program.op_allowlist --write` and review the diff of the op_families_<release>.json table."
     )
     assert op_allowlist.render(current) == open(op_allowlist.TABLE_PATH).read()
 

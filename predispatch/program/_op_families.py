@@ -1,27 +1,29 @@
 """Which family of `op_allowlist.FAMILIES` each op packet of the running torch falls in.
 
-The table generated on the running torch's release (`_op_families_by_torch/torch_<major>_<minor>.py`);
-on a release with none, the newest older one: a packet it does not list is refused at load as
-"undecided", never allowed by guess.
+The table generated on the running torch's release (`op_families_<major>.<minor>.json` beside
+this file, by `python -m predispatch.program.op_allowlist --write`); on a release with none, the
+newest older one: a packet it does not list is refused at load as "undecided", never allowed by
+guess.  torch adds, drops and re-tags ops between releases, so one table cannot decide them all.
 """
 
 from __future__ import annotations
 
-import importlib
+import json
+from pathlib import Path
 
 from predispatch._torch_internals import TESTED, TORCH
 
-__all__ = ["PACKETS", "TABLE_TORCH", "TORCH_VERSION", "module_name"]
+__all__ = ["PACKETS", "TABLE_TORCH", "TORCH_VERSION", "table_path"]
 
 
-def module_name(version: tuple[int, int]) -> str:
+def table_path(version: tuple[int, int]) -> Path:
     """The generated table of torch `version` (major, minor)."""
-    return f"predispatch.program._op_families_by_torch.torch_{version[0]}_{version[1]}"
+    return Path(__file__).with_name(f"op_families_{version[0]}.{version[1]}.json")
 
 
 #: The release whose table decides here: the running one, or the newest tested one before it.
 TABLE_TORCH = max((v for v in TESTED if v <= TORCH), default=TESTED[0])
 
-_table = importlib.import_module(module_name(TABLE_TORCH))
-PACKETS: dict[str, tuple[str, ...]] = _table.PACKETS
-TORCH_VERSION: str = _table.TORCH_VERSION
+_table = json.loads(table_path(TABLE_TORCH).read_text())
+PACKETS: dict[str, tuple[str, ...]] = {family: tuple(packets) for family, packets in _table["packets"].items()}
+TORCH_VERSION: str = _table["torch_version"]
