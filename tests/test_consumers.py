@@ -302,3 +302,109 @@ def test_onnx_dynamic_batch(source):
         x = torch.randn(batch, 8)
         (actual,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
         assert_close(torch.from_numpy(actual), model(x), **tolerance("mlp"))
+
+
+# ---- training routes (docs/comparison.md#training-routes)
+
+
+class ConvBNReLU(ConvBN):
+    """conv -> BN -> ReLU in train mode: QAT fuses conv+BN and updates BN's statistics."""
+
+
+class DropoutMLP(MLP):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+QAT_MODELS = {
+    "conv_bn_relu": lambda: (ConvBNReLU(), torch.randn(4, 3, 8, 8)),
+    "mlp_dropout": lambda: (DropoutMLP(), torch.randn(8, 8)),
+}
+
+
+def qat_module(source: str, model: nn.Module, x: torch.Tensor) -> torch.fx.GraphModule:
+    """The module each route hands `prepare_qat_pt2e`: torch.export's `module()`, and
+    predispatch's documented QAT route, `ep.to_torch().module()` (torch's training IR)."""
+    if source == "torch.export":
+        return torch.export.export(copy.deepcopy(model), (x,)).module()
+    return predispatch.export(copy.deepcopy(model), (x,)).to_torch().module()
+
+
+def run_qat(source: str, model: nn.Module, x: torch.Tensor) -> dict:
+    """prepare_qat_pt2e -> 3 SGD steps -> move_exported_model_to_eval -> convert_pt2e; what each step left."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import XNNPACKQuantizer, get_symmetric_quantization_config
+    from torchao.quantization.pt2e import move_exported_model_to_eval
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
+
+    torch.manual_seed(0)
+    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_qat=True))
+    prepared = prepare_qat_pt2e(qat_module(source, model, x), quantizer)
+    prepared_ops = _ops(prepared)  # convert_pt2e rewrites `prepared` in place
+    optimizer = torch.optim.SGD(prepared.parameters(), lr=0.05)
+    for _ in range(3):
+        optimizer.zero_grad()
+        prepared(x).pow(2).mean().backward()
+        optimizer.step()
+    trained = {k: v.clone() for k, v in prepared.state_dict().items()}
+    move_exported_model_to_eval(prepared)
+    evaluated = prepared(x)
+    converted = convert_pt2e(prepared)
+    return {
+        "prepared_ops": prepared_ops, "state": trained, "eval": evaluated,
+        "converted_ops": _ops(converted), "converted": (converted(x), converted(x)),
+    }
+
+
+def _ops(gm: torch.fx.GraphModule) -> set[str]:
+    """The aten and quantization ops a graph calls (not the module's own helpers)."""
+    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
+
+
+@pytest.mark.parametrize("model_name", QAT_MODELS)
+def test_qat_pt2e_matches_torch_export(model_name):
+    """QAT on predispatch's route gives torch.export's route's model: conv+BN fused for QAT, BN
+    statistics (num_batches_tracked too) updated, the eval switch applied, BN folded and dropout
+    off after convert, the same numbers throughout."""
+    model, x = QAT_MODELS[model_name]()
+    expected, actual = run_qat("torch.export", model, x), run_qat("predispatch", model, x)
+    assert actual["prepared_ops"] == expected["prepared_ops"]
+    assert actual["state"].keys() == expected["state"].keys()
+    for key, value in expected["state"].items():
+        torch.testing.assert_close(actual["state"][key], value, rtol=0, atol=0, msg=key)
+    torch.testing.assert_close(actual["eval"], expected["eval"], rtol=0, atol=0)
+    assert "aten.batch_norm.default" not in actual["converted_ops"]  # folded into the conv
+    torch.testing.assert_close(actual["converted"][0], actual["converted"][1], rtol=0, atol=0)  # dropout off
+    torch.testing.assert_close(actual["converted"][0], expected["converted"][0], rtol=0, atol=0)
+    if model_name == "conv_bn_relu":
+        assert actual["state"]["bn.num_batches_tracked"].item() == 3
+        assert "aten.sqrt.default" in actual["prepared_ops"]  # the QAT conv+BN fusion's weight scaling
+
+
+def test_write_back_survives_fx_dead_code_elimination():
+    """ep.module()'s write-back call has no users; FX keeps it because it is declared side-effectful."""
+    model, x = ConvBNReLU(), torch.randn(2, 3, 8, 8)
+    module = predispatch.export(copy.deepcopy(model), (x,)).module()
+    module.graph.eliminate_dead_code()
+    module.recompile()
+    module(x)
+    model(x)
+    for name, value in model.bn.state_dict().items():
+        torch.testing.assert_close(getattr(module.bn, name), value, msg=name)
+
+
+def test_pt2e_mode_switch_on_program_module_is_refused():
+    """allow_exported_model_train_eval on ep.module() would switch nothing (its graph holds
+    the functional forms PT2E's patterns do not match): refused, naming the route that works."""
+    from torchao.quantization.pt2e import allow_exported_model_train_eval, move_exported_model_to_eval
+
+    module = predispatch.export(ConvBNReLU(), (torch.randn(2, 3, 8, 8),)).module()
+    with pytest.raises(predispatch.errors.ModeSwitchError, match=r"ep.to_torch\(\).module\(\)"):
+        allow_exported_model_train_eval(module)
+    with pytest.raises(predispatch.errors.ModeSwitchError, match="move_exported_model_to_eval"):
+        move_exported_model_to_eval(module)
+    evaluated = predispatch.export(ConvBNReLU().eval(), (torch.randn(2, 3, 8, 8),)).module()
+    move_exported_model_to_eval(evaluated)  # already eval: nothing to switch, allowed

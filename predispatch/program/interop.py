@@ -10,6 +10,9 @@ The differences are in the calling convention, which `to_torch` rewrites on a co
     tensors a graph creates: get_attr            lifted to CONSTANT_TENSOR inputs (into regions
                                                  as extra operands of their HOP call)
     a mutated tensor attribute (CONSTANT_TENSOR) a non-persistent buffer (torch mutates buffers)
+    functional batch norm, native_dropout        aten.batch_norm (statistics updated in place),
+                                                 aten.dropout: torch's training IR, which PT2E's
+                                                 patterns match (passes/recompose_for_torch.py)
 
 What converts: every OpOverload (aten, prims, and custom ops such as predispatch::keep_history,
 which `torch.export.load` finds once `predispatch` is imported), `operator.getitem`, and the
@@ -55,6 +58,7 @@ from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 from predispatch import _torch_internals as ti
 from predispatch.errors import NotRepresentableError
 from predispatch.frontend.inputs import unique_identifier
+from predispatch.passes.recompose_for_torch import recompose_for_torch
 from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, OutputKind, OutputSpec
 
 if TYPE_CHECKING:
@@ -107,6 +111,7 @@ def to_torch(ep: ExportedProgram, *, for_inference: bool = False) -> torch.expor
         return _to_torch_for_inference(ep)
     _refuse_unrepresentable(ep)
     builder = _TorchGraph(ep)
+    output_specs = recompose_for_torch(builder.graph, builder.input_specs, builder.output_specs)
     sig = ep.signature
     call = ModuleCallSignature(
         inputs=[], outputs=[], in_spec=sig.in_spec, out_spec=sig.out_spec, forward_arg_names=_forward_arg_names(ep)
@@ -114,7 +119,7 @@ def to_torch(ep: ExportedProgram, *, for_inference: bool = False) -> torch.expor
     return torch.export.ExportedProgram(
         root=builder.root,
         graph=builder.graph,
-        graph_signature=tsig.ExportGraphSignature(builder.input_specs, builder.output_specs),
+        graph_signature=tsig.ExportGraphSignature(builder.input_specs, output_specs),
         state_dict=builder.state_dict,
         range_constraints=_range_constraints(builder.graph),
         module_call_graph=[ModuleCallEntry("", call)],

@@ -32,7 +32,7 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
 from predispatch.frontend.reachable import in_tree, resolve
-from predispatch.program.modes import check_mode_switch
+from predispatch.program.modes import PT2E_MODE_ATTRIBUTES, check_mode_switch, check_pt2e_mode_switch
 from predispatch.program.call_structure import describe_mismatch
 from predispatch.program.signature import InputKind, Leaf, OutputKind, ShapeRecord
 from predispatch.program.writes import WritePlan, apply_metadata_mutation, check_write_targets
@@ -98,6 +98,12 @@ class ProgramModule(fx.GraphModule):
         copied.graph = graph  # generates the copy's own code
         keep_class_names(self, copied)
         return copied
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Refuse PT2E's mode switch, which would change nothing here (`check_pt2e_mode_switch`)."""
+        if name in PT2E_MODE_ATTRIBUTES and ti.USER_PRESERVED_ATTRIBUTES in self.__dict__.get("meta", {}):
+            check_pt2e_mode_switch(self.call_contract.training_flags, name, value)
+        super().__setattr__(name, value)
 
     def train(self, mode: bool = True) -> ProgramModule:
         """Refuse a mode the program was not exported in (`.eval()` calls this too); see
@@ -378,6 +384,7 @@ def read_before_write(target: torch.Tensor) -> torch.Tensor:
     return target
 
 
+@fx.node.has_side_effect  # FX's dead-code elimination keeps it, though nothing reads its result
 def apply_mutations(writers: tuple[str, ...], targets: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> None:
     """Write every mutation back, after the graph computed all of them.
 
