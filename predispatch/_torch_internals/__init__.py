@@ -1135,3 +1135,16 @@ def backends_off() -> Iterator[None]:
     finally:
         torch._C._set_mkldnn_enabled(saved[0])
         torch._C._set_nnpack_enabled(saved[1])
+
+
+# ==== issue 22 (consumers-training): torch's joint export for ExecuTorch's training runtime =======
+# Kept apart from the rest of this file, which is being rewritten for torch-version support.
+
+
+def export_forward_backward(ep: Any, loss_index: int = 0) -> Any:
+    """torch's `_export_forward_backward`: the program's joint forward-backward graph with the
+    loss marked (LOSS_OUTPUT) and the gradients as GRADIENT_TO_PARAMETER outputs, the form
+    ExecuTorch's training runtime reads (torch.export.experimental, torch 2.13)."""
+    from torch.export.experimental import _export_forward_backward
+
+    return _export_forward_backward(ep, joint_loss_index=loss_index)

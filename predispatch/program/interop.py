@@ -128,6 +128,19 @@ def to_torch(ep: ExportedProgram, *, for_inference: bool = False) -> torch.expor
     )
 
 
+def to_torch_forward_backward(ep: ExportedProgram, loss_index: int = 0) -> torch.export.ExportedProgram:
+    """torch's joint forward-backward program of `ep` (torch's `_export_forward_backward` of
+    `to_torch()`), the form ExecuTorch's training runtime runs: the loss marked as LOSS_OUTPUT,
+    gradients as GRADIENT_TO_PARAMETER outputs.  Captured Functions keep their custom backward
+    (torch's joint traces the HOP's backward); train-mode batch norm is lowered to core ATen
+    ops (passes/lower_batch_norm_stats.py), which `to_edge` requires."""
+    from predispatch.passes.lower_batch_norm_stats import lower_batch_norm_stats
+
+    joint = ti.export_forward_backward(to_torch(ep), loss_index)
+    lower_batch_norm_stats(joint.graph_module)
+    return joint
+
+
 def _to_torch_for_inference(ep: ExportedProgram) -> torch.export.ExportedProgram:
     """See Note [Custom backwards in torch's ExportedProgram]: Function forwards inlined on a
     copy, then torch's own inference lowering, which keeps ops whole."""
@@ -259,7 +272,7 @@ class _TorchGraph:
         tensor = _copy(self.ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else self.ep.state_dict[spec.target])
         for i, fqn in enumerate(spec.names):
             name = node.name if i == 0 else unique_identifier(PLACEHOLDER_PREFIX[spec.kind] + fqn, self._taken)
-            placeholder = self._placeholder(name, node.meta)
+            placeholder = self._placeholder(name, _meta_with_grad(node.meta, tensor.requires_grad))
             if i == 0:
                 self._env[node] = placeholder
             self._add_state_input(spec, fqn, placeholder.name, tensor, mutated)
@@ -360,6 +373,16 @@ def _output_kind(spec: OutputSpec, sig: Any, placeholders: dict[str, fx.Node]) -
         name = next(s.name for s in sig.inputs_of(InputKind.USER_INPUT) if s.target == spec.target)
         return tsig.OutputKind.GRADIENT_TO_USER_INPUT, placeholders[name].name
     return tsig.OutputKind.USER_OUTPUT, None
+
+
+def _meta_with_grad(meta: dict, requires_grad: bool) -> dict:
+    """`meta` whose example value requires grad as the state tensor does, as torch.export records
+    parameters: torch's `_export_forward_backward` differentiates the inputs whose example value
+    requires grad (the trace's fake values never do, since functionalization runs below autograd)."""
+    val = meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.requires_grad == requires_grad:
+        return meta
+    return {**meta, "val": val.detach().requires_grad_(requires_grad)}
 
 
 def _attribute(module: torch.nn.Module, target: str) -> Any:
