@@ -296,7 +296,8 @@ def test_onnx_dynamic_batch(source):
         program = torch.export.export(model, args, dynamic_shapes=shapes)
     else:
         program = predispatch.export(model, args, dynamic_shapes=shapes).to_torch(for_inference=True)
-    onnx_program = torch.onnx.export(program, args, dynamo=True, verbose=False)
+    onnx_program = torch.onnx.export(program, args, dynamic_shapes=shapes, dynamo=True, verbose=False)
+    assert str(onnx_program.model.graph.inputs[0].shape[0]) == "batch"  # the user's Dim name, given again
     session = onnxruntime.InferenceSession(onnx_program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
     for batch in (2, 9, 64):
         x = torch.randn(batch, 8)

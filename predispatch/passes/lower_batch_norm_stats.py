@@ -26,6 +26,7 @@ Post: no `_native_batch_norm_legit_functional`; `meta["val"]` of new nodes propa
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 from torch import fx
@@ -45,6 +46,7 @@ def lower_batch_norm_stats(gm: fx.GraphModule) -> int:
 
 
 def _lower(graph: fx.Graph, node: fx.Node) -> None:
+    """Replace one functional batch norm by `no_stats` batch norm and the statistics' update."""
     x, weight, bias, running_mean, running_var, training, momentum, eps = node.args
     rank = node.args[0].meta["val"].dim()
     with graph.inserting_before(node):
@@ -60,14 +62,14 @@ def _lower(graph: fx.Graph, node: fx.Node) -> None:
     graph.erase_node(node)
 
 
-def _update(graph: fx.Graph, running: fx.Node, batch: fx.Node, momentum: float) -> fx.Node:
+def _update(graph: fx.Graph, running: Any, batch: fx.Node, momentum: Any) -> fx.Node:
     """`running * (1 - momentum) + batch * momentum`, as eager's kernel updates a statistic."""
     kept = _call(graph, aten.mul.Tensor, running, 1 - momentum)
     new = _call(graph, aten.mul.Tensor, batch, momentum)
     return _call(graph, aten.add.Tensor, kept, new)
 
 
-def _call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
+def _call(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
     """A new node with its `meta["val"]`, computed on the inputs' fake values."""
     node = graph.call_function(target, args, kwargs)
     fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
@@ -75,7 +77,7 @@ def _call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
     return node
 
 
-def _fake_value(target, args, kwargs):
+def _fake_value(target: Any, args: Any, kwargs: dict) -> Any:
     """`target` run on fake values, in their fake mode (getitem of a tuple needs none)."""
     if target is operator.getitem:
         return args[0][args[1]]

@@ -119,9 +119,9 @@ class _BufferChains:
 
 def _outputs_by_index(node: fx.Node) -> dict[int, fx.Node] | None:
     """`{index: getitem node}` of a multi-output op, or None if anything but `getitem` reads it."""
-    found = {}
+    found: dict[int, fx.Node] = {}
     for user in node.users:
-        if user.target is not operator.getitem:
+        if user.target is not operator.getitem or not isinstance(user.args[1], int):
             return None
         found[user.args[1]] = user
     return found
@@ -147,6 +147,8 @@ def _counter_in_place(graph: fx.Graph, node: fx.Node, chains: _BufferChains) -> 
     `add_(buffer, 1)`; the node to erase.  PT2E's prepare turns the scalar of an out-of-place
     `add` into a `_tensor_constant` attribute, which torch's form does not get."""
     old = node.args[0]
+    if not isinstance(old, fx.Node):
+        return []
     if not (chains.updatable(old, node) and chains.written_once(node, old, (aten.add.Tensor, 0))):
         return []
     with graph.inserting_before(node):
