@@ -360,6 +360,9 @@ class ModeSwitchError(PredispatchError):
     Example: `predispatch.export(model.train(), args).module().eval()`.
     Fix: `predispatch.export_train_eval(model, args)` exports both modes, and its `module()`
     switches between them; or export once per mode: `model.eval(); predispatch.export(model, args)`.
+    Also raised for PT2E's mode switch on `ep.module()` (`allow_exported_model_train_eval`,
+    `move_exported_model_to_eval`), which rewrites ops the functional graph does not hold; give
+    PT2E `ep.to_torch().module()` instead.
     """
 
     anchor = "modeswitcherror"

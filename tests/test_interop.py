@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -37,18 +38,15 @@ TORCH_SAVE_LIMITATIONS = {
     "dict_output": "torch.export.load cannot read a str output (SerializeError: Unable to deserialize output node)",
     "dataclass_input": "torch.export.save needs the dataclass registered with a serialized_type_name",
 }
-_SAVED_THEN_MUTATED = (
-    "torch's module() copies a mutated buffer back in place after the graph saved it for backward "
-    "(batch norm's running stats); torch's own functional programs fail the same way"
-)
 _LEAF_MUTATED = (
     "torch's module() copies a mutation back into a leaf that requires grad (an input, a parameter), "
     "which autograd forbids outside no_grad; predispatch's module() writes such leaves under no_grad"
 )
-#: Programs whose gradients torch's module() cannot compute (forward is still compared).
+#: Programs whose gradients torch's module() cannot compute (forward is still compared).  Train-mode
+#: batch norm is not among them: to_torch() gives it torch's form, which updates the running
+#: statistics inside the kernel (passes/recompose_for_torch.py), see
+#: test_train_batch_norm_is_torch_training_ir.
 TORCH_BACKWARD_LIMITATIONS = {
-    "conv_bn_train": _SAVED_THEN_MUTATED,
-    "region_batchnorm_with_region": _SAVED_THEN_MUTATED,
     "region_input_mutated_under_no_grad": _LEAF_MUTATED,
     "region_ema": _LEAF_MUTATED,
 }
@@ -118,6 +116,31 @@ def test_torch_program_matches(name):
         ep = export_case(name)[0]
         with pytest.raises(RuntimeError):  # the limitation is torch's; when it goes, move the case back
             run_both(ep.module(), ep.to_torch().module(), args, kwargs)
+
+
+def test_train_batch_norm_is_torch_training_ir():
+    """to_torch() gives train-mode batch norm and dropout torch.export's own forms, so torch's
+    module() backpropagates (a write-back of running_var after the graph saved it would not) and
+    PT2E's patterns match them."""
+
+    class ConvBNDropout(ConvBN):
+        def forward(self, x):
+            return torch.nn.functional.dropout(super().forward(x), 0.3)
+
+    torch.manual_seed(0)
+    model, x = ConvBNDropout().train(), torch.randn(2, 3, 6, 6)
+    tep = predispatch.export(model, (x,)).to_torch()
+    ops = [n.target for n in tep.graph.nodes if n.op == "call_function"]
+    theirs = [n.target for n in torch.export.export(model, (x,)).graph.nodes if n.op == "call_function"]
+    assert ops == theirs
+    assert dict(tep.graph_signature.buffers_to_mutate) == {}
+    runs = []
+    for module in (copy.deepcopy(model), tep.module()):
+        torch.manual_seed(1)  # the same dropout mask
+        out = module(x)
+        out.sum().backward()
+        runs.append((out, dict(module.state_dict()), {k: p.grad for k, p in module.named_parameters()}))
+    assert_same_tree(runs[1], runs[0], True)
 
 
 def test_state_is_copied():

@@ -1207,3 +1207,15 @@ def mutated_in_trace(t: torch.Tensor) -> bool:
         return False
     torch._sync(t)
     return bool(_has_data_mutation(t))
+
+
+# --- torch's joint export for ExecuTorch's training runtime (program/exported_program.py) -----
+
+
+def export_forward_backward(ep: Any, loss_index: int = 0) -> Any:
+    """torch's `_export_forward_backward`: the program's joint forward-backward graph with the
+    loss marked (LOSS_OUTPUT) and the gradients as GRADIENT_TO_PARAMETER outputs, the form
+    ExecuTorch's training runtime reads (torch.export.experimental, torch 2.13)."""
+    from torch.export.experimental import _export_forward_backward
+
+    return _export_forward_backward(ep, joint_loss_index=loss_index)

@@ -6,6 +6,10 @@ recompile regenerates the Python code of the whole graph).  Each pass states its
 its docstring; `check_functional` checks the program's contract at the
 end: no op with a mutable schema and no raw grad/autocast toggle anywhere in the graph or its
 subgraphs.
+
+Passes used by `to_torch()` only (predispatch/program/interop.py), imported from their files:
+lower_for_inference, recompose_for_torch (torch's training-IR batch norm and dropout),
+lower_batch_norm_stats (train-mode batch norm as core ATen, for ExecuTorch).
 """
 
 from predispatch.passes.check_functional import check_functional, mutable_ops, raw_toggles

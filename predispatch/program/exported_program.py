@@ -134,6 +134,14 @@ class ExportedProgram:
 
         return to_torch(self, for_inference=for_inference)
 
+    def to_torch_forward_backward(self, loss_index: int = 0) -> torch.export.ExportedProgram:
+        """torch's joint forward-backward program, for ExecuTorch's training runtime
+        (`to_edge(ep.to_torch_forward_backward()).to_executorch()`); loss_index: the position of
+        the loss among the outputs.  See predispatch/program/interop.py."""
+        from predispatch.program.interop import to_torch_forward_backward
+
+        return to_torch_forward_backward(self, loss_index)
+
     def graph_code(self) -> str:
         """The graph as Python code, subgraphs nested, as `print(ep)` shows it (without the signature)."""
         return format_graph(self.graph_module)

@@ -10,6 +10,9 @@ The differences are in the calling convention, which `to_torch` rewrites on a co
     tensors a graph creates: get_attr            lifted to CONSTANT_TENSOR inputs (into regions
                                                  as extra operands of their HOP call)
     a mutated tensor attribute (CONSTANT_TENSOR) a non-persistent buffer (torch mutates buffers)
+    functional batch norm, native_dropout        aten.batch_norm (statistics updated in place),
+                                                 aten.dropout: torch's training IR, which PT2E's
+                                                 patterns match (passes/recompose_for_torch.py)
 
 What converts: every OpOverload (aten, prims, and custom ops such as predispatch::keep_history,
 which `torch.export.load` finds once `predispatch` is imported), `operator.getitem`, and the
@@ -55,6 +58,7 @@ from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 from predispatch import _torch_internals as ti
 from predispatch.errors import NotRepresentableError
 from predispatch.frontend.inputs import unique_identifier
+from predispatch.passes.recompose_for_torch import recompose_for_torch
 from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, OutputKind, OutputSpec
 
 if TYPE_CHECKING:
@@ -107,6 +111,7 @@ def to_torch(ep: ExportedProgram, *, for_inference: bool = False) -> torch.expor
         return _to_torch_for_inference(ep)
     _refuse_unrepresentable(ep)
     builder = _TorchGraph(ep)
+    output_specs = recompose_for_torch(builder.graph, builder.input_specs, builder.output_specs)
     sig = ep.signature
     call = ModuleCallSignature(
         inputs=[], outputs=[], in_spec=sig.in_spec, out_spec=sig.out_spec, forward_arg_names=_forward_arg_names(ep)
@@ -114,13 +119,26 @@ def to_torch(ep: ExportedProgram, *, for_inference: bool = False) -> torch.expor
     return torch.export.ExportedProgram(
         root=builder.root,
         graph=builder.graph,
-        graph_signature=tsig.ExportGraphSignature(builder.input_specs, builder.output_specs),
+        graph_signature=tsig.ExportGraphSignature(builder.input_specs, output_specs),
         state_dict=builder.state_dict,
         range_constraints=_range_constraints(builder.graph),
         module_call_graph=[ModuleCallEntry("", call)],
         constants=builder.constants,
         verifiers=[ti.TrainingIRVerifier],
     )
+
+
+def to_torch_forward_backward(ep: ExportedProgram, loss_index: int = 0) -> torch.export.ExportedProgram:
+    """torch's joint forward-backward program of `ep` (torch's `_export_forward_backward` of
+    `to_torch()`), the form ExecuTorch's training runtime runs: the loss marked as LOSS_OUTPUT,
+    gradients as GRADIENT_TO_PARAMETER outputs.  Captured Functions keep their custom backward
+    (torch's joint traces the HOP's backward); train-mode batch norm is lowered to core ATen
+    ops (passes/lower_batch_norm_stats.py), which `to_edge` requires."""
+    from predispatch.passes.lower_batch_norm_stats import lower_batch_norm_stats
+
+    joint = ti.export_forward_backward(to_torch(ep), loss_index)
+    lower_batch_norm_stats(joint.graph_module)
+    return joint
 
 
 def _to_torch_for_inference(ep: ExportedProgram) -> torch.export.ExportedProgram:
@@ -254,7 +272,7 @@ class _TorchGraph:
         tensor = _copy(self.ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else self.ep.state_dict[spec.target])
         for i, fqn in enumerate(spec.names):
             name = node.name if i == 0 else unique_identifier(PLACEHOLDER_PREFIX[spec.kind] + fqn, self._taken)
-            placeholder = self._placeholder(name, node.meta)
+            placeholder = self._placeholder(name, _meta_with_grad(node.meta, tensor.requires_grad))
             if i == 0:
                 self._env[node] = placeholder
             self._add_state_input(spec, fqn, placeholder.name, tensor, mutated)
@@ -355,6 +373,16 @@ def _output_kind(spec: OutputSpec, sig: Any, placeholders: dict[str, fx.Node]) -
         name = next(s.name for s in sig.inputs_of(InputKind.USER_INPUT) if s.target == spec.target)
         return tsig.OutputKind.GRADIENT_TO_USER_INPUT, placeholders[name].name
     return tsig.OutputKind.USER_OUTPUT, None
+
+
+def _meta_with_grad(meta: dict, requires_grad: bool) -> dict:
+    """`meta` whose example value requires grad as the state tensor does, as torch.export records
+    parameters: torch's `_export_forward_backward` differentiates the inputs whose example value
+    requires grad (the trace's fake values never do, since functionalization runs below autograd)."""
+    val = meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.requires_grad == requires_grad:
+        return meta
+    return {**meta, "val": val.detach().requires_grad_(requires_grad)}
 
 
 def _attribute(module: torch.nn.Module, target: str) -> Any:

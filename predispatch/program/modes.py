@@ -171,3 +171,27 @@ class TrainEvalModule(nn.Module):
     def positional_names(self) -> tuple[str, ...]:
         """The exported callable's positional parameter names (read by a re-export)."""
         return self._runners[True].positional_names
+
+
+#: Attributes PT2E sets on an exported module to switch its graph's mode by rewriting
+#: `aten.batch_norm` / `aten.dropout` patterns (torchao's `allow_exported_model_train_eval`
+#: replaces `train`/`eval`; `move_exported_model_to_eval`/`_train` set `_exported_training`).
+PT2E_MODE_ATTRIBUTES = frozenset({"train", "eval", "_exported_training"})
+
+
+def check_pt2e_mode_switch(training_flags: Sequence[tuple[str, bool]], name: str, value: Any) -> None:
+    """Refuse PT2E's graph-rewriting mode switch on `ep.module()`: its graph holds the functional
+    forms of batch norm and dropout, which PT2E's patterns do not match, so the switch would
+    silently change nothing.  Setting `_exported_training` to the exported mode is allowed (a
+    no-op, as `move_exported_model_to_eval` on an eval program)."""
+    if name == "_exported_training" and all(flag == value for _, flag in training_flags):
+        return
+    raise ModeSwitchError(
+        f"PT2E's mode switch ({'allow_exported_model_train_eval' if name != '_exported_training' else 'move_exported_model_to_' + ('train' if value else 'eval')}) "
+        "rewrites aten.batch_norm and aten.dropout, which ep.module()'s functional graph does not hold: "
+        "it would silently switch nothing.",
+        where=user_frame(),
+        fix="give PT2E torch's training IR, ep.to_torch().module(), whose batch norm and dropout are "
+        "the composites its patterns match (docs/comparison.md#training-routes); or export both modes: "
+        "predispatch.export_train_eval(model, args).module() switches with .train()/.eval().",
+    )

@@ -34,7 +34,13 @@ from predispatch import _torch_internals as ti
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
 from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.program.call_structure import describe_mismatch
-from predispatch.program.modes import check_conversion, check_mode_switch, refuse_copy
+from predispatch.program.modes import (
+    PT2E_MODE_ATTRIBUTES,
+    check_conversion,
+    check_mode_switch,
+    check_pt2e_mode_switch,
+    refuse_copy,
+)
 from predispatch.program.signature import InputKind, Leaf, OutputKind, ShapeRecord
 from predispatch.program.writes import (
     PLAIN_TENSOR_TYPES,
@@ -127,6 +133,12 @@ class ProgramModule(fx.GraphModule):
         that edited the graph in place calls this; setting `.graph` does too)."""
         self.__dict__.pop("_call_plan", None)  # Note [What a call caches]
         return super().recompile()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Refuse PT2E's mode switch, which would change nothing here (`check_pt2e_mode_switch`)."""
+        if name in PT2E_MODE_ATTRIBUTES and ti.USER_PRESERVED_ATTRIBUTES in self.__dict__.get("meta", {}):
+            check_pt2e_mode_switch(self.call_contract.training_flags, name, value)
+        super().__setattr__(name, value)
 
     def train(self, mode: bool = True) -> ProgramModule:
         """Refuse a mode the program was not exported in (`.eval()` calls this too); see
@@ -596,6 +608,7 @@ def _clone_on_read() -> frozenset[int]:
 _NOTHING: frozenset[int] = frozenset()
 
 
+@fx.node.has_side_effect  # FX's dead-code elimination keeps it, though nothing reads its result
 def apply_mutations(writers: tuple[str, ...], targets: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> None:
     """Write every mutation back, after the graph computed all of them.
 
