@@ -11,10 +11,10 @@ than Python's start, and torch is imported by the first call that needs it.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 from predispatch import errors
+from predispatch._lazy import lazy_getattr
 from predispatch._torch_versions import warn_if_untested
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports them
@@ -62,13 +62,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name when first asked for, and keep it (PEP 562)."""
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(globals(), _LAZY)  # a public name is imported when first asked for
 
 
 def __dir__() -> list[str]:

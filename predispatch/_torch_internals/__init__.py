@@ -62,6 +62,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 from torch.utils._python_dispatch import _disable_current_modes
 
+from predispatch._lazy import lazy_getattr
 from predispatch._torch_internals.decomposition import ask as ask_decompose
 from predispatch._torch_internals.decomposition import decomposition_hook, pristine_dispatch, torch_can_decompose_fast
 from predispatch._torch_internals.mechanism import Hook, caller_frame, drift, patched, require
@@ -1008,15 +1009,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import a `_LAZY` name when first asked for (PEP 562)."""
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(globals(), _LAZY)  # a `_LAZY` name is imported when first asked for
 
 
 def fx_reserved_names() -> frozenset[str]:
