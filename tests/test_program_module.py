@@ -315,6 +315,22 @@ converting the program module's torch.float32 state on cpu to torch.float64 on c
         with pytest.raises(ModuleConversionError):
             both.double()
 
+    def test_a_meta_models_state_may_be_materialized(self):
+        """A model built on the meta device is traced as if its weights were real; its program's
+        `to_empty(device=...)` then `load_state_dict` is how weights arrive (the models suite's
+        Llama and ViT do it), not a conversion of traced dtypes or devices."""
+        torch.manual_seed(0)
+        eager = Mlp()
+        with torch.device("meta"):
+            meta = Mlp()
+        x = torch.randn(3, 8)
+        program = predispatch.export(meta, (x,)).module()
+        program.to_empty(device="cpu")
+        program.load_state_dict(eager.state_dict())
+        assert_same_tree(program(x), eager(x))
+        with pytest.raises(ModuleConversionError):
+            program.to(torch.float64)  # real state now: converting it is refused as before
+
 
 def _compiled(module):
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")

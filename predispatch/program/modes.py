@@ -75,10 +75,14 @@ def check_conversion(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tenso
 
     `fn` is tried on an empty tensor of each dtype and device the state has, before anything is
     converted: the graph is traced for those (casts, created tensors, input checks), and the
-    module shares the exported model's tensors, which a conversion would change too."""
+    module shares the exported model's tensors, which a conversion would change too.  State on
+    the meta device may be materialized (`to_empty(device=...)`): a meta model is traced as if its
+    weights were on the inputs' device (`ti.fake_of_meta`)."""
     kinds = {(t.dtype, t.device) for t in (*module.parameters(), *module.buffers())}
     for dtype, device in sorted(kinds, key=str):
         converted = fn(torch.empty(0, dtype=dtype, device=device))
+        if device.type == "meta" and converted.dtype == dtype:
+            continue  # a meta model's state materialized (`to_empty`): the graph was traced for real weights
         if converted.dtype != dtype or converted.device != device:
             raise ModuleConversionError(
                 f"converting the program module's {dtype} state on {device} to {converted.dtype} on "
