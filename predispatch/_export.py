@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -59,7 +60,34 @@ def _export_with_policy(
     dynamic_shapes: Any = None,
     dedup: Dedup = Dedup.ON,
 ) -> ExportedProgram:
-    """`export` once the user's options are checked (tests call it to bypass those checks)."""
+    """`export` once the user's options are checked (tests call it to bypass those checks).
+
+    One export at a time in a process (Note [Export touches only its own thread]): the hooks a
+    trace places in torch are served to its own thread only, but two traces placing and removing
+    them at once would remove each other's; a second thread's export waits.  The lock is
+    re-entrant: an export nested in the running one (same thread) goes on.
+    """
+    with _ONE_EXPORT_AT_A_TIME:
+        return _export_locked(module_or_fn, args, kwargs, policy, dynamic_shapes, dedup)
+
+
+# Note [Export touches only its own thread]
+# -----------------------------------------
+# While one thread exports, others keep running torch: every function export swaps in torch
+# (`ti.patched`, the `Function.apply` interception) serves the exporting thread only and gives
+# every other thread torch's own, and exports themselves are serialised by this lock.
+_ONE_EXPORT_AT_A_TIME = threading.RLock()
+
+
+def _export_locked(
+    module_or_fn: Any,
+    args: tuple,
+    kwargs: dict | None,
+    policy: DecompositionPolicy,
+    dynamic_shapes: Any,
+    dedup: Dedup,
+) -> ExportedProgram:
+    """`_export_with_policy` under the lock."""
     if is_tracing():  # called by the code another export is tracing
         with ti.outside_trace(keep_decomposition_policy=False), isolated(modules_of(module_or_fn, args, kwargs)):
             return _export_nested(module_or_fn, args, kwargs, policy)
