@@ -21,7 +21,8 @@ from torch import nn
 from predispatch import _torch_internals as ti
 from predispatch.frontend.reachable import beyond_tree
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
+#: Every device type's autocast state, not only CPU's and CUDA's (forward may enter any).
+_AUTOCAST_DEVICES = ti.AUTOCAST_DEVICE_TYPES
 
 
 @dataclass(frozen=True)

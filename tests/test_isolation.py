@@ -156,6 +156,9 @@ def _flip_switch(switch: ti.GlobalSwitch):
         return public[switch.name]()
     if isinstance(value, bool):
         return switch.set(not value)
+    if isinstance(value, dict):  # a config module: flip its first boolean key
+        key = next(k for k, v in value.items() if isinstance(v, bool))
+        return switch.set({**value, key: not value[key]})
     if isinstance(value, tuple):
         return switch.set((not value[0], *value[1:]))
     if isinstance(value, str) and "fp32_precision" in switch.name:
@@ -224,6 +227,10 @@ def test_switch_table_names_the_public_ones():
         "torch.backends.cuda.enable_flash_sdp",
         "torch.set_default_device",
         "torch.set_warn_always",
+        "torch.jit enabled (torch.jit._state.disable/enable)",
+        "torch._C._functorch._set_vmap_fallback_enabled",
+        "torch._functorch.config",
+        "torch._dynamo.config",
     ):
         assert name in names, name
 
@@ -438,3 +445,24 @@ def test_exports_in_two_threads_both_succeed_and_other_threads_keep_torchs_funct
         x = dict((id(m), x) for m, x in made)[id(module)].clone().requires_grad_()
         module(x).sum().backward()
         assert torch.equal(grad, x.grad)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["success", "failure"])
+def test_autocast_state_of_every_device_type_restored(fail):
+    """Forward leaves autocast on, with another dtype, for every device type torch keeps a state
+    for (xpu, hpu, mps, ... not only cpu and cuda); export puts each back."""
+
+    class LeavesAutocastOn(nn.Module):
+        def forward(self, x):
+            for device in ti.AUTOCAST_DEVICE_TYPES:
+                torch.set_autocast_enabled(device, True)
+                torch.set_autocast_dtype(device, torch.float16 if device == "cpu" else torch.bfloat16)
+            if fail:
+                raise RuntimeError("boom")
+            return x * 2
+
+    assert {"cpu", "cuda", "xpu", "hpu", "mps"} <= set(ti.AUTOCAST_DEVICE_TYPES)
+    before = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ti.AUTOCAST_DEVICE_TYPES}
+    with pytest.raises(predispatch.errors.TraceError) if fail else contextlib.nullcontext():
+        predispatch.export(LeavesAutocastOn(), (torch.randn(3),))
+    assert {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ti.AUTOCAST_DEVICE_TYPES} == before

@@ -84,6 +84,7 @@ __all__ = [
     "fake_of_meta",
     "GLOBAL_SWITCHES",
     "GlobalSwitch",
+    "AUTOCAST_DEVICE_TYPES",
     "UNREADABLE",
     "global_module_hook_tables",
     "torch_keeps_whole_in_export",
@@ -840,13 +841,31 @@ def _readable(read: Callable[[], Any]) -> Any:
     return UNREADABLE if value is None else value
 
 
+def _config_switch(module_name: str) -> GlobalSwitch:
+    """A torch config module's values (`torch._dynamo.config`, `torch._functorch.config`), which
+    forward may set: read as a copy, written back key by key (only the keys that differ, so
+    deprecated keys are not written and warn nothing)."""
+
+    def config() -> Any:
+        import importlib
+
+        return importlib.import_module(module_name)
+
+    def put_back(saved: dict[str, Any]) -> None:
+        now = config().get_config_copy()
+        config().load_config({key: value for key, value in saved.items() if now.get(key) != value})
+
+    return GlobalSwitch(module_name, lambda: config().get_config_copy(), put_back)
+
+
 def _float32_matmul_precision() -> str:
     """torch refuses to answer once the legacy and the new fp32_precision APIs were mixed."""
     return _readable(torch.get_float32_matmul_precision)
 
 
 #: Every process-wide switch a forward can flip, enumerated from torch 2.13's `torch/__init__.py`,
-#: `torch/backends/*/__init__.py`, `torch/autograd` and the `torch._C._set_*`/`_get_*` pairs.
+#: `torch/backends/*/__init__.py`, `torch/autograd`, the `torch._C._set_*`/`_get_*` pairs, the JIT's
+#: and functorch's flags, and the Dynamo and functorch config modules.
 #: In restore order: the fp32_precision entries last (the legacy switches write them too).
 #: Not here, and why: `set_num_interop_threads` (can be called once, before any parallel work;
 #: eager raises on a second call, so there is nothing to restore), grad mode, default dtype,
@@ -937,6 +956,18 @@ _SWITCHES: tuple[GlobalSwitch | None, ...] = (
         "_set_math_sdp_allow_fp16_bf16_reduction",
     ),
     _c_switch("torch.nn.attention (sdpa priority order)", "_get_sdp_priority_order", "_set_sdp_priority_order"),
+    GlobalSwitch(
+        "torch.jit enabled (torch.jit._state.disable/enable)",
+        lambda: torch.jit._state._enabled.enabled,
+        lambda value: setattr(torch.jit._state._enabled, "enabled", value),
+    ),
+    GlobalSwitch(
+        "torch._C._functorch._set_vmap_fallback_enabled",
+        lambda: torch._C._functorch._is_vmap_fallback_enabled(),
+        lambda value: torch._C._functorch._set_vmap_fallback_enabled(value),
+    ),
+    _config_switch("torch._functorch.config"),
+    _config_switch("torch._dynamo.config"),
     # last: the legacy switches above (matmul precision, allow_tf32) also write these
     *(
         _fp32_precision(backend, op)
@@ -973,6 +1004,23 @@ def check_module_hook_tables() -> None:
     missing = ({"_backward_hooks", "_backward_pre_hooks"} - tables) | ({"_global_backward_hooks", "_global_backward_pre_hooks"} - global_tables)
     if unknown or missing:
         raise drift(MODULE_HOOKS, f"nn.Module's hook tables changed (new: {sorted(unknown)}, gone: {sorted(missing)})")
+
+
+def _autocast_device_types() -> tuple[str, ...]:
+    """The device types whose autocast state torch keeps (each has its own on/off and dtype)."""
+    candidates = ("cpu", "cuda", "xpu", "hpu", "mps", "xla", "mtia", "maia", "ipu", torch._C._get_privateuse1_backend_name())
+    kept = []
+    for device in dict.fromkeys(candidates):
+        try:
+            torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+        except (RuntimeError, ValueError, TypeError):
+            continue
+        kept.append(device)
+    return tuple(kept)
+
+
+#: Every device type with an autocast state in this torch (`_isolation.GlobalState` restores each).
+AUTOCAST_DEVICE_TYPES = _autocast_device_types()
 
 
 def global_module_hook_tables() -> tuple[dict, ...]:
