@@ -54,10 +54,14 @@ import sys
 import warnings
 from importlib import metadata
 
-__all__ = ["TESTED", "TORCH", "TORCH_VERSION", "HAS", "tested", "warn_if_untested"]
+__all__ = ["DEVELOPMENT", "TESTED", "TORCH", "TORCH_VERSION", "HAS", "tested", "tested_range", "warn_if_untested"]
 
 #: The torch releases CI runs the default suite on (.ci/run); pyproject.toml admits this range.
 TESTED = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
+
+#: The development release (the README's quick path, the local CPU wheel): docs/audit.md, the
+#: notebooks' stored outputs, docs/comparison.md and the golden graphs are made on it.
+DEVELOPMENT = (2, 13)
 
 
 def _parse(version: str) -> tuple[int, int]:
@@ -108,15 +112,21 @@ def tested() -> bool:
     return TORCH in TESTED
 
 
+def tested_range() -> tuple[str, str]:
+    """The tested releases in words and as a pip requirement: ("2.11 to 2.15", "torch>=2.11,<2.16")."""
+    low, high = TESTED[0], TESTED[-1]
+    return f"{low[0]}.{low[1]} to {high[0]}.{high[1]}", f"torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}"
+
+
 def warn_if_untested() -> None:
     """Warn once per process when torch is outside the tested range (called by `import predispatch`)."""
     if not tested():
-        low, high = TESTED[0], TESTED[-1]
+        words, requirement = tested_range()
         warnings.warn(
-            f"predispatch is tested with torch {low[0]}.{low[1]} to {high[0]}.{high[1]}; this is torch "
+            f"predispatch is tested with torch {words}; this is torch "
             f"{TORCH_VERSION}. Every hook predispatch places in torch checks that it engaged and "
             f"raises TorchDriftError if not, but untested releases may refuse programs the tested ones "
-            f"export. Install a tested torch (pip install 'torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}').",
+            f"export. Install a tested torch (pip install '{requirement}').",
             UserWarning,
             stacklevel=3,
         )

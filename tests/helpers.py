@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import predispatch
+from predispatch._torch_versions import DEVELOPMENT
 from predispatch.passes import mutable_ops
 from predispatch.program.printing import format_graph
 
@@ -144,7 +145,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 #: The torch release the golden graphs are written on (the README's quick path).  A few graphs
 #: print differently on other releases (node order, alias nodes torch's autograd adds): those
 #: tests compare their golden on this release only, and their numeric checks on every release.
-GOLDEN_TORCH = (2, 13)
+GOLDEN_TORCH = DEVELOPMENT
 
 
 def on_golden_torch() -> bool:

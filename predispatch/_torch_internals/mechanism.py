@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from predispatch._torch_versions import tested_range
 from predispatch.errors import TorchDriftError
 
 __all__ = ["Hook", "caller_frame", "drift", "patched", "require"]
@@ -34,10 +35,11 @@ __all__ = ["Hook", "caller_frame", "drift", "patched", "require"]
 
 def drift(mechanism: str, what: str) -> TorchDriftError:
     """The error for a mechanism that cannot engage on this torch."""
+    words, requirement = tested_range()
     return TorchDriftError(
         f"{mechanism} cannot engage on torch {torch.__version__}: {what}. predispatch stops here rather "
         f"than return a program without it.",
-        fix="use a torch release predispatch is tested on (2.11 to 2.15: pip install 'torch>=2.11,<2.16'), "
+        fix=f"use a torch release predispatch is tested on ({words}: pip install '{requirement}'), "
         "and report this message to predispatch.",
     )
 

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from predispatch._torch_internals import TORCH, OpOverload
+from predispatch._torch_versions import DEVELOPMENT
 
-#: The torch release docs/audit.md shows (the development torch, README's quick path).
-DOCS_TORCH = (2, 13)
+#: The torch release docs/audit.md shows: the development one.
+DOCS_TORCH = DEVELOPMENT
 
 
 def table_path(version: tuple[int, int] = TORCH) -> Path:

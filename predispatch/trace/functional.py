@@ -83,7 +83,9 @@ class _Program:
         self.grad_mode_on_exit: bool | None = None
         self.input_metadata_write: str | None = None
         self.visible_generators: frozenset[int] = frozenset()
-        self.engaged: dict[str, Any] = {}  # the hooks `_check_engaged` asks afterwards
+        # what `_check_engaged` asks afterwards: the dispatch observer's hook and the keeper
+        self.observer: ti.Hook | None = None
+        self.keeper: GradHistoryKeeper | None = None
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         prepared = self._prepared
@@ -100,8 +102,7 @@ class _Program:
             # Note [RNG state in forward]
             self.visible_generators = stack.enter_context(refusing_rng_changes(prepared.module))
             stack.enter_context(keeper)  # Note [Mutations inside grad regions]
-            self.engaged["observer"] = stack.enter_context(keeper.observer())
-            self.engaged["keeper"] = keeper
+            self.observer, self.keeper = stack.enter_context(keeper.observer()), keeper
             state = _bind_storage_views(prepared, inputs)  # Note [State that shares storage]
             bound = {
                 fqn: tensor
@@ -325,10 +326,11 @@ def _check_engaged(program: _Program, gm: fx.GraphModule) -> None:
     """The hooks that must have run did run (Note [Drift is loud] in _torch_internals/mechanism.py):
     ops reached the graph through FunctionalTensorMode, so its observer saw them; every grad-mode
     toggle forward made was recorded in the graph, so its region can be rebuilt."""
+    assert program.observer is not None and program.keeper is not None  # set by the traced call
     ops = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes)
     if ops:
-        program.engaged["observer"].expect_calls("the graph holds ops traced through FunctionalTensorMode")
-    keeper = program.engaged["keeper"]
+        program.observer.expect_calls("the graph holds ops traced through FunctionalTensorMode")
+    keeper = program.keeper
     if keeper.toggles_unrecorded:
         raise ti.drift(
             ti.REGION_CAPTURE,

@@ -23,14 +23,8 @@ from predispatch.trace.autograd_function.subgraphs import CallSite, capture_call
 def _torch_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     """torch's own apply for a call not captured: its forward runs inline, and the forward
     detector lets it (`_Calls.torch_runs`)."""
-    calls = _ACTIVE[-1] if _ACTIVE else None
-    if calls is None:
+    with torch_applies():
         return ti.torch_apply(cls, *args, **kwargs)
-    calls.torch_runs += 1
-    try:
-        return ti.torch_apply(cls, *args, **kwargs)
-    finally:
-        calls.torch_runs -= 1
 
 
 def _run_checkpointed(cls, function, preserve_rng_state, *args):
