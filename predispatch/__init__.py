@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 from predispatch import errors
 from predispatch._lazy import lazy_getattr
 from predispatch._torch_versions import warn_if_untested
+from predispatch._version import __version__
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports them
     from predispatch._export import export, export_train_eval
-    from predispatch._save import save
+    from predispatch._files import load, save
     from predispatch.program import (
         ExportedProgram,
         ExportSignature,
@@ -28,10 +29,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
         OutputKind,
         OutputSpec,
     )
-    from predispatch.program.modes import TrainEvalProgram
-    from predispatch.program.serialize import load
+    from predispatch.program.train_eval import TrainEvalProgram
 
-__version__ = "0.1.0"
 
 warn_if_untested()
 
@@ -54,9 +53,9 @@ __all__ = [
 _LAZY = {
     "export": "predispatch._export",
     "export_train_eval": "predispatch._export",
-    "save": "predispatch._save",
-    "load": "predispatch.program.serialize",
-    "TrainEvalProgram": "predispatch.program.modes",
+    "save": "predispatch._files",
+    "load": "predispatch._files",
+    "TrainEvalProgram": "predispatch.program.train_eval",
     **{name: "predispatch.program" for name in
        ("ExportedProgram", "ExportSignature", "InputKind", "InputSpec", "OutputKind", "OutputSpec")},
 }

@@ -2,7 +2,19 @@
 
     prepare  (frontend/)  module or function + args -> PreparedInputs (named, lifted, fake)
     trace    (trace/)     PreparedInputs -> TracedGraph (functional, pre-dispatch, one trace)
-    build    (program/)   PreparedInputs + TracedGraph -> ExportedProgram (passes, signature)
+    build    (program/)   PreparedInputs + TracedGraph -> ExportedProgram (passes/, signature)
+
+After export, `ExportedProgram`'s methods (program/exported_program.py) delegate, one job a package:
+    run        (runtime/)     ep.module() -> fx.GraphModule: unlift.module_of builds it; each call
+                              goes through runner.py (input checks, the graph, writes.py's write-backs),
+                              modes.py (train/eval, dtype and copy contracts), names.py (safe names)
+    store      (serialize/)   predispatch.save / load (_files.py) -> archive.py: the zip, its JSON
+                              (graph.py, values.py, shapes.py); every loaded file is checked by
+                              verify.py against op_allowlist.py and kernel_inputs.py before use
+    transform  (transforms/)  ep.joint() -> joint.py; ep.to_torch() -> to_torch.py and its lowering
+                              passes (recompose_for_torch, lower_for_inference, lower_batch_norm_stats)
+The records every stage shares (InputSpec, ExportSignature, ...) are in signature.py; imports go
+one way: program -> serialize -> runtime -> transforms (tests/test_layout.py).
 """
 
 from __future__ import annotations
@@ -16,7 +28,7 @@ from predispatch._isolation import isolated
 from predispatch.frontend import modules_of, prepare
 from predispatch.errors import UnsupportedInputError, user_frame
 from predispatch.program import ExportedProgram, build_program
-from predispatch.program.modes import TrainEvalProgram
+from predispatch.program.train_eval import TrainEvalProgram
 from predispatch.trace import DecompositionPolicy, is_tracing, trace
 from predispatch.trace.dedup import Dedup
 
@@ -114,7 +126,7 @@ def export_train_eval(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     `module()` switches between the two programs with `.train()`/`.eval()` as the module does.
 
     The module's training flags are put back as they were.  Options are `export`'s.  See Note
-    [One mode per program] in predispatch/program/modes.py.
+    [One mode per program] in predispatch/runtime/modes.py.
     """
     import torch
 

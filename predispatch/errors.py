@@ -222,7 +222,7 @@ class SerializationError(PredispatchError):
     Cause (load): the file is not a predispatch program, is truncated or corrupted (every
     member is checksummed), has a format version this release does not read, names an op that
     is not allowed or does not exist in this torch, or names a class from a module that is not
-    imported, or breaks the IR contract export keeps (program/verify.py: an op outside the
+    imported, or breaks the IR contract export keeps (serialize/verify.py: an op outside the
     allow list, a HOP operand or output that lies, a kernel fed what its forward never makes,
     a name that is not an identifier or would replace a module attribute, subgraphs nested
     deeper than 32, a meta tensor record), or is a compressed or oversized archive.  Load never returns a partial program and never runs code the file chooses.

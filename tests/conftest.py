@@ -10,8 +10,8 @@ import pytest  # noqa: E402
 @pytest.fixture(autouse=True)
 def verify_every_export(monkeypatch):
     """Every program a test exports keeps the IR contract that `load` checks
-    (predispatch/program/verify.py), so export and load cannot drift apart."""
+    (predispatch/serialize/verify.py), so export and load cannot drift apart."""
     import predispatch._export as export_module
-    from predispatch.program.verify import verifying
+    from predispatch.serialize.verify import verifying
 
     monkeypatch.setattr(export_module, "_export_with_policy", verifying(export_module._export_with_policy))

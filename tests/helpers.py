@@ -161,8 +161,8 @@ def stable_message(exc: BaseException) -> str:
 
 
 def assert_verified(ep: predispatch.ExportedProgram) -> None:
-    """The program keeps the IR contract `load` checks (predispatch/program/verify.py)."""
-    from predispatch.program.verify import custom_namespaces, program_problems
+    """The program keeps the IR contract `load` checks (predispatch/serialize/verify.py)."""
+    from predispatch.serialize.verify import custom_namespaces, program_problems
 
     problems = program_problems(ep, op_namespaces=custom_namespaces(ep.graph_module))
     assert not problems, "\n".join(map(str, problems))

@@ -164,7 +164,7 @@ def node_arg(path: str) -> str:
 
 
 def _family_ops(*families: str) -> list[str]:
-    from predispatch.program._op_families import PACKETS
+    from predispatch.serialize.op_families import PACKETS
 
     return sorted(o for f in families for p in PACKETS[f] for o in _overloads(p))
 
@@ -651,8 +651,8 @@ def kernel_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Atta
     yield Attack("kernels", "sobol draw from a one-row state (heap corruption)", edited(bases["autograd_functions"], lambda p: call(
         p, "add_2", "aten._sobol_engine_draw.default", [{"node": "x"}, 100000, {"node": "x"}, 1000, 0, {"dtype": "float32"}])),
         ("node add_2", "which a file may not call (trusts_inputs:"))
-    from predispatch.program.kernel_inputs import REFUSED_IN_FILES
-    from predispatch.program.op_allowlist import decide
+    from predispatch.serialize.kernel_inputs import REFUSED_IN_FILES
+    from predispatch.serialize.op_allowlist import decide
 
     callable_ops = sorted(o for p in REFUSED_IN_FILES for o in _overloads(p) if decide(_op(o), stored=False).allowed)
     yield from _op_attacks("kernels", callable_ops,

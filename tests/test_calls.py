@@ -73,7 +73,7 @@ def _outcome(fn):
 
 
 class WriteTargets(TestCase):
-    """Note [All or nothing calls] in predispatch/program/writes.py."""
+    """Note [All or nothing calls] in predispatch/runtime/writes.py."""
 
     def _refused(self, module, make_args):
         """Eager raises; the program raises MutationTargetError before writing or drawing anything."""
@@ -423,7 +423,7 @@ class Dropper(nn.Module):
 
 
 class TrainEval(TestCase):
-    """Note [One mode per program] in predispatch/program/modes.py."""
+    """Note [One mode per program] in predispatch/runtime/modes.py."""
 
     def _in_mode(self, training: bool):
         torch.manual_seed(0)

@@ -17,7 +17,7 @@ from expecttest import TestCase
 from torch import fx, nn
 
 import predispatch
-from predispatch.program.signature import InputKind, InputSpec, OutputKind, OutputSpec
+from predispatch.signature import InputKind, InputSpec, OutputKind, OutputSpec
 from predispatch.render import (
     ClusterKind,
     EdgeKind,

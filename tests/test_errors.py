@@ -312,7 +312,7 @@ predispatch.save takes a predispatch ExportedProgram; got a torch.export.exporte
   fix: use torch.export.save(ep, path) for torch.export's programs; predispatch.save takes what predispatch.export(model, args) returns.
   see docs/errors.md#notaprogramerror""")
         self.assertExpectedInline(fixes["train_eval"], """\
-predispatch.save takes a predispatch ExportedProgram; got a predispatch.program.modes.TrainEvalProgram.
+predispatch.save takes a predispatch ExportedProgram; got a predispatch.program.train_eval.TrainEvalProgram.
   at test_errors.py:N (predispatch.save(value, "never-written.pd"))
   fix: save its two programs one by one: predispatch.save(p.train_program, 'train.pd') and predispatch.save(p.eval_program, 'eval.pd'); TrainEvalProgram(load('train.pd'), load('eval.pd'), p.training) puts them together again.
   see docs/errors.md#notaprogramerror""")

@@ -368,7 +368,7 @@ class ModulesOutsideTheTree(TestCase):
 
     def test_outside_tree_paths_are_verified(self):
         """A recorded path no lifted state lies under breaks the contract (a crafted file)."""
-        from predispatch.program.verify import program_problems
+        from predispatch.serialize.verify import program_problems
 
         ep = predispatch.export(OutsideTheTree(), (torch.randn(4, 3),))
         self.assertEqual(program_problems(ep), [])

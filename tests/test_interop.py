@@ -44,7 +44,7 @@ _LEAF_MUTATED = (
 )
 #: Programs whose gradients torch's module() cannot compute (forward is still compared).  Train-mode
 #: batch norm is not among them: to_torch() gives it torch's form, which updates the running
-#: statistics inside the kernel (passes/recompose_for_torch.py), see
+#: statistics inside the kernel (transforms/recompose_for_torch.py), see
 #: test_train_batch_norm_is_torch_training_ir.
 TORCH_BACKWARD_LIMITATIONS = {
     "region_input_mutated_under_no_grad": _LEAF_MUTATED,

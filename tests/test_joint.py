@@ -24,7 +24,7 @@ from torch import nn
 import predispatch
 from predispatch.errors import JointError
 from predispatch.passes import mutable_ops
-from predispatch.program.signature import InputKind, OutputKind
+from predispatch.signature import InputKind, OutputKind
 
 
 class Loss(nn.Module):

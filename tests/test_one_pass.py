@@ -21,6 +21,7 @@ from torch import fx, nn
 
 import predispatch
 from predispatch import _torch_internals as ti
+from predispatch._torch_internals import tracing as ti_tracing
 
 
 def aot_trace_program(fn, args, scope) -> ti.ProgramTrace:
@@ -141,7 +142,7 @@ def test_forward_frame_stack_traces_are_torchs_text(monkeypatch):
     args = (torch.randn(2, 3),)
     fast = predispatch.export(module, args)
     with monkeypatch.context() as patch:
-        patch.setattr(ti, "forward_frames_only", contextlib.nullcontext)
+        patch.setattr(ti_tracing, "forward_frames_only", contextlib.nullcontext)
         torch_own = predispatch.export(module, args)
     traces = [n.meta.get("stack_trace") for n in fast.graph.nodes]
     assert traces == [n.meta.get("stack_trace") for n in torch_own.graph.nodes]

@@ -143,11 +143,11 @@ def forward(self, x, scale, tag):
     lin_weight = self.lin.weight
     lin_bias = self.lin.bias
     steps = self.steps
-    read_before_write = predispatch_program_runner_read_before_write(steps)
+    read_before_write = predispatch_runtime_runner_read_before_write(steps)
     add = torch.ops.aten.add.Tensor(read_before_write, 1);  read_before_write = None
     linear = torch.ops.aten.linear.default(x, lin_weight, lin_bias);  x = lin_weight = lin_bias = None
     mul = torch.ops.aten.mul.Tensor(linear, scale);  linear = scale = None
-    apply_mutations = predispatch_program_runner_apply_mutations(('copy',), (steps,), (add,));  steps = add = apply_mutations = None
+    apply_mutations = predispatch_runtime_runner_apply_mutations(('copy',), (steps,), (add,));  steps = add = apply_mutations = None
     return pytree.tree_unflatten([mul, 'a'], self._out_spec)""",
         )
         eager = copy.deepcopy(net)
@@ -189,7 +189,7 @@ class Dropout(nn.Module):
 
 
 class SharesState(TestCase):
-    """Note [module() shares the program's state] in predispatch/program/unlift.py."""
+    """Note [module() shares the program's state] in predispatch/runtime/unlift.py."""
 
     def test_module_holds_the_models_own_tensors(self):
         module = ConvBn()

@@ -28,7 +28,7 @@ from torch import nn
 
 import predispatch
 from predispatch.errors import SerializationError
-from predispatch.program import serialize
+from predispatch.serialize import archive as serialize
 
 
 class GraphTensors(nn.Module):
@@ -215,7 +215,7 @@ def test_file_layout():
 def test_format_covers_every_field():
     """A new field in a saved record must be added to the format (and docs/format.md) on purpose."""
     from predispatch.program.exported_program import ExportedProgram
-    from predispatch.program.signature import ExportSignature, InputSpec, Leaf, OutputSpec, ShapeRecord
+    from predispatch.signature import ExportSignature, InputSpec, Leaf, OutputSpec, ShapeRecord
 
     from predispatch.trace.decompose import DecompositionLog
 
@@ -228,7 +228,7 @@ def test_format_covers_every_field():
         "OutputSpec": ["kind", "name", "target"],
         "Leaf": ["path", "is_tensor", "value"],
         "DecompositionLog": ["decisions"],
-    }, "update predispatch/program/serialize.py and docs/format.md (and VERSION if old files change meaning)"
+    }, "update predispatch/serialize/archive.py and docs/format.md (and VERSION if old files change meaning)"
     assert ShapeRecord.__dataclass_fields__  # saved field by field, whatever its fields
 
 
@@ -548,7 +548,7 @@ def test_nesting_deeper_than_the_bound_is_refused_quickly():
     MAX_SUBGRAPH_DEPTH deep; a deeper one is refused before its graphs are built."""
     import load_attacks
 
-    from predispatch.program.verify import MAX_SUBGRAPH_DEPTH
+    from predispatch.serialize.verify import MAX_SUBGRAPH_DEPTH
 
     data = load_attacks.nested_regions(saved(export_case("region_detached_double")[0]), 100)
     start = time.monotonic()
@@ -563,7 +563,7 @@ def test_load_and_module_cost_grows_linearly_with_nesting(monkeypatch):
     below each level, recompiling as it went: cubic).  Programs at the bound load and run."""
     import load_attacks
 
-    from predispatch.program.verify import MAX_SUBGRAPH_DEPTH
+    from predispatch.serialize.verify import MAX_SUBGRAPH_DEPTH
 
     base = saved(export_case("region_detached_double")[0])
     counts = {}

@@ -20,6 +20,7 @@ import predispatch
 from predispatch import _torch_internals as ti
 from predispatch._torch_internals import autograd_function as ti_function
 from predispatch._torch_internals import decomposition as ti_decomposition
+from predispatch._torch_internals import switches as ti_switches
 from predispatch._torch_versions import TESTED
 from predispatch.errors import AutogradFunctionError, TorchDriftError
 
@@ -208,7 +209,7 @@ def test_tensor_hook_probe_not_reached(monkeypatch):
 
 def test_new_module_hook_table(monkeypatch):
     """A torch release that keeps module hooks in a table predispatch does not know."""
-    monkeypatch.setattr(ti, "KNOWN_MODULE_HOOK_TABLES", ti.KNOWN_MODULE_HOOK_TABLES - {"_backward_pre_hooks"})
+    monkeypatch.setattr(ti_switches, "KNOWN_MODULE_HOOK_TABLES", ti_switches.KNOWN_MODULE_HOOK_TABLES - {"_backward_pre_hooks"})
     with pytest.raises(TorchDriftError) as info:
         predispatch.export(nn.Linear(3, 3), (torch.ones(2, 3),))
     assert message(info.value) == _drift(ti.MODULE_HOOKS, "nn.Module's hook tables changed (new: ['_backward_pre_hooks'], gone: [])")

@@ -59,7 +59,7 @@ def test_the_public_api_type_checks_in_a_users_script(tmp_path: Path):
     out = done.stdout
     assert 'Revealed type is "predispatch.program.exported_program.ExportedProgram"' in out, out
     assert 'Revealed type is "torch.fx.graph_module.GraphModule"' in out, out
-    assert "-> predispatch.program.modes.TrainEvalProgram" in out, out
+    assert "-> predispatch.program.train_eval.TrainEvalProgram" in out, out
     # the one error is the script's own: a program assigned to an int
     errors = [line for line in out.splitlines() if ": error:" in line]
     assert len(errors) == 1 and "user.py:10:" in errors[0] and '"ExportedProgram"' in errors[0], out

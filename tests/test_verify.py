@@ -1,4 +1,4 @@
-"""The IR contract verifier (predispatch/program/verify.py) and its op allow list."""
+"""The IR contract verifier (predispatch/serialize/verify.py) and its op allow list."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from torch import fx, nn
 import predispatch
 from predispatch import _torch_internals as ti
 from predispatch.errors import NonFunctionalGraphError
-from predispatch.program import op_allowlist
-from predispatch.program._serialize_graph import HIGHER_ORDER_OPS
-from predispatch.program.op_allowlist import decide
-from predispatch.program.verify import HOP_CONVENTIONS, graph_problems, program_problems, verifying
+from predispatch.serialize import op_allowlist
+from predispatch.serialize.graph import HIGHER_ORDER_OPS
+from predispatch.serialize.op_allowlist import decide
+from predispatch.serialize.verify import HOP_CONVENTIONS, graph_problems, program_problems, verifying
 
 aten = torch.ops.aten
 
@@ -29,7 +29,7 @@ def test_op_table_decides_every_op():
     """The checked-in table is what the rules generate from this torch: an op torch adds (or
     drops) fails here until someone regenerates the table and reviews the diff."""
     current = op_allowlist.classify(op_allowlist.registry_packets())
-    from predispatch.program._op_families import PACKETS
+    from predispatch.serialize.op_families import PACKETS
 
     stored = {family: set(packets) for family, packets in PACKETS.items()}
     new = sorted(p for packets in current.values() for p in packets if not any(p in s for s in stored.values()))
@@ -37,7 +37,7 @@ def test_op_table_decides_every_op():
     moved = sorted(p for family, packets in current.items() for p in packets if p in set().union(*stored.values()) and p not in stored.get(family, ()))
     assert (new, gone, moved) == ([], [], []), (
         f"torch's ops changed: new {new}, gone {gone}, moved between families {moved}. "
-        "Run `python -m predispatch.program.op_allowlist --write` and review the diff of the op_families_<release>.json table."
+        "Run `python -m predispatch.serialize.op_allowlist --write` and review the diff of the op_families_<release>.json table."
     )
     assert op_allowlist.render(current) == open(op_allowlist.TABLE_PATH).read()
 
@@ -61,7 +61,7 @@ def test_allow_list_families():
 def test_allowed_overloads_agree_with_torchs_schemas_and_tags():
     """Checked against torch's own metadata: no allowed overload mutates (schema or tag), and
     each is a dispatcher op (not a TorchScript builtin)."""
-    from predispatch.program._op_families import PACKETS
+    from predispatch.serialize.op_families import PACKETS
 
     allowed, refused = 0, 0
     # the tags this torch has (`inplace` and `out` came in 2.13)
@@ -261,8 +261,8 @@ def test_every_kernel_that_may_trust_its_inputs_is_decided():
     """The schema scan of kernels taking indices, offsets or saved statistics: each candidate
     is refused in files, proved fed by its forward, or listed as checking its arguments; every
     table entry is a packet of this torch (Note [Kernels that trust their inputs])."""
-    from predispatch.program import kernel_inputs
-    from predispatch.program._op_families import PACKETS
+    from predispatch.serialize import kernel_inputs
+    from predispatch.serialize.op_families import PACKETS
 
     scanned = {packet for packet, _ in kernel_inputs.scan()}
     decided = kernel_inputs.TRUSTING_PACKETS | set(kernel_inputs.CHECKED_BY_TORCH)

@@ -27,7 +27,7 @@ from torch import fx, nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import DynamicShapeError, from_torch, user_frame
-from predispatch.program.signature import ShapeRecord
+from predispatch.signature import ShapeRecord
 
 
 @dataclass(frozen=True)

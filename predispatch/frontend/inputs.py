@@ -18,7 +18,7 @@ from predispatch.errors import UnsupportedInputError, user_frame
 from predispatch.frontend.dynamic import DynamicInputs, fake_dynamic_inputs
 from predispatch.frontend.reachable import Beyond, beyond_tree, modules_reached, resolve
 from predispatch.frontend.shared_storage import StorageView, with_storage_views
-from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, Leaf
+from predispatch.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, Leaf
 
 #: Leaf types that are baked into the program as constants instead of becoming graph inputs.
 CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format)

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from predispatch.errors import SharedStorageError, user_frame
-from predispatch.program.signature import InputKind
+from predispatch.signature import InputKind
 
 
 @dataclass(frozen=True)

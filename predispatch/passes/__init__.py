@@ -7,9 +7,9 @@ its docstring; `check_functional` checks the program's contract at the
 end: no op with a mutable schema and no raw grad/autocast toggle anywhere in the graph or its
 subgraphs.
 
-Passes used by `to_torch()` only (predispatch/program/interop.py), imported from their files:
-lower_for_inference, recompose_for_torch (torch's training-IR batch norm and dropout),
-lower_batch_norm_stats (train-mode batch norm as core ATen, for ExecuTorch).
+`lift_constants` lifts the tensors a region's body holds into operands of its HOP call, for
+`ep.module()` (runtime/unlift.py) and `to_torch()` (transforms/to_torch.py) alike.  The passes
+only `to_torch()` runs live beside it, in transforms/.
 """
 
 from predispatch.passes.check_functional import check_functional, mutable_ops, raw_toggles

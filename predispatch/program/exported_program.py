@@ -15,7 +15,7 @@ from predispatch.frontend.hooks import HookRecord, hook_changes, record_hooks
 from predispatch.frontend.reachable import tree_exit
 from predispatch.passes import check_functional, name_placeholders, remove_copies, shared_bodies, wrap_regions
 from predispatch.program.printing import format_graph, format_program
-from predispatch.program.signature import ExportSignature, InputKind, InputSpec, OutputKind, OutputSpec, state_names
+from predispatch.signature import ExportSignature, InputKind, InputSpec, OutputKind, OutputSpec, state_names
 
 if TYPE_CHECKING:  # the program stage consumes the earlier stages' values, never their code
     from predispatch.frontend import PreparedInputs
@@ -80,16 +80,16 @@ class ExportedProgram:
 
         It takes the original (pytree) args and kwargs, returns outputs in the original
         structure, and applies buffer and input mutations back as eager does, all in its
-        generated code (see predispatch/program/unlift.py), so `torch.compile(..., fullgraph=True)`
+        generated code (see predispatch/runtime/unlift.py), so `torch.compile(..., fullgraph=True)`
         and graph tools such as PT2E quantizers take it whole.  A forward pre-hook checks each
         call against the exported one.  For a module export, its parameters and buffers are
         the exported model's own tensors, as in torch.export's module: it adds no memory,
         training it trains the model, and running it updates the buffers it shares as running
-        the model would (Note [module() shares the program's state] in program/unlift.py); its
+        the model would (Note [module() shares the program's state] in runtime/unlift.py); its
         `state_dict()` has the original module's keys.  For a function export it uses the
         reached modules themselves, as calling the function would.
         """
-        from predispatch.program.unlift import module_of
+        from predispatch.runtime.unlift import module_of
 
         return module_of(self)
 
@@ -117,28 +117,31 @@ class ExportedProgram:
         (*mutations, *outputs, *gradients)`; its `module()` returns `(outputs, grads)`.
 
         `loss`: the path of the loss among the outputs (`"[0]"`, `"loss"`) when forward
-        returns more than one leaf.  See Note [The joint program] in program/joint.py.
+        returns more than one leaf.  See Note [The joint program] in transforms/joint.py.
         """
-        from predispatch.program.joint import joint_program
+        from dataclasses import replace
 
-        return joint_program(self, loss)
+        from predispatch.transforms.joint import joint_program
+
+        graph_module, signature = joint_program(self, loss)
+        return replace(self, graph_module=graph_module, signature=signature)
 
     def to_torch(self, *, for_inference: bool = False) -> torch.export.ExportedProgram:
-        """This program as a `torch.export.ExportedProgram`; see predispatch/program/interop.py.
+        """This program as a `torch.export.ExportedProgram`; see predispatch/transforms/to_torch.py.
 
         for_inference: for consumers that only run forward (ONNX, PT2E, ExecuTorch): custom
         autograd.Function and backward-hook backwards are DROPPED (their forwards inlined, with
         a warning), grad-mode and autocast regions inlined with autocast's casts explicit.
         """
-        from predispatch.program.interop import to_torch
+        from predispatch.transforms.to_torch import to_torch
 
         return to_torch(self, for_inference=for_inference)
 
     def to_torch_forward_backward(self, loss_index: int = 0) -> torch.export.ExportedProgram:
         """torch's joint forward-backward program, for ExecuTorch's training runtime
         (`to_edge(ep.to_torch_forward_backward()).to_executorch()`); loss_index: the position of
-        the loss among the outputs.  See predispatch/program/interop.py."""
-        from predispatch.program.interop import to_torch_forward_backward
+        the loss among the outputs.  See predispatch/transforms/to_torch.py."""
+        from predispatch.transforms.to_torch import to_torch_forward_backward
 
         return to_torch_forward_backward(self, loss_index)
 

@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING
 
 from torch import fx
 
+from predispatch.transforms.joint import mark_backward
+
 if TYPE_CHECKING:
-    from predispatch.program.exported_program import ExportedProgram
+    from predispatch.signature import Program
 
 
 def format_graph(gm: fx.GraphModule) -> str:
@@ -35,9 +37,7 @@ def format_graph(gm: fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
-def format_program(ep: ExportedProgram) -> str:
-    from predispatch.program.joint import mark_backward
-
+def format_program(ep: Program) -> str:
     return "\n".join(
         [
             "ExportedProgram:",

@@ -46,7 +46,7 @@ import torch
 from torch import fx
 from torch.fx.graph import dtype_abbrs
 
-from predispatch.program.signature import InputKind, OutputKind
+from predispatch.signature import InputKind, OutputKind
 from predispatch.trace.decompose import is_composite, op_name
 
 if TYPE_CHECKING:

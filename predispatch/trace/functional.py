@@ -29,7 +29,7 @@ from predispatch.frontend import PreparedInputs
 from predispatch.frontend.dynamic import check_constraints
 from predispatch.frontend.inputs import CONSTANT_TYPES, hf_cache_fix, is_hf_cache, register_dataclasses
 from predispatch.frontend.reachable import in_tree, resolve
-from predispatch.program.signature import InputKind, Leaf
+from predispatch.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
 from predispatch.trace.constructs import refuse_script_modules, refusing_encoder_fast_path, torch_func_refusal
 from predispatch.trace.decompose import FAST_INPLACE_META, REWRITES, DecompositionLog, DecompositionPolicy

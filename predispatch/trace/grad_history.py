@@ -45,7 +45,7 @@ detached alias, with no history.  So each `detach` (and each view of one) rememb
 it was taken from; a write through it is treated as a write of that tensor made with grad off:
 the tensor is rebound to `keep_history(new_value, old_value)` right after a write made with grad
 on (at the next grad-on switch after one made with grad off), which also tells `ep.module()` that the write ran with grad
-off (program/writes.py), as eager's did.
+off (runtime/writes.py), as eager's did.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Why torch's `autograd_function_apply`: it is the HOP torch itself (Dynamo) uses 
 pair of graphs, and its eager implementation runs them inside a real `autograd.Function`, so
 `ep.module()` differentiates with the user's backward and AOTAutograd traces the same backward
 into its joint graph (Dynamo, which has no handler for the op called directly, is handed the pair
-as a Function: program/runner.py, Note [Captured Functions under Dynamo]).  It does not dispatch (its `__call__` runs
+as a Function: runtime/runner.py, Note [Captured Functions under Dynamo]).  It does not dispatch (its `__call__` runs
 the Function directly), so the trace reaches the graph through a trace-time HOP of our own
 (`hop.py`) that dispatches through functionalization, proxy, autograd and fake levels and emits
 torch's op.

@@ -37,7 +37,7 @@ original calling convention returns exactly that pair.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -46,10 +46,7 @@ from torch import fx
 from predispatch import _torch_internals as ti
 from predispatch.errors import JointError, user_frame
 from predispatch.passes import check_functional, inlined_copy, name_placeholders
-from predispatch.program.signature import ExportSignature, InputKind, Leaf, OutputKind, OutputSpec
-
-if TYPE_CHECKING:
-    from predispatch.program.exported_program import ExportedProgram
+from predispatch.signature import ExportSignature, InputKind, Leaf, OutputKind, OutputSpec, Program
 
 #: The output kind of the gradient of each kind of differentiable input.
 GRADIENT_KIND = {
@@ -63,10 +60,9 @@ GRADIENT_KIND = {
 _AUTOGRAD_ONLY = (torch.ops.aten.detach.default,)
 
 
-def joint_program(ep: ExportedProgram, loss: str | None = None) -> ExportedProgram:
-    """The joint forward-backward program of `ep`; see Note [The joint program]."""
-    from predispatch.program.exported_program import ExportedProgram
-
+def joint_program(ep: Program, loss: str | None = None) -> tuple[fx.GraphModule, ExportSignature]:
+    """The graph and signature of `ep`'s joint forward-backward program (same state, hooks and
+    log: `ExportedProgram.joint` puts them together); see Note [The joint program]."""
     _check_not_joint(ep)
     loss_position = _loss_position(ep, loss)
     wants_grad = [_differentiable(ep, spec) for spec in ep.signature.inputs]
@@ -75,12 +71,10 @@ def joint_program(ep: ExportedProgram, loss: str | None = None) -> ExportedProgr
     _tidy(gm)
     check_functional(gm)
     signature = _joint_signature(ep, gm, [w and g for w, g in zip(wants_grad, has_grad)])
-    return ExportedProgram(
-        gm, signature, ep.state_dict, ep.constants, ep.decompositions, ep.live_root, ep.hooks, ep.state_dict_owner
-    )
+    return gm, signature
 
 
-def _check_not_joint(ep: ExportedProgram) -> None:
+def _check_not_joint(ep: Program) -> None:
     if ep.signature.outputs_of(*GRADIENT_KIND.values()):
         raise JointError(
             "this program is already a joint forward-backward program.",
@@ -89,7 +83,7 @@ def _check_not_joint(ep: ExportedProgram) -> None:
         )
 
 
-def _loss_position(ep: ExportedProgram, loss: str | None) -> int:
+def _loss_position(ep: Program, loss: str | None) -> int:
     """The position, among the graph outputs, of the loss: the one output, or the named leaf."""
     sig = ep.signature
     user = [(i, spec) for i, spec in enumerate(sig.outputs) if spec.kind is OutputKind.USER_OUTPUT]
@@ -124,7 +118,7 @@ def _short_path(path: str) -> str:
     return path
 
 
-def _check_scalar(ep: ExportedProgram, position: int, path: str) -> None:
+def _check_scalar(ep: Program, position: int, path: str) -> None:
     value = ep.graph.output_node().args[0][position]
     example = value.meta.get("val") if isinstance(value, fx.Node) else None
     if not isinstance(example, torch.Tensor) or example.numel() != 1 or not example.is_floating_point():
@@ -136,7 +130,7 @@ def _check_scalar(ep: ExportedProgram, position: int, path: str) -> None:
         )
 
 
-def _differentiable(ep: ExportedProgram, spec: Any) -> bool:
+def _differentiable(ep: Program, spec: Any) -> bool:
     """Gradients are wanted for parameters that require grad and for floating user inputs."""
     if spec.kind is InputKind.PARAMETER:
         return ep.state_dict[spec.target].requires_grad
@@ -145,13 +139,13 @@ def _differentiable(ep: ExportedProgram, spec: Any) -> bool:
     return False
 
 
-def _example(ep: ExportedProgram, spec: Any) -> torch.Tensor:
+def _example(ep: Program, spec: Any) -> torch.Tensor:
     """The fake value of the placeholder `spec` describes."""
     return ep.graph.find_nodes(op="placeholder")[ep.signature.inputs.index(spec)].meta["val"]
 
 
 def _trace_joint(
-    ep: ExportedProgram, loss_position: int, wants_grad: list[bool], where: str | None
+    ep: Program, loss_position: int, wants_grad: list[bool], where: str | None
 ) -> tuple[fx.GraphModule, list[bool]]:
     """Trace forward + `autograd.grad` of the program below autograd, functionalized
     (`ti.trace_differentiated`).
@@ -240,7 +234,7 @@ def forward_nodes(graph: fx.Graph, forward_outputs: int) -> set[fx.Node]:
     return seen | {n for n in checks if all(i in seen for i in n.all_input_nodes)}
 
 
-def _joint_signature(ep: ExportedProgram, gm: fx.GraphModule, has_grad: list[bool]) -> ExportSignature:
+def _joint_signature(ep: Program, gm: fx.GraphModule, has_grad: list[bool]) -> ExportSignature:
     """The forward's signature with the gradient outputs appended, and `out_spec` for `(outputs, grads)`."""
     sig = ep.signature
     outputs = list(gm.graph.output_node().args[0])
@@ -293,7 +287,7 @@ def backward_start(gm: fx.GraphModule, signature: ExportSignature) -> fx.Node | 
 
 
 
-def mark_backward(code: str, ep: ExportedProgram) -> str:
+def mark_backward(code: str, ep: Program) -> str:
     """`code` (the joint graph printed) with a comment line where its backward part starts."""
     start = backward_start(ep.graph_module, ep.signature)
     if start is None:

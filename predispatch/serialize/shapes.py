@@ -25,7 +25,7 @@ import torch
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import SerializationError
-from predispatch.program.signature import ShapeRecord
+from predispatch.signature import ShapeRecord
 
 
 def encode_size(size: int | torch.SymInt, where: str) -> Any:

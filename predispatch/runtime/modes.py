@@ -18,17 +18,13 @@ or the eval program by its `.training` flag, over one set of state (pytorch#1036
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
 from predispatch.errors import ModeSwitchError, ModuleConversionError, ModuleCopyError, user_frame
-
-if TYPE_CHECKING:
-    from predispatch.program.exported_program import ExportedProgram
 
 
 def exported_mode(training_flags: Sequence[tuple[str, bool]], path: str) -> bool | None:
@@ -106,31 +102,8 @@ def refuse_copy() -> NoReturn:
     )
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class TrainEvalProgram:
-    """One module exported in both modes (`predispatch.export_train_eval`).
-
-    train_program: the program traced with `model.train()` (every module training).
-    eval_program: the program traced with `model.eval()`.
-    training: the module's mode at export: the mode `module()` starts in.
-    Save each program with `predispatch.save`; `TrainEvalProgram(load(a), load(b), training)`
-    puts them together again.
-    """
-
-    train_program: ExportedProgram
-    eval_program: ExportedProgram
-    training: bool = True
-
-    def module(self) -> TrainEvalModule:
-        """An `nn.Module` that runs `train_program` or `eval_program` by its `.training` flag."""
-        return TrainEvalModule(self)
-
-    def __str__(self) -> str:
-        return f"Train mode:\n{self.train_program}\n\nEval mode:\n{self.eval_program}"
-
-
 class TrainEvalModule(nn.Module):
-    """Both programs of a `TrainEvalProgram` over one set of state, switched by `.train()`/`.eval()`.
+    """Both programs of a `TrainEvalProgram` (program/train_eval.py) over one set of state, switched by `.train()`/`.eval()`.
 
     The train program's module holds the state (the model's own tensors); the eval program's reads them
     live from it at each call (as a function export reads its modules), so training in one
@@ -138,14 +111,14 @@ class TrainEvalModule(nn.Module):
     `state_dict()` keys are the exported module's.
     """
 
-    def __init__(self, program: TrainEvalProgram):
+    def __init__(self, train: nn.Module, evaluate: nn.Module, training: bool):
+        """`train`: the train program's module; `evaluate`: the eval program's, reading its
+        state live from `train` (`TrainEvalProgram.module` builds both)."""
         super().__init__()
-        train = program.train_program.module()
-        evaluate = dataclasses.replace(program.eval_program, live_root=train).module()
         object.__setattr__(self, "_runners", {True: train, False: evaluate})  # not submodules
         for name, child in train.named_children():
             self.add_module(name, child)
-        self.train(program.training)
+        self.train(training)
 
     _runners: dict[bool, Any]  # {training: the program's module}, set in __init__
 

@@ -17,7 +17,7 @@ bytes.  `load` checks the archive's layout and sizes before reading a byte (Note
 reading]), reads the manifest, refuses a version it does not read, checks every member's
 SHA-256 before parsing it, and verifies the decoded program against the IR contract
 (`verify.py`) before it registers anything or returns.  Graphs are encoded by
-`_serialize_graph.py`, values, pytree specs and tensors by `_serialize_values.py`.
+`graph.py`, values, pytree specs and tensors by `values.py`.
 
 Note [What load trusts]
 -----------------------
@@ -48,15 +48,16 @@ import math
 import os
 import secrets
 import zipfile
-from collections.abc import Iterator, Mapping
-from typing import Any, BinaryIO
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, BinaryIO, TypeVar
 
 import torch
 from torch import nn
 
 from predispatch import _torch_internals as ti
+from predispatch._version import __version__
 from predispatch.errors import SerializationError
-from predispatch.program._serialize_graph import (
+from predispatch.serialize.graph import (
     HIGHER_ORDER_OPS,
     OP_NAMESPACES,
     PYTHON_CALLABLES,
@@ -64,8 +65,8 @@ from predispatch.program._serialize_graph import (
     decode_program_module,
     encode_module,
 )
-from predispatch.program._serialize_shapes import SymbolTable
-from predispatch.program._serialize_values import (
+from predispatch.serialize.shapes import SymbolTable
+from predispatch.serialize.values import (
     decode,
     decode_spec,
     encode,
@@ -76,15 +77,15 @@ from predispatch.program._serialize_values import (
     short,
     unpack,
 )
-from predispatch.program.exported_program import ExportedProgram
-from predispatch.program.verify import custom_namespaces, verify_program
-from predispatch.program.signature import (
+from predispatch.serialize.verify import custom_namespaces, verify_program
+from predispatch.signature import (
     ExportSignature,
     InputKind,
     InputSpec,
     Leaf,
     OutputKind,
     OutputSpec,
+    Program,
     ShapeRecord,
 )
 from predispatch.trace.decompose import DecompositionLog
@@ -92,6 +93,9 @@ from predispatch.trace.decompose import DecompositionLog
 __all__ = ["FORMAT", "HIGHER_ORDER_OPS", "OP_NAMESPACES", "PYTHON_CALLABLES", "READABLE_VERSIONS", "VERSION", "load", "save"]
 
 FORMAT = "predispatch.program"
+#: What `load` builds (predispatch.load passes `ExportedProgram`).
+P = TypeVar("P", bound=Program)
+
 #: The version `save` writes.
 VERSION = 1
 #: The versions `load` reads (see docs/format.md for the policy).
@@ -108,7 +112,7 @@ _ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 # --------------------------------------------------------------------------- public API
 
 
-def save(ep: ExportedProgram, f: str | os.PathLike | BinaryIO) -> None:
+def save(ep: Program, f: str | os.PathLike | BinaryIO) -> None:
     """Write `ep` to `f` (a path or a binary file object) in the newest format version.
 
     Everything is verified (the contract `load` checks) and encoded before the first byte is
@@ -126,8 +130,10 @@ def save(ep: ExportedProgram, f: str | os.PathLike | BinaryIO) -> None:
     _write_zip(f, {_MANIFEST: _json_bytes(manifest), **members})
 
 
-def load(f: str | os.PathLike | BinaryIO, *, op_namespaces: tuple[str, ...] = ()) -> ExportedProgram:
-    """Read a program written by `save`; see Note [What load trusts].
+def load(f: str | os.PathLike | BinaryIO, make: Callable[..., P], *, op_namespaces: tuple[str, ...] = ()) -> P:
+    """Read a program written by `save` (see Note [What load trusts]) as `make(graph_module,
+    signature, state_dict, constants, decompositions)`: `predispatch.load` (predispatch/_files.py)
+    passes `ExportedProgram`, which the format does not import (predispatch/signature.py's `Program`).
 
     `op_namespaces`: further op namespaces the graph may call (a library of custom ops you
     trust and have imported).  Any problem with the file raises `SerializationError`, never a
@@ -137,16 +143,14 @@ def load(f: str | os.PathLike | BinaryIO, *, op_namespaces: tuple[str, ...] = ()
     with open(f, "rb") if isinstance(f, (str, os.PathLike)) else contextlib.nullcontext(f) as file:
         with _reading("the file"):
             members = _read_archive(file)
-    return _decode_program(members, namespaces)
+    return _decode_program(members, namespaces, make)
 
 
 # --------------------------------------------------------------------------- the archive
 
 
 def _writer() -> dict[str, str]:
-    import predispatch
-
-    return {"predispatch": predispatch.__version__, "torch": torch.__version__}
+    return {"predispatch": __version__, "torch": torch.__version__}
 
 
 def _digest(data: bytes) -> str:
@@ -244,11 +248,9 @@ def _check_manifest(data: bytes) -> dict:
     if type(version) is not int:
         raise SerializationError(f"manifest.json is corrupted: 'version' is {version!r}, not an integer.")
     if version not in READABLE_VERSIONS:
-        import predispatch
-
         newer = version > max(READABLE_VERSIONS)
         raise SerializationError(
-            f"the file has format version {version}; predispatch {predispatch.__version__} reads "
+            f"the file has format version {version}; predispatch {__version__} reads "
             f"version{'s' if len(READABLE_VERSIONS) > 1 else ''} {', '.join(map(str, READABLE_VERSIONS))}.",
             fix="upgrade predispatch to a release that reads it." if newer
             else "load and save it with a release that reads both versions; see docs/format.md.",
@@ -466,7 +468,7 @@ def _decode_leaf(data: Any, where: str) -> Leaf:
 # --------------------------------------------------------------------------- the program
 
 
-def _encode_program(ep: ExportedProgram) -> dict[str, bytes]:
+def _encode_program(ep: Program) -> dict[str, bytes]:
     """program.json and the tensor members, all in memory."""
     graph_tensors: dict[str, torch.Tensor] = {}
     program = {
@@ -480,7 +482,7 @@ def _encode_program(ep: ExportedProgram) -> dict[str, bytes]:
     return {_PROGRAM: _json_bytes(program), **{_TENSOR_MEMBERS[g]: data for g, (data, _) in packed.items()}}
 
 
-def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...]) -> ExportedProgram:
+def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...], make: Callable[..., P]) -> P:
     with _reading(_PROGRAM):
         program = expect(_parse_json(members[_PROGRAM], _PROGRAM), dict, _PROGRAM)
         records = expect(program.get("tensors"), dict, "tensors")
@@ -495,7 +497,7 @@ def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...]) -
         symbols = SymbolTable(fake_mode, signature.shapes, "signature shapes")
         loading = GraphLoading(namespaces, fake_mode, tensors["graph"], symbols)
         gm = decode_program_module(program.get("graph_module"), loading)
-        ep = ExportedProgram(
+        ep = make(
             gm, signature, tensors["state"], tensors["constants"],
             _decode_decompositions(program.get("decompositions")),
         )

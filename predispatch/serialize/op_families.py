@@ -1,7 +1,7 @@
 """Which family of `op_allowlist.FAMILIES` each op packet of the running torch falls in.
 
 The table generated on the running torch's release (`op_families_<major>.<minor>.json` beside
-this file, by `python -m predispatch.program.op_allowlist --write`); on a release with none, the
+this file, by `python -m predispatch.serialize.op_allowlist --write`); on a release with none, the
 newest older one: a packet it does not list is refused at load as "undecided", never allowed by
 guess.  torch adds, drops and re-tags ops between releases, so one table cannot decide them all.
 """

@@ -52,7 +52,7 @@ from torch import fx
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import MutationTargetError, user_frame
-from predispatch.program.signature import ExportSignature, InputKind, OutputKind
+from predispatch.signature import ExportSignature, InputKind, OutputKind
 
 #: Tensor types whose memory the checks read; a subclass or a traced tensor has none to read.
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)

@@ -1,17 +1,21 @@
-"""`predispatch.save`: refuse what is not a predispatch program before the format sees it.
+"""`predispatch.save` and `predispatch.load`: the public entry points of the file format.
 
-The format (program/serialize.py) reads a program's fields as it encodes them; handed a
+The format (serialize/archive.py) reads a program's fields as it encodes them; handed a
 `torch.export.ExportedProgram` or a `TrainEvalProgram` it would fail on the first field it
-misses, with a bare `AttributeError`.  This is the public entry point, which says instead what
-was passed and what saves it.
+misses, with a bare `AttributeError`.  `save` says instead what was passed and what saves it.
+`load` hands the format the class it builds, `ExportedProgram` (serialize/ never imports
+program/, whose methods call it).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from predispatch.errors import NotAProgramError, user_frame
+
+if TYPE_CHECKING:
+    from predispatch.program import ExportedProgram
 
 
 def save(ep: Any, f: str | os.PathLike[str] | BinaryIO) -> None:
@@ -22,7 +26,7 @@ def save(ep: Any, f: str | os.PathLike[str] | BinaryIO) -> None:
     atomically.  Anything but a predispatch `ExportedProgram` raises `NotAProgramError`.
     """
     from predispatch.program import ExportedProgram
-    from predispatch.program.serialize import save as write
+    from predispatch.serialize.archive import save as write
 
     if not isinstance(ep, ExportedProgram):
         raise NotAProgramError(
@@ -31,6 +35,19 @@ def save(ep: Any, f: str | os.PathLike[str] | BinaryIO) -> None:
             fix=_fix(ep),
         )
     write(ep, f)
+
+
+def load(f: str | os.PathLike[str] | BinaryIO, *, op_namespaces: tuple[str, ...] = ()) -> ExportedProgram:
+    """Read a program written by `save`; see Note [What load trusts] in serialize/archive.py.
+
+    `op_namespaces`: further op namespaces the graph may call (a library of custom ops you
+    trust and have imported).  Any problem with the file raises `SerializationError`, never a
+    partial program; only opening a path can raise `OSError`.
+    """
+    from predispatch.program import ExportedProgram
+    from predispatch.serialize.archive import load as read
+
+    return read(f, ExportedProgram, op_namespaces=op_namespaces)
 
 
 def _kind(obj: Any) -> str:
@@ -44,7 +61,7 @@ def _fix(obj: Any) -> str:
     """What saves `obj`, for the kinds of objects people pass by mistake."""
     import torch
 
-    from predispatch.program.modes import TrainEvalProgram
+    from predispatch.program.train_eval import TrainEvalProgram
 
     if isinstance(obj, torch.export.ExportedProgram):
         return ("use torch.export.save(ep, path) for torch.export's programs; predispatch.save takes "

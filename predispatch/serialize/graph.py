@@ -31,9 +31,9 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch import ops  # noqa: F401 - registers predispatch::keep_history, which graphs call
 from predispatch.errors import SerializationError
-from predispatch.program import names as naming
-from predispatch.program._serialize_values import Refs, decode, encode, expect, short
-from predispatch.program.verify import MAX_SUBGRAPH_DEPTH
+from predispatch.runtime import names as naming
+from predispatch.serialize.values import Refs, decode, encode, expect, short
+from predispatch.serialize.verify import MAX_SUBGRAPH_DEPTH
 from predispatch.trace.decompose import op_name
 
 
@@ -80,7 +80,7 @@ def _target_name(node: fx.Node, where: str) -> str:
     raise SerializationError(
         f"{where}: calls {short(target)}, which format version 1 cannot name: it holds OpOverloads, "
         f"the higher-order ops {sorted(HIGHER_ORDER_OPS)} and {sorted(PYTHON_CALLABLES)}.",
-        fix="if this is a new predispatch HOP, add it to HIGHER_ORDER_OPS in predispatch/program/_serialize_graph.py.",
+        fix="if this is a new predispatch HOP, add it to HIGHER_ORDER_OPS in predispatch/serialize/graph.py.",
     )
 
 
@@ -112,7 +112,7 @@ def _lookup_allowed(namespace: str, name: str, overload: str) -> bool:
     when it is an op packet the allow list decides (`aten.__and__`, what `a & b` on tensors
     traces to): `getattr` of any other dunder on torch's namespaces reaches Python's own
     attributes (`aten.__class__`), not the op registry."""
-    from predispatch.program.op_allowlist import is_known_packet
+    from predispatch.serialize.op_allowlist import is_known_packet
 
     if overload.startswith("__"):
         return False
@@ -212,7 +212,7 @@ class GraphLoading:
     namespaces: tuple[str, ...]
     fake_mode: Any
     graph_tensors: Mapping[str, torch.Tensor]
-    symbols: Any = None  # the program's SymbolTable: symbolic sizes in node meta (_serialize_shapes.py)
+    symbols: Any = None  # the program's SymbolTable: symbolic sizes in node meta (shapes.py)
 
 
 def decode_program_module(data: Any, loading: GraphLoading) -> fx.GraphModule:

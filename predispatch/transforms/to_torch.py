@@ -12,7 +12,7 @@ The differences are in the calling convention, which `to_torch` rewrites on a co
     a mutated tensor attribute (CONSTANT_TENSOR) a non-persistent buffer (torch mutates buffers)
     functional batch norm, native_dropout        aten.batch_norm (statistics updated in place),
                                                  aten.dropout: torch's training IR, which PT2E's
-                                                 patterns match (passes/recompose_for_torch.py)
+                                                 patterns match (transforms/recompose_for_torch.py)
 
 What converts: every OpOverload (aten, prims, and custom ops such as predispatch::keep_history,
 which `torch.export.load` finds once `predispatch` is imported), `operator.getitem`, and the
@@ -38,7 +38,7 @@ with Functions is saved with `predispatch.save` (training) or as
 
 `to_torch(for_inference=True)` is the lowering for consumers that only run forward (ONNX,
 PT2E quantization, ExecuTorch): each Function's forward is inlined and its backward dropped
-(passes/lower_for_inference.py), then torch's `run_decompositions({})` inlines grad-mode and
+(transforms/lower_for_inference.py), then torch's `run_decompositions({})` inlines grad-mode and
 autocast regions, making autocast's dtype casts explicit `_to_copy` nodes, and keeps every
 op whole (`aten.linear`, `aten.conv2d`, as quantizers match them).  The result is
 torch's inference IR: it runs forward like the program, but its gradients are not the
@@ -48,7 +48,7 @@ program's wherever a custom backward was dropped (a `UserWarning` names them).
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.export.graph_signature as tsig
@@ -58,16 +58,10 @@ from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 from predispatch import _torch_internals as ti
 from predispatch.errors import NotRepresentableError
 from predispatch.frontend.inputs import unique_identifier
-from predispatch.passes.recompose_for_torch import recompose_for_torch
-from predispatch.program.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, OutputKind, OutputSpec
+from predispatch.passes.lift_constants import TORCH_HOPS, attribute, hop_body, lift_from_subgraph
+from predispatch.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, OutputKind, OutputSpec, Program
+from predispatch.transforms.recompose_for_torch import recompose_for_torch
 
-if TYPE_CHECKING:
-    from predispatch.program.exported_program import ExportedProgram
-
-#: Higher-order ops torch.export knows as its own (its verifier, serializer,
-#: `run_decompositions` and `module()` handle them), with the position of the subgraph among
-#: their arguments; the subgraph's operands follow it.  Any other HOP is refused.
-TORCH_HOPS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4, "invoke_subgraph": 0}
 
 #: Why the other HOPs predispatch emits are refused.
 REFUSED_HOPS: dict[str, str] = {}
@@ -94,7 +88,7 @@ _OUTPUT_KIND = {
 }
 
 
-def to_torch(ep: ExportedProgram, *, for_inference: bool = False) -> torch.export.ExportedProgram:
+def to_torch(ep: Program, *, for_inference: bool = False) -> torch.export.ExportedProgram:
     """`ep` as a `torch.export.ExportedProgram` (see the module docstring for what converts).
 
     The result passes torch's verifier and supports `torch.export.save`/`load` (except a
@@ -128,33 +122,33 @@ def to_torch(ep: ExportedProgram, *, for_inference: bool = False) -> torch.expor
     )
 
 
-def to_torch_forward_backward(ep: ExportedProgram, loss_index: int = 0) -> torch.export.ExportedProgram:
+def to_torch_forward_backward(ep: Program, loss_index: int = 0) -> torch.export.ExportedProgram:
     """torch's joint forward-backward program of `ep` (torch's `_export_forward_backward` of
     `to_torch()`), the form ExecuTorch's training runtime runs: the loss marked as LOSS_OUTPUT,
     gradients as GRADIENT_TO_PARAMETER outputs.  Captured Functions keep their custom backward
     (torch's joint traces the HOP's backward); train-mode batch norm is lowered to core ATen
-    ops (passes/lower_batch_norm_stats.py), which `to_edge` requires."""
-    from predispatch.passes.lower_batch_norm_stats import lower_batch_norm_stats
+    ops (transforms/lower_batch_norm_stats.py), which `to_edge` requires."""
+    from predispatch.transforms.lower_batch_norm_stats import lower_batch_norm_stats
 
     joint = ti.export_forward_backward(to_torch(ep), loss_index)
     lower_batch_norm_stats(joint.graph_module)
     return joint
 
 
-def _to_torch_for_inference(ep: ExportedProgram) -> torch.export.ExportedProgram:
+def _to_torch_for_inference(ep: Program) -> torch.export.ExportedProgram:
     """See Note [Custom backwards in torch's ExportedProgram]: Function forwards inlined on a
     copy, then torch's own inference lowering, which keeps ops whole."""
     import dataclasses
     import warnings
 
-    from predispatch.passes.lower_for_inference import drop_history, inline_function_forwards
+    from predispatch.transforms.lower_for_inference import drop_history, inline_function_forwards
 
     gm = copy.deepcopy(ep.graph_module)
     dropped = inline_function_forwards(gm)
     drop_history(gm)
     # a forward that leaves grad mode changed for its caller matters to training callers only
     signature = dataclasses.replace(ep.signature, grad_mode_on_exit=None)
-    lowered = to_torch(dataclasses.replace(ep, graph_module=gm, signature=signature))
+    lowered = to_torch(dataclasses.replace(ep, graph_module=gm, signature=signature))  # type: ignore[type-var]  # an ExportedProgram, a dataclass
     if dropped:
         warnings.warn(
             f"to_torch(for_inference=True) dropped {len(dropped)} custom backward(s) ({', '.join(dropped)}): "
@@ -167,7 +161,7 @@ def _to_torch_for_inference(ep: ExportedProgram) -> torch.export.ExportedProgram
         return lowered.run_decompositions({})
 
 
-def _refuse_unrepresentable(ep: ExportedProgram) -> None:
+def _refuse_unrepresentable(ep: Program) -> None:
     problems = _unrepresentable(ep)
     if problems:
         raise NotRepresentableError(
@@ -178,7 +172,7 @@ def _refuse_unrepresentable(ep: ExportedProgram) -> None:
         )
 
 
-def _unrepresentable(ep: ExportedProgram) -> list[str]:
+def _unrepresentable(ep: Program) -> list[str]:
     """Everything in `ep` torch's ExportedProgram cannot express, one line each."""
     sig, problems = ep.signature, []
     if sig.grad_mode_on_exit is not None:
@@ -207,9 +201,9 @@ def _unrepresentable(ep: ExportedProgram) -> list[str]:
 
 def _holds_tensors(module: fx.GraphModule, node: fx.Node) -> bool:
     """Whether a subgraph argument of `node`, or a subgraph nested in it, reads a tensor attribute."""
-    subgraphs = [_attribute(module, a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+    subgraphs = [attribute(module, a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
     return any(
-        isinstance(_attribute(inner, n.target), torch.Tensor)
+        isinstance(attribute(inner, n.target), torch.Tensor)
         for sub in subgraphs for inner in sub.modules() if isinstance(inner, fx.GraphModule)
         for n in inner.graph.find_nodes(op="get_attr")
     )
@@ -228,7 +222,7 @@ def _range_constraints(graph: fx.Graph) -> dict:
     return constraints
 
 
-def _forward_arg_names(ep: ExportedProgram) -> list[str] | None:
+def _forward_arg_names(ep: Program) -> list[str] | None:
     """Positional parameter names then keyword names, as torch.export records them."""
     in_spec = ep.signature.in_spec
     names = list(ep.signature.arg_names)
@@ -246,7 +240,7 @@ class _TorchGraph:
         rest (constants, non-persistent buffers, lifted graph tensors) in constants.
     """
 
-    def __init__(self, ep: ExportedProgram):
+    def __init__(self, ep: Program):
         self.ep = ep
         self.graph = fx.Graph()
         self.input_specs: list[tsig.InputSpec] = []
@@ -291,15 +285,15 @@ class _TorchGraph:
         """Tensors a graph reads by get_attr become CONSTANT_TENSOR inputs, as torch lifts them:
         its verifier allows only subgraphs as top-level attributes, and `run_decompositions`
         expects no tensor inside a subgraph.  A region's tensors reach it as extra operands of
-        its HOP call (`_lift_from_subgraph`)."""
+        its HOP call (`lift_from_subgraph`)."""
         for node in self.ep.graph.find_nodes(op="get_attr"):
-            value = _attribute(self.ep.graph_module, node.target)
+            value = attribute(self.ep.graph_module, node.target)
             if isinstance(value, torch.Tensor):
                 self._env[node] = self._constant_input(node.target, value, node.meta)
                 continue
             subgraph = copy.deepcopy(value)  # a copy, so torch's passes cannot change ep's
             self.root[node.target] = subgraph
-            lifted = _lift_from_subgraph(subgraph, node.target)
+            lifted = lift_from_subgraph(subgraph, node.target)
             # flat targets: torch's module() installs each constant as an attribute at its target
             self._operands[node.target] = [self._constant_input(p.replace(".", "_"), t, m) for p, t, m in lifted]
 
@@ -327,7 +321,7 @@ class _TorchGraph:
         for node in self.ep.graph.nodes:
             if node.op not in ("placeholder", "output") and node not in self._env:
                 self._env[node] = copied = self.graph.node_copy(node, self._env.__getitem__)
-                body = _body(node)
+                body = hop_body(node)
                 if body is not None and self._operands.get(body.target):
                     copied.args = (*copied.args, *self._operands[body.target])
 
@@ -385,55 +379,9 @@ def _meta_with_grad(meta: dict, requires_grad: bool) -> dict:
     return {**meta, "val": val.detach().requires_grad_(requires_grad)}
 
 
-def _attribute(module: torch.nn.Module, target: str) -> Any:
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
-
-
 def _copy(tensor: torch.Tensor) -> torch.Tensor:
     """A copy with the same kind (Parameter or not) and `requires_grad`."""
     copy_ = tensor.detach().clone()
     if isinstance(tensor, torch.nn.Parameter):
         return torch.nn.Parameter(copy_, requires_grad=tensor.requires_grad)
     return copy_.requires_grad_(tensor.requires_grad)
-
-
-def _body(node: fx.Node) -> fx.Node | None:
-    """The subgraph (get_attr) argument of a call to one of `TORCH_HOPS`, else None."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
-        return None
-    index = TORCH_HOPS.get(node.target.name())
-    return node.args[index] if index is not None else None
-
-
-def _lift_from_subgraph(gm: fx.GraphModule, path: str) -> list[tuple[str, torch.Tensor, dict]]:
-    """Make the tensors `gm` (a copied subgraph) and its own subgraphs read into trailing
-    placeholders, threading nested ones through their HOP calls; returns
-    `(path, tensor, meta)` for each new placeholder, in order."""
-    lifted: list[tuple[str, torch.Tensor, dict]] = []
-    by_target: dict[str, fx.Node] = {}
-    for node in list(gm.graph.nodes):
-        if node.op == "get_attr" and isinstance(_attribute(gm, node.target), torch.Tensor):
-            if node.target not in by_target:
-                by_target[node.target] = _trailing_placeholder(gm, node.name, node.meta)
-                lifted.append((f"{path}.{node.target}", _attribute(gm, node.target), node.meta))
-            node.replace_all_uses_with(by_target[node.target])
-            gm.graph.erase_node(node)
-        elif (body := _body(node)) is not None:
-            inner = _lift_from_subgraph(_attribute(gm, body.target), f"{path}.{body.target}")
-            node.args = (*node.args, *(_trailing_placeholder(gm, p.rsplit(".", 1)[1], m) for p, _, m in inner))
-            lifted += inner
-    for target in by_target:
-        delattr(gm, target)
-    gm.recompile()
-    return lifted
-
-
-def _trailing_placeholder(gm: fx.GraphModule, name: str, meta: dict) -> fx.Node:
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    point = gm.graph.inserting_after(placeholders[-1]) if placeholders else gm.graph.inserting_before(next(iter(gm.graph.nodes)))
-    with point:
-        node = gm.graph.placeholder(name)
-    node.meta = dict(meta)
-    return node

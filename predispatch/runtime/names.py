@@ -32,6 +32,8 @@ from typing import Any
 
 from torch import fx, nn
 
+from predispatch.runtime.runner import ProgramModule
+
 __all__ = [
     "RESERVED", "argument_names", "attribute_problem", "call_spec_problems", "identifier_problem", "module_attributes",
     "program_attributes", "state_name_problems",
@@ -59,8 +61,6 @@ def module_attributes() -> frozenset[str]:
 @functools.cache
 def program_attributes() -> frozenset[str]:
     """Every attribute `ep.module()` has of its own (a GraphModule's and our ProgramModule's)."""
-    from predispatch.program.runner import ProgramModule
-
     module = ProgramModule(nn.Module(), fx.Graph())
     return frozenset(dir(ProgramModule)) | frozenset(vars(module)) | module_attributes()
 

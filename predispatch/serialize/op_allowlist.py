@@ -5,7 +5,7 @@ reason; `op_families_<major>.<minor>.json` lists, for each torch release, which 
 in which family.  That file is generated from torch's registry by the rules below and checked
 in, so reviewing a torch upgrade is reading its diff:
 
-    python -m predispatch.program.op_allowlist --write
+    python -m predispatch.serialize.op_allowlist --write
 
 `tests/test_verify.py::test_op_table_decides_every_op` regenerates it in memory and fails when
 torch has a packet the file does not decide (or no longer has one it lists): an op torch adds
@@ -97,7 +97,7 @@ def _is_mutable_only(p: PacketInfo) -> bool:
 
 
 def _trusting_packets() -> frozenset[str]:
-    from predispatch.program.kernel_inputs import TRUSTING_PACKETS
+    from predispatch.serialize.kernel_inputs import TRUSTING_PACKETS
 
     return TRUSTING_PACKETS
 
@@ -184,7 +184,7 @@ def render(families: Mapping[str, list[str]]) -> str:
     """The text of the running torch's `op_families_<major>.<minor>.json`: one packet a line, so
     a torch upgrade's review is the diff of two tables."""
     data = {
-        "generated_by": "python -m predispatch.program.op_allowlist --write",
+        "generated_by": "python -m predispatch.serialize.op_allowlist --write",
         "torch_version": torch.__version__.split("+")[0],
         "packets": {name: list(packets) for name, packets in families.items()},
     }
@@ -204,7 +204,7 @@ _MUTATING_TAGS = frozenset(getattr(torch.Tag, name) for name in ("inplace", "inp
 
 @functools.cache
 def _family_of_packet() -> dict[str, str]:
-    from predispatch.program._op_families import PACKETS
+    from predispatch.serialize.op_families import PACKETS
 
     return {packet: family for family, packets in PACKETS.items() for packet in packets}
 
@@ -232,7 +232,7 @@ def decide(op: torch._ops.OpOverload, extra_namespaces: tuple[str, ...] = (), *,
         family_name = _family_of_packet().get(f"{namespace}.{packet}")
         if family_name is None:
             return Decision(False, "undecided", f"this torch's {namespace}.{packet} is not in the allow list "
-                            "(a newer torch's op: regenerate the table: python -m predispatch.program.op_allowlist --write)")
+                            "(a newer torch's op: regenerate the table: python -m predispatch.serialize.op_allowlist --write)")
         family = FAMILY_BY_NAME[family_name]
         if not family.allowed and (stored or not family.files_only):
             return Decision(False, family.name, family.reason)
@@ -249,7 +249,7 @@ def decide(op: torch._ops.OpOverload, extra_namespaces: tuple[str, ...] = (), *,
 
 def allow_list_summary() -> dict[str, int]:
     """Packets per family, for reports and docs."""
-    from predispatch.program._op_families import PACKETS
+    from predispatch.serialize.op_families import PACKETS
 
     return {name: len(packets) for name, packets in PACKETS.items()}
 

@@ -3,6 +3,12 @@
 The graph takes `(*lifted_state, *user_tensors)` and returns `(*mutations, *user_outputs)`.
 `ExportSignature.inputs` and `.outputs` describe those positions one to one; the pytree specs
 and leaf lists say how the user's `(args, kwargs)` and return value map onto them.
+
+Every stage reads these records (the frontend lifts state into `InputSpec`s, the trace reads
+them, `program/` builds the signature, the stages after export run, store and transform it), so
+they live here, below all of them.  `Program` names the parts of a program those later stages
+read, so that runtime/, serialize/ and transforms/ never import `program/` (whose
+`ExportedProgram` methods call them): the layout's one-way rule, tests/test_layout.py.
 """
 
 from __future__ import annotations
@@ -11,9 +17,12 @@ import copy
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
+import torch
 import torch.utils._pytree as pytree
+from torch import fx, nn
 
 
 class InputKind(enum.Enum):
@@ -152,7 +161,7 @@ class ExportSignature:
 
     inputs: one spec per graph placeholder, in order.
     outputs: one spec per graph output, in order (mutations first, then user outputs; in a
-        joint program (program/joint.py) then gradients, GRADIENT_TO_PARAMETER target
+        joint program (transforms/joint.py) then gradients, GRADIENT_TO_PARAMETER target
         the parameter's fully qualified name, GRADIENT_TO_USER_INPUT the input's path).
     in_spec: pytree spec of `(args, kwargs)`.
     out_spec: pytree spec of the return value.
@@ -238,3 +247,36 @@ def _is_module(value: Any) -> bool:
     import torch.nn
 
     return isinstance(value, torch.nn.Module)
+
+
+class Program(Protocol):
+    """The parts of a program (`predispatch.ExportedProgram`, predispatch/program/) that
+    `ep.module()` (runtime/), the file format (serialize/) and the transforms (transforms/) read:
+    the fields of `ExportedProgram`, whose docstring says what each holds."""
+
+    @property
+    def graph_module(self) -> fx.GraphModule: ...
+
+    @property
+    def graph(self) -> fx.Graph: ...
+
+    @property
+    def signature(self) -> ExportSignature: ...
+
+    @property
+    def state_dict(self) -> Mapping[str, torch.Tensor]: ...
+
+    @property
+    def constants(self) -> Mapping[str, torch.Tensor]: ...
+
+    @property
+    def decompositions(self) -> Any: ...  # trace.DecompositionLog
+
+    @property
+    def live_root(self) -> nn.Module | None: ...
+
+    @property
+    def hooks(self) -> Any: ...  # frontend.hooks.HookRecord | None
+
+    @property
+    def state_dict_owner(self) -> nn.Module | None: ...

@@ -32,20 +32,17 @@ import math
 import operator
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx, nn
 
 from predispatch.errors import SerializationError
-from predispatch.program import names as naming
-from predispatch.program._serialize_values import STORED_DEVICE_TYPES
-from predispatch.program.kernel_inputs import trusted_input_problems
-from predispatch.program.op_allowlist import decide
-from predispatch.program.signature import MUTATION_KINDS, ExportSignature, InputKind, state_names
-
-if TYPE_CHECKING:
-    from predispatch.program.exported_program import ExportedProgram
+from predispatch.runtime import names as naming
+from predispatch.serialize.values import STORED_DEVICE_TYPES
+from predispatch.serialize.kernel_inputs import trusted_input_problems
+from predispatch.serialize.op_allowlist import decide
+from predispatch.signature import MUTATION_KINDS, ExportSignature, InputKind, Program, state_names
 
 __all__ = [
     "HOP_CONVENTIONS", "OUTPUT_RULES", "PYTHON_CALLABLES", "HopConvention", "Problem", "custom_namespaces",
@@ -289,7 +286,7 @@ def _opaque(gm: nn.Module, target: str, stored: bool) -> bool:
 #: How deeply subgraphs may nest in a file (a region in a Function's forward in a region ...).
 #: Programs export makes nest a few levels; FX copies and compiles graph modules recursively,
 #: each level costing Python stack and a copy of what lies below, so a stored program nests
-#: at most this deep (Note [Load cost] in _serialize_graph.py; docs/format.md states it).
+#: at most this deep (Note [Load cost] in serialize/graph.py; docs/format.md states it).
 MAX_SUBGRAPH_DEPTH = 32
 
 
@@ -411,19 +408,19 @@ def _is_value(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
 
 
-def _user_output(ep: ExportedProgram, node: Any, target: str) -> str | None:
+def _user_output(ep: Program, node: Any, target: str) -> str | None:
     value = _val(node)
     return None if _is_value(value) else f"a user output must be a tensor (or a scalar computed from data); its value is {_describe(value)}"
 
 
-def _state_mutation(ep: ExportedProgram, node: Any, target: str) -> str | None:
+def _state_mutation(ep: Program, node: Any, target: str) -> str | None:
     stored = {**ep.state_dict, **ep.constants}.get(target)
     if stored is None:
         return f"mutates {target!r}, which is not a parameter, buffer or constant of the program"
     return _same_metadata(_val(node), stored)
 
 
-def _input_mutation(ep: ExportedProgram, node: Any, target: str) -> str | None:
+def _input_mutation(ep: Program, node: Any, target: str) -> str | None:
     inputs = {s.name for s in ep.signature.inputs_of(InputKind.USER_INPUT)}
     if target not in inputs:
         return f"mutates {target!r}, which is not a user input placeholder"
@@ -431,7 +428,7 @@ def _input_mutation(ep: ExportedProgram, node: Any, target: str) -> str | None:
     return _same_metadata(_val(node), _val(placeholder)) if isinstance(_val(placeholder), torch.Tensor) else None
 
 
-def _input_metadata_mutation(ep: ExportedProgram, node: Any, target: str) -> str | None:
+def _input_metadata_mutation(ep: Program, node: Any, target: str) -> str | None:
     """A user input's new view (`x.t_()`): its dtype, any shape (`resize_` changes it)."""
     inputs = {s.name for s in ep.signature.inputs_of(InputKind.USER_INPUT)}
     if target not in inputs:
@@ -445,7 +442,7 @@ def _input_metadata_mutation(ep: ExportedProgram, node: Any, target: str) -> str
     return None
 
 
-def _parameter_gradient(ep: ExportedProgram, node: Any, target: str) -> str | None:
+def _parameter_gradient(ep: Program, node: Any, target: str) -> str | None:
     """A joint program's gradient of a parameter: the parameter's dtype and shape."""
     parameters = {s.target for s in ep.signature.inputs_of(InputKind.PARAMETER)}
     parameters |= {a for s in ep.signature.inputs_of(InputKind.PARAMETER) for a in s.aliases}
@@ -455,7 +452,7 @@ def _parameter_gradient(ep: ExportedProgram, node: Any, target: str) -> str | No
     return _same_metadata(_val(node), stored) if stored is not None else None
 
 
-def _input_gradient(ep: ExportedProgram, node: Any, target: str) -> str | None:
+def _input_gradient(ep: Program, node: Any, target: str) -> str | None:
     """A joint program's gradient of a user input: a tensor."""
     value = _val(node)
     return None if isinstance(value, torch.Tensor) else f"its value is {_describe(value)}, not a tensor"
@@ -473,7 +470,7 @@ OUTPUT_RULES: dict[str, Callable[[Any, Any, str], str | None]] = {
 }
 
 
-def _signature_problems(ep: ExportedProgram) -> Iterator[Problem]:
+def _signature_problems(ep: Program) -> Iterator[Problem]:
     """The signature, the graph and the state describe one program."""
     sig = ep.signature
     placeholders = list(ep.graph.find_nodes(op="placeholder"))
@@ -516,7 +513,7 @@ def _state_order_problems(sig: ExportSignature) -> Iterator[Problem]:
         yield Problem("signature state_order", f"names {stray[0]!r}, which is no lifted state" if stray else "names a state twice")
 
 
-def _output_problems(ep: ExportedProgram) -> Iterator[Problem]:
+def _output_problems(ep: Program) -> Iterator[Problem]:
     sig, output = ep.signature, ep.graph.output_node()
     values = output.args[0] if output.args else None
     if not isinstance(values, (tuple, list)) or len(values) != len(sig.outputs):
@@ -532,7 +529,7 @@ def _output_problems(ep: ExportedProgram) -> Iterator[Problem]:
         elif value.name != spec.name:
             yield Problem(where, f"returns node {value.name}, the signature names {spec.name}")
         elif rule is None:
-            yield Problem(where, f"no rule checks output kind {spec.kind.name}; add one to OUTPUT_RULES in predispatch/program/verify.py")
+            yield Problem(where, f"no rule checks output kind {spec.kind.name}; add one to OUTPUT_RULES in predispatch/serialize/verify.py")
         elif (why := rule(ep, value, spec.target)) is not None:
             yield Problem(where, why)
     if sig.out_spec.num_leaves != len(sig.output_leaves) or sum(leaf.is_tensor for leaf in sig.output_leaves) != user_outputs:
@@ -544,7 +541,7 @@ def _output_problems(ep: ExportedProgram) -> Iterator[Problem]:
 _BUILDER_PREFIXES = ("_constant_", "_lifted_", "_live_root", "_state_dict_owner")
 
 
-def _name_problems(ep: ExportedProgram) -> Iterator[Problem]:
+def _name_problems(ep: Program) -> Iterator[Problem]:
     """Every name `ep.module()` compiles or installs is safe there (Note [Names that reach
     code] in names.py): keyword names, state names, and no two things at one attribute."""
     sig = ep.signature
@@ -557,7 +554,7 @@ def _name_problems(ep: ExportedProgram) -> Iterator[Problem]:
     yield from _collision_problems(ep, fqns)
 
 
-def _collision_problems(ep: ExportedProgram, fqns: tuple[str, ...]) -> Iterator[Problem]:
+def _collision_problems(ep: Program, fqns: tuple[str, ...]) -> Iterator[Problem]:
     """No state is named twice or lies under another state (`a` and `a.b`), and no state's
     first part is a subgraph's or graph tensor's name or one the builder uses itself."""
     where = "signature inputs"
@@ -575,7 +572,7 @@ def _collision_problems(ep: ExportedProgram, fqns: tuple[str, ...]) -> Iterator[
             yield Problem(where, f"state {head!r} takes a name ep.module() gives a subgraph or graph tensor")
 
 
-def program_problems(ep: ExportedProgram, *, op_namespaces: tuple[str, ...] = (), stored: bool = False) -> list[Problem]:
+def program_problems(ep: Program, *, op_namespaces: tuple[str, ...] = (), stored: bool = False) -> list[Problem]:
     """Every way `ep` breaks the IR contract ([] for a good program).
 
     `op_namespaces`: further op namespaces whose functional ops are allowed (custom ops the
@@ -591,7 +588,7 @@ def program_problems(ep: ExportedProgram, *, op_namespaces: tuple[str, ...] = ()
 
 
 def verify_program(
-    ep: ExportedProgram, *, op_namespaces: tuple[str, ...] = (), stored: bool = False,
+    ep: Program, *, op_namespaces: tuple[str, ...] = (), stored: bool = False,
     error: type[Exception] = SerializationError, context: str = "",
 ) -> None:
     """Raise `error` naming the first problems of `ep`, if any (see `program_problems`)."""
@@ -605,7 +602,7 @@ def verify_program(
 def custom_namespaces(gm: fx.GraphModule) -> tuple[str, ...]:
     """Op namespaces outside the allow list's that `gm` (or a subgraph) calls: the user's own
     custom ops, which export keeps and `load` accepts only when the caller names them."""
-    from predispatch.program.op_allowlist import NAMESPACES
+    from predispatch.serialize.op_allowlist import NAMESPACES
 
     found = {
         node.target.namespace
@@ -616,7 +613,7 @@ def custom_namespaces(gm: fx.GraphModule) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-def verifying(export: Callable[..., ExportedProgram], tolerate: Callable[[Problem], bool] = lambda p: False) -> Callable[..., ExportedProgram]:
+def verifying(export: Callable[..., Program], tolerate: Callable[[Problem], bool] = lambda p: False) -> Callable[..., Program]:
     """`export` that checks every program it returns against the contract `load` checks.
 
     The test suite wraps `predispatch.export` with it (tests/conftest.py), so that export and
@@ -629,7 +626,7 @@ def verifying(export: Callable[..., ExportedProgram], tolerate: Callable[[Proble
 
     depth = [0]
 
-    def export_and_verify(*args: Any, **kwargs: Any) -> ExportedProgram:
+    def export_and_verify(*args: Any, **kwargs: Any) -> Program:
         depth[0] += 1
         try:
             ep = export(*args, **kwargs)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -35,17 +35,15 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch.frontend.reachable import in_tree
 from predispatch.passes import inline_subgraphs
-from predispatch.program import interop, runner
-from predispatch.program.names import argument_names
-from predispatch.program.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
-from predispatch.program.modes import set_exported_modes
-from predispatch.program.signature import InputKind
-from predispatch.program.writes import WritePlan, plan_writes
+from predispatch.passes.lift_constants import attribute, hop_body, lift_from_subgraph
+from predispatch.runtime import runner
+from predispatch.runtime.names import argument_names
+from predispatch.runtime.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
+from predispatch.runtime.modes import set_exported_modes
+from predispatch.signature import InputKind, Program
+from predispatch.runtime.writes import WritePlan, plan_writes
 
-if TYPE_CHECKING:
-    from predispatch.program.exported_program import ExportedProgram
-
-def module_of(ep: ExportedProgram) -> ProgramModule:
+def module_of(ep: Program) -> ProgramModule:
     """Build `ep.module()`; see the module docstring."""
     shared = {id(v): v for v in _opaque_objects(ep.graph_module).values()}  # the user's generator, not a copy
     source = copy.deepcopy(ep.graph_module, shared)  # the module's graph is its own: tools rewrite it
@@ -74,7 +72,7 @@ def module_of(ep: ExportedProgram) -> ProgramModule:
         set_exported_modes(module, sig.training_flags)
     if ep.state_dict_owner is not None:
         module.__dict__["_state_dict_owner"] = ep.state_dict_owner
-    module.graph = graph  # generates the code, of every subgraph too (each once: Note [Load cost] in _serialize_graph.py)
+    module.graph = graph  # generates the code, of every subgraph too (each once: Note [Load cost] in serialize/graph.py)
     runner.attach_call_hooks(module)
     return module
 
@@ -175,11 +173,11 @@ def _read_written_targets_through_runner(graph: fx.Graph, targets: tuple[fx.Node
 def _region_bodies(source: fx.GraphModule) -> set[int]:
     """The ids of every graph module that is a region's body: `_lift_region_constants` of the
     graph calling it lifts its constants (and its own bodies') already, so walking it again
-    would only cost a copy per level (cubic in depth: Note [Load cost] in _serialize_graph.py)."""
+    would only cost a copy per level (cubic in depth: Note [Load cost] in serialize/graph.py)."""
     return {
-        id(_attribute(gm, body.target))
+        id(attribute(gm, body.target))
         for gm in source.modules() if isinstance(gm, fx.GraphModule)
-        for node in gm.graph.nodes if (body := interop._body(node)) is not None
+        for node in gm.graph.nodes if (body := hop_body(node)) is not None
     }
 
 
@@ -188,10 +186,10 @@ def _lift_region_constants(gm: fx.GraphModule) -> None:
     by `gm` (as `to_torch` lifts them): Dynamo refuses a region body that reads anything but its
     operands ("wrap_with_set_grad_enabled expects no freevars")."""
     for node in list(gm.graph.nodes):
-        body = interop._body(node)
+        body = hop_body(node)
         if body is None:
             continue
-        lifted = interop._lift_from_subgraph(_attribute(gm, body.target), body.target)
+        lifted = lift_from_subgraph(attribute(gm, body.target), body.target)
         operands = []
         for path, tensor, meta in lifted:
             name = "_lifted_" + path.replace(".", "_")
@@ -208,7 +206,7 @@ def _call_functions_through_runner(gm: fx.GraphModule) -> None:
     `module_of`, which compiles every graph once."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is ti.autograd_function_apply:
-            fwd, bwd = (_attribute(gm, arg.target) for arg in node.args[:2])
+            fwd, bwd = (attribute(gm, arg.target) for arg in node.args[:2])
             non_differentiable = tuple(node.kwargs.get("non_differentiable_idx", ()))
             function = runner.dynamo_function(fwd, bwd, non_differentiable, f"{type(fwd).__name__}_function")
             fwd.dynamo_function = function  # kept by deepcopy, as fx keeps user-preserved attributes:
@@ -222,7 +220,7 @@ def _identifier(path: str) -> str:
     return f"_{name}" if name[0].isdigit() else name
 
 
-def _install_state(module: ProgramModule, ep: ExportedProgram) -> None:
+def _install_state(module: ProgramModule, ep: Program) -> None:
     """State under every fully qualified name: the program's own tensors (for a module export,
     the user's: Note [module() shares the program's state]); for a function (or nested) export
     the reached modules themselves, read at each call."""
@@ -266,7 +264,7 @@ def _install_constants(gm: fx.GraphModule, *, top: bool) -> None:
     for node in list(gm.graph.find_nodes(op="get_attr")):
         if top and not _is_graph_attr(gm, node.target):
             continue  # unlifted state, installed on the module
-        value = _attribute(gm, node.target)
+        value = attribute(gm, node.target)
         if not isinstance(value, torch.Tensor):
             continue
         if node.target not in moved:
@@ -282,12 +280,6 @@ def _install_constants(gm: fx.GraphModule, *, top: bool) -> None:
         read.meta = dict(node.meta)
 
 
-def _attribute(root: Any, target: str) -> Any:
-    for part in target.split("."):
-        root = getattr(root, part)
-    return root
-
-
 def _is_graph_attr(source: fx.GraphModule, target: str) -> bool:
     """A top-level get_attr that is the graph's own (a subgraph or a tensor the trace created),
     as opposed to unlifted state, which `_unlift_state` added and `source` does not hold."""
@@ -295,7 +287,7 @@ def _is_graph_attr(source: fx.GraphModule, target: str) -> bool:
     return head != runner.LIVE_ROOT and head in source.__dict__ or head in source._modules or head in source._buffers
 
 
-def _contract(ep: ExportedProgram, plans: tuple[WritePlan, ...]) -> CallContract:
+def _contract(ep: Program, plans: tuple[WritePlan, ...]) -> CallContract:
     sig = ep.signature
     placeholders = ep.graph.find_nodes(op="placeholder")[len(sig.inputs_of(*_STATE_KINDS)) :]
     user_index = {spec.name: i for i, spec in enumerate(sig.inputs_of(InputKind.USER_INPUT))}

@@ -33,16 +33,16 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
 from predispatch.frontend.reachable import in_tree, resolve
-from predispatch.program.call_structure import describe_mismatch
-from predispatch.program.modes import (
+from predispatch.runtime.call_structure import describe_mismatch
+from predispatch.runtime.modes import (
     PT2E_MODE_ATTRIBUTES,
     check_conversion,
     check_mode_switch,
     check_pt2e_mode_switch,
     refuse_copy,
 )
-from predispatch.program.signature import InputKind, Leaf, OutputKind, ShapeRecord
-from predispatch.program.writes import (
+from predispatch.signature import InputKind, Leaf, OutputKind, ShapeRecord
+from predispatch.runtime.writes import (
     PLAIN_TENSOR_TYPES,
     WritePlan,
     apply_metadata_mutation,

@@ -11,7 +11,7 @@ corruption).  Eager code never hands them anything else; a file can.
 
 They were found by reading every allowed packet's schema for tensor arguments that carry
 indices, offsets, lengths, workspaces or saved statistics (`python -m
-predispatch.program.kernel_inputs` prints that scan), then keeping those whose kernels do
+predispatch.serialize.kernel_inputs` prints that scan), then keeping those whose kernels do
 not check them (or that only an internal caller uses).  Each is one of:
 
 - `REFUSED_IN_FILES`: no program a file holds needs it (samplers' internals, fused RNN cells'
@@ -259,7 +259,7 @@ def scan() -> list[tuple[str, list[str]]]:
     kernel may trust (`indices`, `mean`, `workspace`, ...): the candidates this module's
     tables were decided from.  A new torch's new candidate shows here (tests/test_verify.py
     fails until it is decided: refused, proved, or listed in `CHECKED_BY_TORCH`)."""
-    from predispatch.program._op_families import PACKETS
+    from predispatch.serialize.op_families import PACKETS
 
     found = []
     for packet in sorted({p for family in ("aten_functional", "trusts_inputs") for p in PACKETS.get(family, ())}):

@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from predispatch.errors import SerializationError
-from predispatch.program._serialize_shapes import encode_size
+from predispatch.serialize.shapes import encode_size
 
 #: Device types a stored tensor or tensor metadata may name: `meta` has no data, and a
 #: file has no business naming others.
@@ -112,7 +112,7 @@ def _tensor_meta(t: torch.Tensor, where: str) -> dict:
     if t.layout != torch.strided:
         raise SerializationError(f"{where}: a {t.layout} tensor; format version 1 holds strided tensors only.")
     return {
-        "shape": [encode_size(s, where) for s in t.shape],  # symbolic sizes: _serialize_shapes.py
+        "shape": [encode_size(s, where) for s in t.shape],  # symbolic sizes: shapes.py
         "stride": [encode_size(s, where) for s in t.stride()],
         "storage_offset": encode_size(t.storage_offset(), where),
         "dtype": TORCH_VALUES["dtype"][1](t.dtype),
@@ -138,7 +138,7 @@ class Refs:
     nodes: Mapping[str, fx.Node] | None = None
     class_check: Callable[[type], bool] | None = None
     fake_mode: Any = None
-    symbols: Any = None  # the program's SymbolTable (_serialize_shapes.py): symbolic sizes in node meta
+    symbols: Any = None  # the program's SymbolTable (shapes.py): symbolic sizes in node meta
 
 
 _PLAIN = Refs()

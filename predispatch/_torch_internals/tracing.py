@@ -1,0 +1,390 @@
+"""The one functional trace and what runs around it: `trace_program` (make_fx at the PreDispatch
+key with FunctionalTensorMode), stack-trace anchors, module-call interception for repeated
+blocks, the joint's differentiated trace, and the backend switches held off while tracing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._dispatch.python import enable_python_dispatcher
+from torch._functorch._aot_autograd.functional_utils import (
+    has_data_mutation as _has_data_mutation,
+    has_metadata_mutation as _has_metadata_mutation,
+)
+from torch._higher_order_ops.effects import _EffectType
+from torch._ops import HigherOrderOperator, OpOverload
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx.experimental.proxy_tensor import (
+    _AttrProxy,
+    _ModuleStackTracer,
+    get_proxy_mode,
+    get_proxy_slot,
+    make_fx,
+)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
+
+from predispatch._torch_internals.codegen import torch_function_disabled
+from predispatch._torch_internals.functional import functional_value, MODULE_CALLS
+from predispatch._torch_internals.mechanism import Hook, patched
+from predispatch._torch_versions import HAS
+
+
+#: What torch raises when Python needs a value that only exists at run time.
+DATA_DEPENDENT_ERRORS = (DataDependentOutputException, GuardOnDataDependentSymNode)
+
+
+def new_fake_mode() -> FakeTensorMode:
+    """A fake mode with a ShapeEnv: shapes are tracked symbolically, no real compute runs."""
+    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+
+
+def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor], *, tie: bool = False):
+    """Temporarily swap a module's parameters/buffers/tensor attributes by fully qualified name."""
+    return _reparametrize_module(module, tensors, tie_weights=tie, strict=False, stack_weights=True)
+
+
+@contextlib.contextmanager
+def exporting_flags() -> Iterator[None]:
+    """Make `torch.compiler.is_exporting()` and `is_compiling()` answer True while tracing.
+
+    Libraries such as transformers read these flags to take their export-friendly code paths.
+    """
+    compiler = torch.compiler
+    old = (compiler._is_compiling_flag, compiler._is_exporting_flag)
+    compiler._is_compiling_flag, compiler._is_exporting_flag = True, True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag, compiler._is_exporting_flag = old
+
+
+# --- custom autograd.Function capture (trace/autograd_function.py) ---------------------------
+
+def trace_functional(
+    fn: Callable[..., Any], args: tuple[Any, ...], fake_mode: FakeTensorMode
+) -> tuple[torch.fx.GraphModule, tuple[int, ...]]:
+    """Trace `fn(*args)` (fake tensor args) to a functional pre-dispatch graph, as AOTAutograd does.
+
+    Returns the graph and the positions of the tensor args `fn` mutated (data or metadata): a
+    functional graph cannot show those mutations, so the caller decides what they mean.  Call
+    it `outside_trace()`; `decomposition_hook` still applies, since it patches the class.
+    """
+    mutated: list[int] = []
+
+    def functional(*inputs: Any) -> Any:
+        with _functional_mode():
+            wrapped = _to_functional(inputs)
+            out = torch.utils._pytree.tree_map_only(FunctionalTensor, functional_value, fn(*wrapped))
+            mutated.extend(i for i, changed in enumerate(_mutations(wrapped, inputs)) if any(changed))
+        return out
+
+    with fake_mode:
+        gm = make_fx(functional, pre_dispatch=True)(*args)
+    return gm, tuple(mutated)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTrace:
+    """What `trace_program` captured.
+
+    graph_module: inputs `(token, *args)`, outputs `(*new values of mutated, *fn's outputs)`;
+        `token` orders effectful ops (`with_effects`); trace/functional.py's
+        `_remove_effect_tokens` takes it out again.
+    mutated: positions in `args` whose new values the first outputs carry, in order: every
+        input `fn` changed in place, its data or its shape, strides or storage offset.
+    metadata_mutated: the positions among `mutated` whose shape, strides or storage offset
+        changed (`x.t_()`): their output is the input's new view (or new value).
+    storage_mutated: positions whose storage `fn` swapped (`x.set_(y)`).
+    """
+
+    graph_module: torch.fx.GraphModule
+    mutated: tuple[int, ...]
+    metadata_mutated: tuple[int, ...]
+    storage_mutated: tuple[int, ...] = ()
+
+
+def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn.Module) -> ProgramTrace:
+    """Capture `fn(*args)` once: a functional graph at the PreDispatch key (call under the fake mode).
+
+    What `aot_export_module(pre_dispatch=True)` records in its capture pass, without its
+    metadata pass (a second run of the user's forward, with functionalization below
+    PreDispatch, only to learn which inputs are mutated): FunctionalTensorMode on the
+    PreDispatch stack over make_fx's proxy tracer, and the mutations read off the
+    FunctionalTensor inputs after the run, as AOTAutograd's own metadata analysis reads them.
+    `scope` names modules in each node's `nn_module_stack`.
+    """
+    mutated: list[int] = []
+    metadata: list[int] = []
+    storage: list[int] = []
+
+    def functional(token: torch.Tensor, *inputs: Any) -> tuple[Any, ...]:
+        with _functional_mode() as mode:
+            with torch_function_disabled():  # metadata reads only (see `torch_function_disabled`)
+                f_token, *wrapped = _to_functional((token, *inputs))
+            mode._tokens = {effect: f_token for effect in _EffectType}
+            out = fn(*wrapped)
+            with torch_function_disabled():
+                changes = list(_mutations(wrapped, inputs))
+            for i, (data_changed, meta_changed) in enumerate(changes):
+                if data_changed or meta_changed:
+                    mutated.append(i)
+                if meta_changed:
+                    metadata.append(i)
+                if meta_changed and _has_metadata_mutation(wrapped[i], inputs[i], check_only_storage_mutation=True):
+                    storage.append(i)
+            new_values = [functional_value(wrapped[i]) for i in mutated]
+            out = torch.utils._pytree.tree_map_only(FunctionalTensor, functional_value, out)
+        return (*new_values, *out)
+
+    functional._orig_mod = scope  # make_fx's module-stack tracer names modules from here
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(enable_python_dispatcher())
+        stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+        from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing  # see _LAZY
+
+        stack.enter_context(_disable_saved_tensors_hooks_during_tracing())
+        stack.enter_context(forward_frames_only())
+        # no Python code for the traced graph yet: build edits it, then generates it once
+        # (`generate_code`); a GraphModule's code is a tenth of a 600-node export
+        stack.enter_context(_use_lazy_graph_module(True))
+        token = torch.empty(0)
+        gm = make_fx(functional, record_module_stack=True, pre_dispatch=True)(token, *args)
+    return ProgramTrace(gm, tuple(mutated), tuple(metadata), tuple(storage))
+
+
+def _stack_trace_anchors() -> Any:
+    """Frames FX keeps in a node's stack trace besides `forward` ones (none before torch 2.13)."""
+    return torch.fx.proxy._STACK_TRACE_ANCHORS if HAS.stack_trace_anchors else ()
+
+
+class _ForwardFrames:
+    """FX's per-node stack trace at a fraction of the cost: only the frames FX keeps.
+
+    make_fx's module-stack tracer records, for every node, the stack's `forward` frames (and
+    `torch/__init__.py` and registered anchors; `_filter_traceback_frames` drops the rest).
+    torch extracts and symbolizes the *whole* stack first (pytest, the model, torch's
+    dispatch: a hundred frames) for each node, 15-20% of an export.  This stand-in for
+    `CapturedTraceback` walks the stack and keeps those frames only, so FX's filter returns
+    the same frames and the node's `stack_trace` is the same text.
+    """
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: list[tuple[str, int, str]]):
+        self.frames = frames
+
+    @staticmethod
+    def extract(**_: Any) -> _ForwardFrames:
+        frames = []
+        frame = sys._getframe(1)
+        while frame is not None:
+            code = frame.f_code
+            if (
+                code.co_name == "forward"
+                or code.co_filename.endswith("torch/__init__.py")
+                or (code.co_filename, code.co_name) in _stack_trace_anchors()
+            ):
+                frames.append((code.co_filename, frame.f_lineno, code.co_name))
+            frame = frame.f_back
+        return _ForwardFrames(frames)
+
+    def summary(self) -> traceback.StackSummary:
+        return traceback.StackSummary.from_list([traceback.FrameSummary(*f) for f in reversed(self.frames)])
+
+
+@contextlib.contextmanager
+def forward_frames_only() -> Iterator[None]:
+    """While active, FX tracers capture stack traces with `_ForwardFrames` (same text, less work).
+
+    It patches FX's module global, so a tracer running meanwhile in another thread gets it too;
+    only a tracer not filtering to `forward` frames would then see a shorter stack trace.
+    """
+    with patched(torch.fx.proxy, "CapturedTraceback", lambda _: _ForwardFrames, mechanism="node stack traces (torch.fx.proxy.CapturedTraceback)"):
+        yield
+
+
+@contextlib.contextmanager
+def _functional_mode() -> Iterator[FunctionalTensorMode]:
+    """FunctionalTensorMode at PreDispatch, entered as AOTAutograd enters it (Python
+    functionalization only: the C++ Functionalize key is excluded)."""
+    mode = FunctionalTensorMode(pre_dispatch=True, export=True, _allow_token_discovery=True)
+    exclude = torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize))
+    with exclude, mode:
+        yield mode
+
+
+def _to_functional(values: Any) -> list[Any]:
+    """The tensors among `values` wrapped for the active functional mode; the rest as they are."""
+    return [FunctionalTensor.to_functional(t) if isinstance(t, torch.Tensor) else t for t in values]
+
+
+def _mutations(wrapped: list[Any], originals: Any) -> Iterator[tuple[bool, bool]]:
+    """(data mutated, metadata mutated) of each wrapped input, AOTAutograd's tests
+    (`torch._functorch._aot_autograd.functional_utils`); a storage swap (`set_`) counts as metadata.
+    Both can be true (`x.t_().add_(1)`)."""
+    for f_arg, arg in zip(wrapped, originals):
+        if not isinstance(f_arg, FunctionalTensor):
+            yield False, False
+            continue
+        torch._sync(f_arg)
+        yield _has_data_mutation(f_arg), _has_metadata_mutation(f_arg, arg, check_only_storage_mutation=False)
+
+
+def discarding_unbacked_symbols(fake_mode: FakeTensorMode):
+    """Symbols for data-dependent values (`.item()`) created now are used and dropped inside
+    a subgraph: the outer trace must not look for them among its own outputs."""
+    if fake_mode.shape_env is None:
+        return contextlib.nullcontext()
+    return fake_mode.shape_env.ignore_fresh_unbacked_symbols()
+
+
+#: torch 2.11's non-reentrant checkpoint applies this Function (later releases apply none).
+NOOP_SAVE_INPUTS: type | None = getattr(torch.utils.checkpoint, "_NoopSaveInputs", None) if HAS.checkpoint_applies_function else None
+
+
+def is_generator_argument_error(exc: BaseException) -> bool:
+    """Whether `exc` is FX refusing a `torch.Generator` argument (torch 2.11; see HAS.generator_in_graph)."""
+    return (
+        not HAS.generator_in_graph
+        and isinstance(exc, NotImplementedError)
+        and "torch._C.Generator" in str(exc)
+    )
+
+
+def is_traced_tensor(value: Any) -> bool:
+    """Whether `value` is a tensor of a running trace (fake or functional), not a real constant."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(value, torch.Tensor) and (is_fake(value) or isinstance(value, FunctionalTensor))
+# --- the joint forward-backward program (transforms/joint.py) ------------------------------------
+
+
+def trace_differentiated(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], fake_mode: FakeTensorMode) -> torch.fx.GraphModule:
+    """Trace `fn(*args)`, which calls `torch.autograd.grad`, below autograd and functionalized.
+
+    make_fx under FunctionalTensorMode (at the level below autograd, as AOTAutograd traces its
+    joint), the inputs wrapped with their `requires_grad`.  Not `aot_export_module(trace_joint=True)`
+    (`_aot_export_function`): its joint trace records backward formulas in their
+    double-differentiable form (`silu_backward` becomes `sigmoid` arithmetic, as autograd does
+    with grad mode on), so its gradients differ from eager's in the last bits (Llama, Mistral,
+    Qwen2 in tests/test_joint_models.py); `torch.autograd.grad` called here runs them as eager does.
+    """
+
+    def functional(*inputs: torch.Tensor) -> Any:
+        with FunctionalTensorMode(), torch.enable_grad():
+            wrapped = [FunctionalTensor.to_functional(t).requires_grad_(t.requires_grad) for t in inputs]
+            out = fn(*wrapped)
+            return pytree.tree_map_only(FunctionalTensor, functional_value, out)
+
+    with fake_mode, enable_python_dispatcher(), torch.autograd.set_multithreading_enabled(False):
+        return make_fx(functional)(*args)
+def pre_dispatch_modes() -> tuple[Any, Any]:
+    """The modes in the PreDispatch key's two slots now: (proxy tracer, functional mode).
+
+    While an op (or a HOP) is handled at PreDispatch, torch pops its slot's mode for the time of
+    the handler and what it dispatches below (`torch._ops._temporarily_pop_modes_from_pre_dispatch`):
+    code running with the trace's modes all in place is the traced program's own Python, code
+    running with one popped runs inside an op's kernel (an autograd kernel, a HOP's impl).
+    """
+    from torch._ops import mode_stack_state_for_pre_dispatch
+
+    state = mode_stack_state_for_pre_dispatch()
+    return state.get(0), state.get(1)
+
+
+def _op_call_codes() -> frozenset[Any]:
+    from torch._ops import OpOverloadPacket, TorchBindOpOverload
+
+    calls = (OpOverload.__call__, TorchBindOpOverload.__call__, OpOverloadPacket.__call__, HigherOrderOperator.dispatch)
+    return frozenset(f.__code__ for f in calls)
+
+
+#: The Python frames every op or HOP call from Python passes through on its way to its kernels.
+_OP_CALL_CODES = _op_call_codes()
+
+
+def inside_op_call() -> bool:
+    """Whether the caller runs inside an op's or a HOP's call: a kernel's Python (an autograd
+    kernel, a HOP's impl), which the dispatcher reached from that call, not the traced program."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _OP_CALL_CODES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def generator_identity(generator: torch.Generator) -> int:
+    """The C++ generator a `torch.Generator` stands for: Python wrappers of one generator differ
+    (the traced graph holds a new wrapper of the module's generator), this does not."""
+    return generator._cdata
+
+
+@contextlib.contextmanager
+def intercept_module_calls(handler: Callable[[torch.nn.Module, Callable[..., Any], tuple, dict], Any]) -> Iterator[Hook]:
+    """While active, each submodule call make_fx's module-stack tracer meets runs as
+    `handler(module, call, args, kwargs)`, where `call(*args, **kwargs)` runs the module as usual.
+
+    The handler runs inside the tracer's own `call_module`, so the module is already on
+    `nn_module_stack` and nodes the handler creates are attributed to it.  Modules the tracer
+    does not attribute (GraphModules, shared-module proxies) are not handed over.
+    """
+
+    def intercepting(original):
+        def call_module(self, m, forward, args, kwargs):
+            if isinstance(m, (torch.fx.GraphModule, _AttrProxy)):
+                return original(self, m, forward, args, kwargs)
+            return original(self, m, lambda *a, **k: handler(m, forward, a, k), args, kwargs)
+
+        return call_module
+
+    with patched(_ModuleStackTracer, "call_module", intercepting, mechanism=MODULE_CALLS) as hook:
+        yield hook
+
+
+def current_tracer() -> torch.fx.Tracer | None:
+    """The proxy tracer of the running make_fx trace (pre-dispatch or not), or None."""
+    mode = get_proxy_mode()
+    return None if mode is None else mode.tracer
+
+
+def traced_node(value: torch.Tensor, tracer: torch.fx.Tracer) -> torch.fx.Node | None:
+    """The graph node holding `value`'s current value in `tracer`'s graph (a FunctionalTensor's
+    latest value), or None when the tracer does not know it (a real constant)."""
+    inner = functional_value(value) if isinstance(value, FunctionalTensor) else value
+    slot = get_proxy_slot(inner, tracer, None)
+    return None if slot is None else slot.proxy.node
+
+
+# --- backend switches while tracing (trace/functional.py) ----------------------------------------
+
+
+@contextlib.contextmanager
+def backends_off() -> Iterator[None]:
+    """mkldnn and nnpack off, as torch.export's `_ignore_backend_decomps` turns them off while
+    it traces (see `_no_backend_heuristics` in trace/functional.py for why).
+
+    Through torch's C setters: `torch.backends.mkldnn.enabled = False` is refused once
+    `torch.backends.disable_global_flags()` ran (torch's test utilities call it), and
+    `set_flags` reads every flag of the backend, which raises when forward leaves the TF32
+    flags mixed between the legacy and the new API.
+    """
+    saved = torch._C._get_mkldnn_enabled(), torch._C._get_nnpack_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    torch._C._set_nnpack_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(saved[0])
+        torch._C._set_nnpack_enabled(saved[1])
