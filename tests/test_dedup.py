@@ -681,3 +681,17 @@ def test_a_submodule_registered_twice_turns_sharing_off_with_the_reason():
     assert report.not_shared.startswith("the model registers one submodule under two paths (layers.0.position and layers.1.position)")
     assert list(ep.module().state_dict()) == list(model.state_dict())  # ExportSignature.state_order
     assert graph(ep) == graph(predispatch.export(model, (x,), dedup=False))
+
+
+def test_folded_calls_record_the_module_stack_as_torch_does():
+    """Every call of a shared body, folded after the trace or replayed, names its modules'
+    classes by qualified name as make_fx does: torch.export.save refuses a class object there,
+    and predispatch.save leaves such meta out."""
+    torch.manual_seed(0)
+    ep = predispatch.export(Stack(4, RegionBlock), (torch.randn(2, 3, 8),))
+    calls = ep.graph.find_nodes(op="call_function", target=INVOKE)
+    assert len(calls) == 4
+    for call in calls:
+        stack = call.meta["nn_module_stack"]
+        assert list(stack.values())[-1][1] == "test_dedup.RegionBlock", call.name
+        assert all(isinstance(path, str) and isinstance(cls, str) for path, cls in stack.values()), call.name

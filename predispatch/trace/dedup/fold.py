@@ -30,11 +30,22 @@ from predispatch.trace.dedup.body import Region
 @dataclass(frozen=True)
 class CallSite:
     """A call traced in full: its run of nodes, the outer values it passes to the body (operands
-    read, then symbolic sizes), and the module stack it was traced under."""
+    read, then symbolic sizes), and the module stack it was traced under (as `node_module_stack`
+    gives it)."""
 
     region: Region
     operands: tuple[Any, ...]
-    module_stack: dict
+    module_stack: dict[str, tuple[str, str]]
+
+
+def node_module_stack(tracer_stack: dict) -> dict[str, tuple[str, str]]:
+    """The tracer's module stack (`{key: (path, class)}`) as make_fx writes it into a node's
+    `nn_module_stack`: the class as its qualified name.  torch.export.save refuses a node whose
+    stack holds a class object, and a folded call is built outside make_fx's `create_node`."""
+    return {
+        key: (path, f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else cls)
+        for key, (path, cls) in tracer_stack.items()
+    }
 
 
 def fold_traced_calls(

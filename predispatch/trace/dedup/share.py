@@ -58,7 +58,7 @@ from predispatch import _torch_internals as ti
 from predispatch.errors import DedupVerificationError, user_frame
 from predispatch.frontend.reachable import is_filled
 from predispatch.trace.dedup.body import NotClosed, extract, find_region, first_difference, named
-from predispatch.trace.dedup.fold import CallSite, fold_traced_calls
+from predispatch.trace.dedup.fold import CallSite, fold_traced_calls, node_module_stack
 from predispatch.trace.dedup.reads import _PLAIN, matches, recording_reads, snapshot
 from predispatch.trace.hooks.inspection import side_effect
 from predispatch.trace.dedup.replay import BODY_OUTPUT, PassThrough, SharedBody, replay_call
@@ -318,7 +318,7 @@ def _recorded(module, tracer, log, out, operands, operand_nodes, counts, labels,
     )
     symbols = tuple(n.meta["val"] for n in region.symbols)
     operand_args = (*(operand_nodes[i] for i in region.used), *region.symbols)
-    site = CallSite(region, operand_args, dict(tracer.module_stack))
+    site = CallSite(region, operand_args, node_module_stack(tracer.module_stack))
     return _Recorded(body, region.used, metadata, constants, spec, mutated, symbols, site)
 
 
