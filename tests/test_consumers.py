@@ -506,3 +506,63 @@ def test_executorch_joint_conv_bn_runs_with_eager_gradients():
     assert_close(by_kind["LOSS_OUTPUT", None], loss)
     for name, grad in grads.items():
         assert_close(by_kind["GRADIENT_TO_PARAMETER", name], grad)
+
+
+# ---- transformers' ExecuTorch recipe (docs/comparison.md#training-routes)
+
+
+def _tiny_llama_with_static_cache():
+    """A randomly initialised two-layer Llama, wrapped as transformers' ExecuTorch recipe wraps it:
+    `TorchExportableModuleForDecoderOnlyLM(...).model` registers its StaticCache's tensors as buffers."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static", max_length=32,
+                                               cache_config={"batch_size": 1, "max_cache_len": 32})
+    return model, TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=32)
+
+
+def greedy_decode(step, prompt: list[int], new_tokens: int) -> list[int]:
+    """The recipe's decode: the prompt one token at a time, then the argmax token, each at its
+    cache position; `step(input_ids, cache_position)` returns the logits."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for position, token in enumerate(tokens):
+            logits = step(torch.tensor([[token]]), torch.tensor([position]))
+        while len(tokens) < len(prompt) + new_tokens:
+            tokens.append(int(logits[:, -1, :].argmax(-1)))
+            logits = step(torch.tensor([[tokens[-1]]]), torch.tensor([len(tokens) - 1]))
+    return tokens
+
+
+def test_transformers_executorch_recipe_static_cache():
+    """transformers' StaticCache recipe exports (its cache object holds the very tensors it
+    registers as buffers); an 8-token greedy decode through ep.module() and through the .pte
+    gives HF generate's tokens, as torch.export's route does; export leaves the user's cache
+    (buffers and the cache object's tensors) as it was."""
+    pytest.importorskip("transformers")
+    from executorch.exir import to_edge
+    from executorch.runtime import Runtime
+
+    model, recipe = _tiny_llama_with_static_cache()
+    prompt = [5, 17, 42]
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0].tolist()
+    wrapper = recipe.model
+    before = {name: b.clone() for name, b in wrapper.named_buffers()}
+    example = {"input_ids": torch.tensor([[1]]), "cache_position": torch.tensor([0])}
+    theirs = copy.deepcopy(recipe).export(**example)  # torch.export's route, on a copy
+    ep = predispatch.export(wrapper, (), example)
+    for name, buffer in wrapper.named_buffers():
+        assert torch.equal(buffer, before[name]) and not buffer.requires_grad, name
+    for i, layer in enumerate(wrapper.static_cache.layers):
+        assert layer.keys is getattr(wrapper, f"key_cache_{i}") and layer.values is getattr(wrapper, f"value_cache_{i}")
+    module = ep.module()
+    assert greedy_decode(lambda ids, pos: module(input_ids=ids, cache_position=pos), prompt, 8) == expected
+    theirs_module = theirs.module()
+    assert greedy_decode(lambda ids, pos: theirs_module(input_ids=ids, cache_position=pos), prompt, 8) == expected
+    method = Runtime.get().load_program(to_edge(ep.to_torch(for_inference=True)).to_executorch().buffer).load_method("forward")
+    assert greedy_decode(lambda ids, pos: method.execute([ids, pos])[0], prompt, 8) == expected

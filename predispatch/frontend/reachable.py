@@ -86,6 +86,14 @@ _CONTAINERS = (list, tuple, dict, set)
 _PATH_PART = re.compile(r"^[A-Za-z_0-9]+$")
 #: Objects of these packages are not the user's helpers (a program, a config, a tokenizer).
 _LIBRARIES = ("torch", "builtins", "predispatch", "transformers", "numpy")
+#: Library modules whose objects are walked all the same, each with why: they hold tensors that
+#: forward writes and that are also the module's registered state, which the trace must bind
+#: to the same traced value (an unwalked holder keeps the real tensor, and the first write
+#: through it fails inside torch: "mutating a non-functional tensor with a functional tensor").
+_WALKED_LIBRARY_MODULES = {
+    "transformers.cache_utils": "a KV cache (StaticCache and its layers) whose key and value tensors "
+    "transformers' ExecuTorch wrappers also register as buffers (TorchExportableModuleWithStaticCache)",
+}
 
 
 @dataclass(frozen=True)
@@ -172,6 +180,8 @@ def _is_walked(value: Any) -> bool:
     module_name = getattr(type(value), "__module__", "") or ""
     if module_name.split(".")[0] in sys.stdlib_module_names:  # loggers, locks, partials
         return False
+    if module_name in _WALKED_LIBRARY_MODULES:
+        return True
     return hasattr(value, "__dict__") and not module_name.startswith(_LIBRARIES)
 
 
