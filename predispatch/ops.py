@@ -1,13 +1,23 @@
-"""predispatch's own operators, in the `predispatch` op namespace.
+"""predispatch's own operators: `predispatch::keep_history`, in the `predispatch` op namespace,
+and the higher-order op `predispatch_autograd_function_apply`.
 
 These are the only non-aten ops our passes add to a graph; each is functional, has a fake
 (meta) kernel, and an autograd formula, so programs that contain them trace, run and
-differentiate like any other.  See Note [Mutations inside grad regions].
+differentiate like any other.  See Note [Mutations inside grad regions].  `import
+predispatch.ops` registers them, which `torch.export.load` of a `to_torch()` file needs.
 """
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
+from torch import fx
+
+from predispatch import _torch_internals as ti
+
+__all__ = ["FUNCTION_APPLY", "FunctionApply", "keep_history"]
 
 
 @torch.library.custom_op("predispatch::keep_history", mutates_args=())
@@ -27,3 +37,43 @@ def _keep_history_backward(ctx, grad: torch.Tensor):
 
 
 keep_history.register_autograd(_keep_history_backward)
+
+
+class FunctionApply(ti.HigherOrderOperator):
+    """torch's `autograd_function_apply` whose forward subgraph returns one flat tuple,
+    `(*outputs, *saved)`, with `num_outputs` saying where the outputs end.
+
+    Note [Custom backwards that torch.export.load reads]
+    ----------------------------------------------------
+    torch's HOP takes a forward subgraph returning two lists, `((*outputs), (*saved))`.
+    `torch.export.save` writes that, but `torch.export.load` reads a subgraph's outputs one
+    value each (`GraphModuleDeserializer.deserialize_graph_output`, torch 2.11 to 2.15) and
+    fails.  `to_torch()` therefore gives each captured Function this HOP instead
+    (passes/flatten_function_outputs.py): the flat forward serialises like any subgraph, and
+    `torch.export.load` resolves `torch.ops.higher_order.predispatch_autograd_function_apply`
+    once `predispatch.ops` is imported.  Calling it calls torch's own HOP on the forward with
+    its outputs regrouped, so eager runs, `module()`, `run_decompositions()` and torch's joint
+    export (`_export_forward_backward`) see exactly torch's `autograd_function_apply`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("predispatch_autograd_function_apply")
+        self._regrouped: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = weakref.WeakKeyDictionary()
+
+    def __call__(self, fwd: fx.GraphModule, bwd: fx.GraphModule, *args: Any, num_outputs: int, **kwargs: Any) -> Any:
+        regrouped = self._regrouped.get(fwd)
+        if regrouped is None:
+            regrouped = self._regrouped[fwd] = regroup_outputs(fwd, num_outputs)
+        return ti.autograd_function_apply(regrouped, bwd, *args, **kwargs)
+
+
+def regroup_outputs(fwd: fx.GraphModule, num_outputs: int) -> fx.GraphModule:
+    """A copy of the flat forward `fwd` returning `((*outputs), (*saved))`, as torch's HOP takes it."""
+    graph = fx.Graph()
+    output = graph.graph_copy(fwd.graph, {})
+    values = tuple(output) if isinstance(output, (tuple, list)) else (output,)
+    graph.output((values[:num_outputs], values[num_outputs:]))
+    return fx.GraphModule(fwd, graph)
+
+
+FUNCTION_APPLY = FunctionApply()

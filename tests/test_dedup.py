@@ -511,13 +511,20 @@ def test_save_load_round_trips_shared_bodies():
     assert_same_tree(loaded.module()(x), model(x))
 
 
-def test_to_torch_keeps_invoke_subgraph():
+def test_to_torch_inlines_shared_bodies():
+    """torch's eager invoke_subgraph cannot differentiate (it needs a fake mode), so to_torch()
+    gives the flat graph: its module() trains like the model."""
     torch.manual_seed(0)
     model, x = Stack(5), torch.randn(2, 3, 8)
     ep = predispatch.export(model, (x,))
+    assert _calls(ep) == 5
     theirs = ep.to_torch()
-    assert len(theirs.graph.find_nodes(op="call_function", target=INVOKE)) == 5
-    assert_same_tree(theirs.module()(x), model(x))
+    assert len(theirs.graph.find_nodes(op="call_function", target=INVOKE)) == 0
+    x_theirs, x_eager = x.clone().requires_grad_(), x.clone().requires_grad_()
+    assert_same_tree(theirs.module()(x_theirs), model(x_eager))
+    theirs.module()(x_theirs).sum().backward()
+    model(x_eager).sum().backward()
+    assert_same_tree(x_theirs.grad, x_eager.grad)
 
 
 class Golden(TestCase):

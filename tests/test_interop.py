@@ -291,19 +291,24 @@ class CustomBackwards(TestCase):
     def test_to_torch_trains_with_the_custom_backward(self):
         tep = self.ep.to_torch()
         calls = [n.target for n in tep.graph.nodes if n.op == "call_function"]
-        self.assertIn(torch.ops.higher_order.autograd_function_apply, calls)
+        self.assertIn(torch.ops.higher_order.predispatch_autograd_function_apply, calls)
+        self.assertNotIn(torch.ops.higher_order.autograd_function_apply, calls)
         expected, got = self.grads(self.model), self.grads(tep.module())
         assert_same_tree(got, expected)
         self.assertTrue(expected[0].abs().sum() > 0)  # autograd through round() would give zeros
 
-    def test_torch_export_load_cannot_read_it(self):
-        """torch 2.13 writes the HOP but cannot read it back; if this starts passing, update
-        the Note, docs/format.md#torch-interop and this test."""
+    def test_torch_export_save_load_keeps_the_custom_backward(self):
+        """The flat forward (Note [Custom backwards that torch.export.load reads]) is what torch
+        reads back: the loaded module trains with the custom backward, bitwise."""
         buffer = io.BytesIO()
         torch.export.save(self.ep.to_torch(), buffer)
         buffer.seek(0)
-        with self.assertRaisesRegex(RuntimeError, "error when deserializing"):
-            torch.export.load(buffer)
+        loaded = torch.export.load(buffer)
+        self.assertExpectedInline(loaded.graph_module.straight_through_fwd_0.code.strip(), """\
+def forward(self, x):
+    round_1 = torch.ops.aten.round.default(x)
+    return (round_1, x)""")
+        assert_same_tree(self.grads(loaded.module()), self.grads(self.model))
 
     def test_for_inference_inlines_forward_and_says_backward_is_dropped(self):
         with self.assertWarnsRegex(UserWarning, r"dropped 1 custom backward\(s\) \(straight_through_fwd_0\)"):

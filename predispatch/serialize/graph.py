@@ -48,6 +48,22 @@ HIGHER_ORDER_OPS: dict[str, Callable[[], torch._ops.HigherOrderOperator]] = {
     "wrap_with_autocast": lambda: ti.wrap_with_autocast,
     "autograd_function_apply": lambda: ti.autograd_function_apply,  # custom autograd.Functions
     "invoke_subgraph": lambda: ti.invoke_subgraph,  # shared bodies of repeated blocks
+    # torch's control flow in the user's code
+    "cond": lambda: torch.ops.higher_order.cond,
+    "scan": lambda: torch.ops.higher_order.scan,
+    "map_impl": lambda: torch.ops.higher_order.map_impl,
+}
+
+
+#: Higher-order ops a program may hold in memory that format version 1 cannot save: (why, what
+#: to do instead).
+UNSAVED_HOPS: dict[str, tuple[str, str]] = {
+    "while_loop": (
+        "torch gives while_loop's outputs data-dependent storage offsets (u0 - 1, from its fake "
+        "implementation), and format version 1 holds symbolic sizes of inputs only",
+        "save ep.to_torch() with torch.export.save instead (torch's format holds while_loop; the loaded "
+        "module() trains), or keep the program in memory.",
+    ),
 }
 
 
@@ -77,10 +93,14 @@ def _target_name(node: fx.Node, where: str) -> str:
     for name, fn in PYTHON_CALLABLES.items():
         if target is fn:
             return name
+    if isinstance(target, torch._ops.HigherOrderOperator) and target.name() in UNSAVED_HOPS:
+        reason, fix = UNSAVED_HOPS[target.name()]
+        raise SerializationError(f"{where}: calls {target.name()}, which format version 1 cannot save: {reason}.", fix=fix)
     raise SerializationError(
         f"{where}: calls {short(target)}, which format version 1 cannot name: it holds OpOverloads, "
         f"the higher-order ops {sorted(HIGHER_ORDER_OPS)} and {sorted(PYTHON_CALLABLES)}.",
-        fix="if this is a new predispatch HOP, add it to HIGHER_ORDER_OPS in predispatch/serialize/graph.py.",
+        fix="keep the program in memory, or save ep.to_torch() with torch.export.save if torch's format holds "
+        "the op (a predispatch HOP missing here is our bug: report it).",
     )
 
 
@@ -148,6 +168,13 @@ def _check_schema(op: torch._ops.OpOverload, args: tuple, kwargs: dict, where: s
         )
 
 
+def _class_name(gm: fx.GraphModule) -> str:
+    """The class name a module is saved under: its own, or `GraphModule` where that is no
+    identifier (make_fx names a branch traced from a lambda, a `torch.cond` branch, `<lambda>`)."""
+    name = type(gm).__name__
+    return name if name.isidentifier() else "GraphModule"
+
+
 def encode_module(gm: fx.GraphModule, path: str, tensors: dict[str, torch.Tensor]) -> dict:
     """A graph module and its subgraphs; the tensors it holds go to `tensors` by path."""
     where = f"graph module {path or '<root>'}"
@@ -166,7 +193,7 @@ def encode_module(gm: fx.GraphModule, path: str, tensors: dict[str, torch.Tensor
         if not _holds(gm, node.target):
             raise SerializationError(f"{where}: get_attr {node.target!r} names neither a subgraph nor a tensor the module holds.")
     nodes = [_encode_node(node, f"{where}, node {node.name}") for node in gm.graph.nodes]
-    return {"class_name": type(gm).__name__, "nodes": nodes, "tensors": held, "submodules": submodules}
+    return {"class_name": _class_name(gm), "nodes": nodes, "tensors": held, "submodules": submodules}
 
 
 def _holds(module: nn.Module, target: str) -> bool:

@@ -106,7 +106,9 @@ class HopConvention:
     kwargs: the keyword arguments it takes, all required, by kind.
     bodies: indices in `leading` of the subgraphs the operands are passed to (their
         placeholders must match the operands' count).
-    packed: the operands are one tuple argument after `leading` (`cond`), not spread.
+    packed: the operands come as this many tuple or list arguments after `leading`, not spread
+        (`cond`: one; `while_loop`: carried and additional inputs; `scan`: initial carries,
+        scanned inputs, additional inputs); every body takes all of them, in order.
     inner_op: index in `leading` of an op the HOP calls (`with_effects`), itself checked.
     structure: further checks of how its subgraphs fit together (`autograd_function_apply`:
         what forward returns, what backward takes and returns), yielding why not.
@@ -118,7 +120,7 @@ class HopConvention:
     reason: str
     kwargs: Mapping[str, str] = field(default_factory=dict)
     bodies: tuple[int, ...] = ()
-    packed: bool = False
+    packed: int = 0
     inner_op: int | None = None
     structure: Callable[[fx.Node, fx.GraphModule], Iterator[str]] | None = None
 
@@ -171,7 +173,16 @@ HOP_CONVENTIONS: dict[str, HopConvention] = {
         inner_op=1),
     "cond": HopConvention(
         ("predicate", "subgraph", "subgraph"), ("node",), "torch.cond in the user's code: both branches kept, one runs",
-        bodies=(1, 2), packed=True),
+        bodies=(1, 2), packed=1),
+    "while_loop": HopConvention(
+        ("subgraph", "subgraph"), ("node",), "torch's while_loop in the user's code: condition and body subgraphs",
+        bodies=(0, 1), packed=2),
+    "scan": HopConvention(
+        ("subgraph",), ("node",), "torch's scan in the user's code: the combine subgraph, run along the scanned inputs",
+        bodies=(0,), packed=3),
+    "map_impl": HopConvention(
+        ("subgraph",), ("node",), "torch's map in the user's code: the body subgraph, run on each slice",
+        bodies=(0,), packed=2),
 }
 
 
@@ -185,10 +196,11 @@ def _hop_problems(node: fx.Node, gm: fx.GraphModule, convention: HopConvention, 
             yield f"{name} argument {i} must be a {_kind_text(kind)}, not {_describe(value)}"
     operands = args[len(convention.leading):]
     if convention.packed:
-        if len(operands) != 1 or not isinstance(operands[0], (tuple, list)):
-            yield f"{name} takes its operands as one tuple after {len(convention.leading)} arguments, given {_describe(operands)}"
+        if len(operands) != convention.packed or not all(isinstance(group, (tuple, list)) for group in operands):
+            yield (f"{name} takes its operands as {convention.packed} tuple(s) after {len(convention.leading)} "
+                   f"arguments, given {_describe(operands)}")
             return
-        operands = operands[0]
+        operands = [value for group in operands for value in group]
     for i, value in enumerate(operands):
         if not any(_kind_ok(kind, value, gm) for kind in convention.operands):
             yield f"{name} operand {i} is {_describe(value)}; operands are {' or '.join(convention.operands)}"

@@ -2,7 +2,9 @@
 
 `joint.py`: `ep.joint()`, the functional joint forward-backward program.  `to_torch.py`:
 `ep.to_torch()` / `to_torch_forward_backward()`, torch.export's `ExportedProgram`, with its
-lowering passes: `recompose_for_torch.py` (torch's training-IR batch norm and dropout),
+lowering passes: `recompose_for_torch.py` (torch's training-IR batch norm and dropout, and
+copies of the statistics where that form cannot be used), `flatten_function_outputs.py`
+(custom Functions in the form `torch.export.load` reads),
 `lower_for_inference.py` (forward-only consumers), `lower_batch_norm_stats.py` (ExecuTorch).
 """
 

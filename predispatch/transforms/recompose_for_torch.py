@@ -198,3 +198,37 @@ def _renamed(spec: tsig.OutputSpec, value: object) -> tsig.OutputSpec:
     if isinstance(value, fx.Node) and isinstance(spec.arg, tsig.TensorArgument) and spec.arg.name != value.name:
         return dataclasses.replace(spec, arg=tsig.TensorArgument(value.name))
     return spec
+
+
+def clone_saved_statistics(gm: fx.GraphModule) -> int:
+    """Give each train-mode batch norm left functional (in a region's subgraph, or with its new
+    statistics read after the update) copies of the running statistics; how many nodes.
+
+    Its backward saves `running_mean` and `running_var` (autograd saves every input of
+    `native_batch_norm`, though train mode's gradient reads none of them), and torch's
+    `module()` then writes the new statistics into those very buffers with `copy_`: backward
+    fails with "modified by an inplace operation".  Eager's kernel updates the statistics
+    before they are saved, which is what `recompose_for_torch` reproduces where it can; where it
+    cannot, a copy is saved instead, at the cost of two vectors the size of the channels.
+    """
+    count = 0
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.find_nodes(op="call_function", target=aten._native_batch_norm_legit_functional.default):
+            if node.args[5] is True:
+                for index in (3, 4):
+                    _clone_arg(module.graph, node, index)
+                count += 1
+        module.recompile()
+    return count
+
+
+def _clone_arg(graph: fx.Graph, node: fx.Node, index: int) -> None:
+    value = node.args[index]
+    if not isinstance(value, fx.Node):
+        return
+    with graph.inserting_before(node):
+        copied = graph.call_function(aten.clone.default, (value,))
+    copied.meta = {key: value.meta[key] for key in ("val", "tensor_meta") if key in value.meta}
+    node.update_arg(index, copied)

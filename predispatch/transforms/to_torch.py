@@ -16,8 +16,9 @@ The differences are in the calling convention, which `to_torch` rewrites on a co
 
 What converts: every OpOverload (aten, prims, and custom ops such as predispatch::keep_history,
 which `torch.export.load` finds once `predispatch` is imported), `operator.getitem`, and the
-higher-order ops in `TORCH_HOPS` (torch's own grad-mode and autocast regions, and
-`invoke_subgraph` for shared bodies of repeated blocks); parameters,
+higher-order ops in `TORCH_HOPS` (torch's own grad-mode and autocast regions) and `KEPT_HOPS`
+(custom Functions, torch's control flow: `cond`, `while_loop`, `scan`, `map`); shared bodies
+(inlined); parameters,
 buffers (persistent or not), constants, tied weights, and mutations of buffers, parameters
 and user inputs.  What is refused with `NotRepresentableError`: any other higher-order op
 (`REFUSED_HOPS` says why for predispatch's own), a forward that leaves grad mode changed for its
@@ -26,15 +27,25 @@ docs/format.md#torch-interop keeps the same list.
 
 Note [Custom backwards in torch's ExportedProgram]
 --------------------------------------------------
-A captured `autograd.Function` (or backward hook) is torch's own `autograd_function_apply` HOP
-with a forward and a backward subgraph.  `to_torch()` keeps it: torch's verifier accepts it,
-`module()` trains with the custom backward, and `run_decompositions()` inlines its forward.
-What torch 2.13 cannot do is read it back from a file: `torch.export.save` writes it, but
-`torch.export.load` fails in `GraphModuleDeserializer.deserialize_graph_output`
-(torch/_export/serde/serialize.py), which reads a subgraph's outputs one tensor each, while
-the forward subgraph returns two lists, `((*outputs), (*saved))`.  So for a file: a program
-with Functions is saved with `predispatch.save` (training) or as
-`to_torch(for_inference=True)` (forward only).
+A captured `autograd.Function` (or backward hook) is torch's `autograd_function_apply` HOP with
+a forward and a backward subgraph.  torch.export.load cannot read that HOP back (its forward
+subgraph returns two lists), so `to_torch()` gives each one predispatch's
+`predispatch_autograd_function_apply` instead, the same HOP with a flat forward (Note [Custom
+backwards that torch.export.load reads] in predispatch/ops.py;
+transforms/flatten_function_outputs.py).  torch's verifier accepts it, `module()` trains with
+the custom backward, `run_decompositions()` inlines its forward, `_export_forward_backward`
+traces the custom backward, and `torch.export.save`/`load` round-trip it once
+`predispatch.ops` is imported in the loading process.
+
+Shared bodies of repeated blocks are inlined (`invoke_subgraph` becomes the flat graph that
+torch.export gives): torch's eager `invoke_subgraph` differentiates only under a fake mode
+("fake_mode should be enabled for HOPs") and Dynamo refuses a direct call of it, so a program
+that kept it could neither train through `module()` nor compile (tests/test_consumers.py).
+
+Train-mode batch norm that `recompose_for_torch` cannot give torch's in-place form (inside a
+region, or with its new statistics read afterwards) saves copies of the running statistics
+(`clone_saved_statistics`): torch's `module()` writes the statistics back into the buffers
+after the graph ran, which would otherwise change a tensor its backward saved.
 
 `to_torch(for_inference=True)` is the lowering for consumers that only run forward (ONNX,
 PT2E quantization, ExecuTorch): each Function's forward is inlined and its backward dropped
@@ -60,17 +71,24 @@ from predispatch.errors import NotRepresentableError
 from predispatch.frontend.inputs import unique_identifier
 from predispatch.passes.lift_constants import TORCH_HOPS, attribute, hop_body, lift_from_subgraph
 from predispatch.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, OutputKind, OutputSpec, Program
-from predispatch.transforms.recompose_for_torch import recompose_for_torch
+from predispatch.passes import inlined_copy
+from predispatch.transforms.flatten_function_outputs import flatten_function_outputs
+from predispatch.transforms.recompose_for_torch import clone_saved_statistics, recompose_for_torch
 
 
 #: Why the other HOPs predispatch emits are refused.
 REFUSED_HOPS: dict[str, str] = {}
 
-#: Higher-order ops `to_torch()` keeps as they are (no operands to lift into their subgraphs),
-#: with what torch can do with them; see Note [Custom backwards in torch's ExportedProgram].
+#: Higher-order ops `to_torch()` keeps (no operands to lift into their subgraphs: one whose
+#: subgraphs hold tensors is refused), with what torch does with them.
 KEPT_HOPS = {
-    "autograd_function_apply": "module() and training keep the custom backward; torch.export.load "
-    "cannot read it back (torch 2.13 reads one tensor per subgraph output, the forward returns two lists)",
+    "autograd_function_apply": "as predispatch_autograd_function_apply, which module(), training, "
+    "torch.export.save and load keep (Note [Custom backwards in torch's ExportedProgram])",
+    "cond": "torch.cond: torch's verifier, serializer, module() and autograd know it",
+    "while_loop": "torch's while_loop: torch's verifier, serializer, module() and autograd know it",
+    "scan": "torch's scan: torch's verifier, serializer, module() and autograd know it",
+    "map_impl": "torch's map (functorch.experimental.control_flow.map): torch's verifier, serializer, "
+    "module() and autograd know it",
 }
 
 #: The constant leaf types torch's `ConstantArgument` holds.
@@ -91,9 +109,9 @@ _OUTPUT_KIND = {
 def to_torch(ep: Program, *, for_inference: bool = False) -> torch.export.ExportedProgram:
     """`ep` as a `torch.export.ExportedProgram` (see the module docstring for what converts).
 
-    The result passes torch's verifier and supports `torch.export.save`/`load` (except a
-    program holding custom backwards: Note [Custom backwards in torch's ExportedProgram]),
-    `run_decompositions()` and `module()`.  Everything in it is a copy: torch's `module()`
+    The result passes torch's verifier and supports `torch.export.save`/`load` (custom
+    backwards once `predispatch.ops` is imported: Note [Custom backwards in torch's
+    ExportedProgram]), `run_decompositions()` and `module()`, which trains.  Everything in it is a copy: torch's `module()`
     writes buffer mutations into the program's own state tensors, and torch's passes rewrite
     graphs, and neither may reach `ep` or the model it was exported from.
 
@@ -103,7 +121,21 @@ def to_torch(ep: Program, *, for_inference: bool = False) -> torch.export.Export
     """
     if for_inference:
         return _to_torch_for_inference(ep)
+    converted = _convert(ep)
+    clone_saved_statistics(converted.graph_module)
+    flatten_function_outputs(converted.graph_module)
+    return converted
+
+
+def _convert(ep: Program) -> torch.export.ExportedProgram:
+    """`ep` in torch's calling convention and training IR, shared bodies inlined (see the
+    module docstring), before the rewrites only a training consumer needs."""
+    import dataclasses
+
     _refuse_unrepresentable(ep)
+    flat = inlined_copy(ep.graph_module)
+    if flat is not ep.graph_module:
+        ep = dataclasses.replace(ep, graph_module=flat)  # type: ignore[type-var]  # an ExportedProgram, a dataclass
     builder = _TorchGraph(ep)
     output_specs = recompose_for_torch(builder.graph, builder.input_specs, builder.output_specs)
     sig = ep.signature
@@ -148,7 +180,7 @@ def _to_torch_for_inference(ep: Program) -> torch.export.ExportedProgram:
     drop_history(gm)
     # a forward that leaves grad mode changed for its caller matters to training callers only
     signature = dataclasses.replace(ep.signature, grad_mode_on_exit=None)
-    lowered = to_torch(dataclasses.replace(ep, graph_module=gm, signature=signature))  # type: ignore[type-var]  # an ExportedProgram, a dataclass
+    lowered = _convert(dataclasses.replace(ep, graph_module=gm, signature=signature))  # type: ignore[type-var]  # an ExportedProgram, a dataclass
     if dropped:
         warnings.warn(
             f"to_torch(for_inference=True) dropped {len(dropped)} custom backward(s) ({', '.join(dropped)}): "
