@@ -409,6 +409,39 @@ def test_pt2e_mode_switch_on_program_module_is_refused():
     move_exported_model_to_eval(evaluated)  # already eval: nothing to switch, allowed
 
 
+
+def test_pt2e_mode_switch_on_train_eval_module():
+    """PT2E's mode switch (move_exported_model_to_eval/_train, allow_exported_model_train_eval
+    then .eval()/.train()) on `export_train_eval(...).module()` switches between the exported
+    programs of each mode: eager's outputs in each mode, bitwise."""
+    from torchao.quantization.pt2e import (
+        allow_exported_model_train_eval,
+        move_exported_model_to_eval,
+        move_exported_model_to_train,
+    )
+
+    torch.manual_seed(0)
+    model, x = DropoutMLP(), torch.randn(8, 8)
+    both = predispatch.export_train_eval(copy.deepcopy(model), (x,)).module()
+
+    def check(mode: bool) -> None:
+        assert both.training is mode
+        eager = copy.deepcopy(model).train(mode)
+        torch.manual_seed(1)
+        expected = eager(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(both(x), expected, rtol=0, atol=0)
+
+    move_exported_model_to_eval(both)
+    check(False)
+    move_exported_model_to_train(both)
+    check(True)
+    allow_exported_model_train_eval(both)
+    both.eval()
+    check(False)
+    both.train()
+    check(True)
+
 class WithLoss(nn.Module):
     """On-device training exports the loss with the model, as its first output (ExecuTorch's recipe)."""
 

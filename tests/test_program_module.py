@@ -293,6 +293,32 @@ ep.module() cannot be pickled or shallow-copied: fx rebuilds a pickled GraphModu
         self.assertIsNot(copied.lin.weight, module.lin.weight)
 
 
+class TrainEvalGraph(TestCase):
+    """`export_train_eval(...).module()` is an fx.GraphModule: its graph calls the program of the
+    current mode, and graph tools (fx.Interpreter, dead-code elimination) run it."""
+
+    def test_graph_calls_the_program_of_the_mode(self):
+        torch.manual_seed(0)
+        module, x = ConvBn(), torch.randn(2, 3, 6, 6)
+        both = predispatch.export_train_eval(module, (x,)).module()
+        self.assertIsInstance(both, torch.fx.GraphModule)
+        self.assertExpectedInline(both.code.strip(), """\
+def forward(self, x):
+    train_program = self.train_program(x);  x = None
+    return train_program""")
+        eager = copy.deepcopy(module)
+        assert_same_tree(torch.fx.Interpreter(both).run(x), eager(x))  # batch statistics, updated
+        assert_same_tree(dict(both.named_buffers()), dict(eager.named_buffers()))
+        both.eval()
+        eager.eval()
+        both.graph.eliminate_dead_code()
+        both.recompile()
+        self.assertIn("self.eval_program(x)", both.code)
+        assert_same_tree(torch.fx.Interpreter(both).run(x), eager(x))
+        assert_same_tree(both(x), eager(x))
+        self.assertEqual(list(both.state_dict()), list(module.state_dict()))
+
+
 class Conversions(TestCase):
     """`.to(dtype)` / `.to(device)` of `ep.module()` are refused before converting (issue 21.11)."""
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from predispatch.errors import ModeSwitchError, ModuleConversionError, ModuleCopyError, user_frame
 
@@ -102,28 +102,50 @@ def refuse_copy() -> NoReturn:
     )
 
 
-class TrainEvalModule(nn.Module):
+class TrainEvalModule(fx.GraphModule):
     """Both programs of a `TrainEvalProgram` (program/train_eval.py) over one set of state, switched by `.train()`/`.eval()`.
 
-    The train program's module holds the state (the model's own tensors); the eval program's reads them
-    live from it at each call (as a function export reads its modules), so training in one
-    mode and evaluating in the other see the same parameters and buffers.  Its submodules and
-    `state_dict()` keys are the exported module's.
+    An `fx.GraphModule`, so graph tools take it: its graph calls the program of the current mode,
+
+        def forward(self, x):
+            train_program = self.train_program(x)        # self.eval_program(x) after .eval()
+            return train_program
+
+    and `.train()`/`.eval()` retarget that call.  The train program's module holds the state
+    (the model's own tensors); the eval program's reads them live from it at each call (as a
+    function export reads its modules), so training in one mode and evaluating in the other
+    see the same parameters and buffers.  The two program modules are attributes, not
+    submodules: its submodules and `state_dict()` keys are the exported module's.
+
+    PT2E's mode switch works here (Note [PT2E's mode switch on a TrainEvalModule]).
     """
 
     def __init__(self, train: nn.Module, evaluate: nn.Module, training: bool):
         """`train`: the train program's module; `evaluate`: the eval program's, reading its
         state live from `train` (`TrainEvalProgram.module` builds both)."""
-        super().__init__()
-        object.__setattr__(self, "_runners", {True: train, False: evaluate})  # not submodules
+        super().__init__(nn.Module(), fx.Graph())
+        for name, runner in ((_TRAIN, train), (_EVAL, evaluate)):
+            object.__setattr__(self, name, runner)  # not submodules: no second set of state names
         for name, child in train.named_children():
             self.add_module(name, child)
+        self.graph = _switch_graph(train.graph._codegen.pytree_info.orig_args)
         self.train(training)
 
-    _runners: dict[bool, Any]  # {training: the program's module}, set in __init__
+    def train(self, mode: bool = True) -> TrainEvalModule:
+        """Run the `mode` program from now on (`.eval()` calls this too)."""
+        super().train(mode)
+        (call,) = self.graph.find_nodes(op="call_module")
+        if call.target != _RUNNER[mode]:
+            call.target = _RUNNER[mode]
+            self.recompile()
+        self.__dict__[_PT2E_TRAINING] = mode  # what PT2E reads (Note [PT2E's mode switch on a TrainEvalModule])
+        return self
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._runners[self.training](*args, **kwargs)
+    def __setattr__(self, name: str, value: Any) -> None:
+        """PT2E's `move_exported_model_to_train`/`_eval` set `_exported_training`: switch to it."""
+        super().__setattr__(name, value)
+        if name == _PT2E_TRAINING:
+            TrainEvalModule.train(self, bool(value))  # the class's own, not a method PT2E installed
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TrainEvalModule:
         """`.to()`, `.double()` ...: refused if they change a dtype or device (`check_conversion`)."""
@@ -139,15 +161,39 @@ class TrainEvalModule(nn.Module):
     def __deepcopy__(self, memo: dict) -> TrainEvalModule:
         """A deep copy (which would otherwise go through the refused `__reduce_ex__`): both
         programs' modules copied, the eval one reading the copied train one's state."""
-        copied = TrainEvalModule.__new__(TrainEvalModule)
+        train, evaluate = (copy.deepcopy(self.__dict__[name], memo) for name in (_TRAIN, _EVAL))
+        copied = TrainEvalModule(train, evaluate, self.training)
         memo[id(self)] = copied
-        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return copied
 
     @property
     def positional_names(self) -> tuple[str, ...]:
         """The exported callable's positional parameter names (read by a re-export)."""
-        return self._runners[True].positional_names
+        return self.__dict__[_TRAIN].positional_names
+
+
+#: The attributes holding the two program modules, by mode, and PT2E's mode attribute.
+_TRAIN, _EVAL = "train_program", "eval_program"
+_RUNNER = {True: _TRAIN, False: _EVAL}
+_PT2E_TRAINING = "_exported_training"
+
+# Note [PT2E's mode switch on a TrainEvalModule]
+# ----------------------------------------------
+# torchao's `move_exported_model_to_eval(m)` / `_train(m)` read `m._exported_training`, set it,
+# and rewrite `aten.batch_norm` / `aten.dropout` patterns in `m.graph`;
+# `allow_exported_model_train_eval(m)` installs `m.train`/`m.eval` that call them.  A
+# TrainEvalModule's graph holds no such pattern, so the rewrite alone would switch nothing; but
+# it holds both modes' programs, so setting `_exported_training` switches to that program, and
+# `train()` keeps `_exported_training` equal to the mode.  Every PT2E route then switches,
+# with the exported graphs of each mode (tests/test_consumers.py).
+
+
+def _switch_graph(argument_names: Sequence[str]) -> fx.Graph:
+    """`TrainEvalModule`'s graph: the callable's arguments passed to the train program."""
+    graph = fx.Graph()
+    inputs = [graph.placeholder(name) for name in argument_names]
+    graph.output(graph.call_module(_TRAIN, tuple(inputs)))
+    return graph
 
 
 #: Attributes PT2E sets on an exported module to switch its graph's mode by rewriting
