@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import os
 import re
 from typing import Any
@@ -15,6 +16,14 @@ import predispatch
 from predispatch._torch_versions import DEVELOPMENT
 from predispatch.passes import mutable_ops
 from predispatch.program.printing import format_graph
+
+
+def round_trip(ep: predispatch.ExportedProgram) -> predispatch.ExportedProgram:
+    """`ep` saved with `predispatch.save` and loaded back, in memory."""
+    buffer = io.BytesIO()
+    predispatch.save(ep, buffer)
+    buffer.seek(0)
+    return predispatch.load(buffer)
 
 
 def clone_tree(tree: Any) -> Any:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import predispatch
+from helpers import round_trip
 
 pytestmark = pytest.mark.consumers
 
@@ -725,10 +726,7 @@ def test_control_flow_predispatch_save_load(model_name):
     torch.manual_seed(0)
     model, x = CONTROL_FLOW[model_name](), torch.randn(4, 8)
     ep = predispatch.export(model, (x,))
-    buffer = io.BytesIO()
-    predispatch.save(ep, buffer)
-    buffer.seek(0)
-    loaded = predispatch.load(buffer)
+    loaded = round_trip(ep)
     assert str(loaded) == str(ep)
     check_trains_like(loaded.module(), model, x)
 
