@@ -120,7 +120,7 @@ class TrainEvalModule(fx.GraphModule):
     PT2E's mode switch works here (Note [PT2E's mode switch on a TrainEvalModule]).
     """
 
-    def __init__(self, train: nn.Module, evaluate: nn.Module, training: bool):
+    def __init__(self, train: fx.GraphModule, evaluate: fx.GraphModule, training: bool):
         """`train`: the train program's module; `evaluate`: the eval program's, reading its
         state live from `train` (`TrainEvalProgram.module` builds both)."""
         super().__init__(nn.Module(), fx.Graph())
@@ -128,7 +128,7 @@ class TrainEvalModule(fx.GraphModule):
             object.__setattr__(self, name, runner)  # not submodules: no second set of state names
         for name, child in train.named_children():
             self.add_module(name, child)
-        self.graph = _switch_graph(train.graph._codegen.pytree_info.orig_args)
+        self.graph = _switch_graph(train.graph._codegen.pytree_info.orig_args)  # type: ignore[attr-defined]  # ProgramModule's PyTreeCodeGen
         self.train(training)
 
     def train(self, mode: bool = True) -> TrainEvalModule:

@@ -20,6 +20,8 @@ Post: no `autograd_function_apply` in `gm` or its subgraphs; the same values com
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import fx
 
 from predispatch import _torch_internals as ti
@@ -45,11 +47,12 @@ def flatten_function_outputs(gm: fx.GraphModule) -> int:
 
 
 def _flatten(module: fx.GraphModule, node: fx.Node, flat: dict[str, int]) -> None:
+    """Flatten the forward of one call (once per forward) and retarget the call."""
     target = node.args[0].target
     if target not in flat:
-        fwd = module.get_submodule(target)
+        fwd = cast(fx.GraphModule, module.get_submodule(target))  # a HOP's subgraph
         output = fwd.graph.output_node()
-        outputs, saved = output.args[0]
+        outputs, saved = cast(tuple, output.args[0])  # ((*outputs), (*saved)): torch's HOP convention
         output.args = ((*outputs, *saved),)
         fwd.recompile()
         flat[target] = len(outputs)
