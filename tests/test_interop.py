@@ -239,6 +239,21 @@ torch.export.ExportedProgram cannot hold this program:
             ep.to_torch()
         self.assertIn("dtype is a constant dtype; torch holds int, float, bool, str or None", str(info.exception))
 
+    def test_control_flow_branch_holding_a_tensor(self):
+        """A tensor made inside a torch.cond branch is a get_attr of the branch, which to_torch
+        cannot lift into cond's operands: refused, naming what to do."""
+
+        class MadeInBranch(nn.Module):
+            def forward(self, x):
+                return torch.cond(x.sum() > 0, lambda x: x * torch.tensor([1.0, 2.0]), lambda x: x - 1, (x,))
+
+        ep = predispatch.export(MadeInBranch(), (torch.randn(3, 2),))
+        with self.assertRaises(NotRepresentableError) as info:
+            ep.to_torch()
+        self.assertIn("node cond in the graph calls cond: its subgraphs hold tensors (made inside them), which "
+                      "to_torch cannot lift into them; make the tensor outside the branch or body and pass it in "
+                      "as an operand", str(info.exception))
+
 
 
 class DynamicShapes(TestCase):

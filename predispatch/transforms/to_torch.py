@@ -15,7 +15,7 @@ The differences are in the calling convention, which `to_torch` rewrites on a co
                                                  patterns match (transforms/recompose_for_torch.py)
 
 What converts: every OpOverload (aten, prims, and custom ops such as predispatch::keep_history,
-which `torch.export.load` finds once `predispatch` is imported), `operator.getitem`, and the
+which `torch.export.load` finds once `predispatch.ops` is imported), `operator.getitem`, and the
 higher-order ops in `TORCH_HOPS` (torch's own grad-mode and autocast regions) and `KEPT_HOPS`
 (custom Functions, torch's control flow: `cond`, `while_loop`, `scan`, `map`); shared bodies
 (inlined); parameters,
@@ -89,6 +89,12 @@ KEPT_HOPS = {
     "scan": "torch's scan: torch's verifier, serializer, module() and autograd know it",
     "map_impl": "torch's map (functorch.experimental.control_flow.map): torch's verifier, serializer, "
     "module() and autograd know it",
+}
+
+#: What to do when a kept HOP's subgraphs hold tensors, by HOP ('' for torch's control flow).
+_HELD_TENSORS_FIX = {
+    "autograd_function_apply": "to_torch(for_inference=True) inlines its forward",
+    "": "make the tensor outside the branch or body and pass it in as an operand",
 }
 
 #: The constant leaf types torch's `ConstantArgument` holds.
@@ -226,8 +232,8 @@ def _unrepresentable(ep: Program) -> list[str]:
             if target.name() not in KEPT_HOPS:
                 problems.append(f"{where}: {REFUSED_HOPS.get(target.name(), 'torch.export does not know it')}")
             elif _holds_tensors(module, node):
-                problems.append(f"{where}: its subgraphs hold tensors, which to_torch cannot lift into them; "
-                                "to_torch(for_inference=True) inlines its forward")
+                problems.append(f"{where}: its subgraphs hold tensors (made inside them), which to_torch cannot "
+                                f"lift into them; {_HELD_TENSORS_FIX.get(target.name(), _HELD_TENSORS_FIX[''])}")
     return problems
 
 
