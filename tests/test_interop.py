@@ -143,6 +143,43 @@ def test_train_batch_norm_is_torch_training_ir():
     assert_same_tree(runs[1], runs[0], True)
 
 
+class ReadsNewMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        return self.bn(x) + self.bn.running_mean
+
+
+class NewStatistics(TestCase):
+    def test_batch_norm_whose_new_statistics_are_read_saves_copies(self):
+        """Batch norm whose new running mean forward reads stays functional, with its statistics
+        copied before it (`clone_saved_statistics`): torch's module() then writes the buffers back
+        without touching what backward saved, and trains like the model."""
+        torch.manual_seed(0)
+        model, x = ReadsNewMean(), torch.randn(4, 3)
+        tep = predispatch.export(copy.deepcopy(model), (x,)).to_torch()
+        self.assertExpectedInline(tep.graph_module.code.strip(), """\
+def forward(self, p_bn_weight, p_bn_bias, b_bn_running_mean, b_bn_running_var, b_bn_num_batches_tracked, x):
+    add_ = torch.ops.aten.add_.Tensor(b_bn_num_batches_tracked, 1);  b_bn_num_batches_tracked = add_ = None
+    clone = torch.ops.aten.clone.default(b_bn_running_mean);  b_bn_running_mean = None
+    clone_1 = torch.ops.aten.clone.default(b_bn_running_var);  b_bn_running_var = None
+    _native_batch_norm_legit_functional = torch.ops.aten._native_batch_norm_legit_functional.default(x, p_bn_weight, p_bn_bias, clone, clone_1, True, 0.1, 1e-05);  x = p_bn_weight = p_bn_bias = clone = clone_1 = None
+    getitem = _native_batch_norm_legit_functional[0]
+    getitem_3 = _native_batch_norm_legit_functional[3]
+    getitem_4 = _native_batch_norm_legit_functional[4];  _native_batch_norm_legit_functional = None
+    add_1 = torch.ops.aten.add.Tensor(getitem, getitem_3);  getitem = None
+    return (getitem_3, getitem_4, add_1)""")
+        runs = []
+        for module in (model, tep.module()):
+            x_grad = x.clone().requires_grad_()
+            out = module(x_grad)
+            out.sum().backward()
+            runs.append((out, x_grad.grad, dict(module.state_dict()), {k: p.grad for k, p in module.named_parameters()}))
+        assert_same_tree(runs[1], runs[0], True)
+
+
 def test_state_is_copied():
     """torch's module() writes mutations into the program's state: never into ep or the model."""
     model = Counter()

@@ -229,6 +229,6 @@ def _clone_arg(graph: fx.Graph, node: fx.Node, index: int) -> None:
     if not isinstance(value, fx.Node):
         return
     with graph.inserting_before(node):
-        copied = graph.call_function(aten.clone.default, (value,))
+        copied = graph.create_node("call_function", aten.clone.default, (value,), name="clone")
     copied.meta = {key: value.meta[key] for key in ("val", "tensor_meta") if key in value.meta}
     node.update_arg(index, copied)
