@@ -51,7 +51,7 @@ from predispatch import _torch_internals as ti
 from predispatch.errors import JointError
 from predispatch.trace.trace_hop import Emitted, TraceTimeHop
 
-__all__ = ["SharedBodies", "drop_autograd_only", "forward_nodes"]
+__all__ = ["VIEWS", "SharedBodies", "drop_autograd_only", "forward_nodes", "static_calls"]
 
 #: Ops that only matter to autograd: in a graph that computes its own gradients they are
 #: the identity (`detach` appears where autograd saved a value for the backward, and where
@@ -364,7 +364,7 @@ class SharedBodies:
 #: views (`t` of a weight, `view` of an activation), which compute nothing, so recomputing
 #: changes no bit and a layer saves about half as many values (each saved value is an output
 #: of every forward call, a fake tensor and a node per call in the trace).
-_VIEWS = frozenset({
+VIEWS = frozenset({
     torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
     torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
     torch.ops.aten.alias.default, torch.ops.aten.expand.default, torch.ops.aten.permute.default,
@@ -374,14 +374,14 @@ _VIEWS = frozenset({
 
 def _recompute_views(forward: set[fx.Node], backward: set[fx.Node]) -> None:
     """Move the views of forward values that the backward reads into the backward too
-    (`_VIEWS`), transitively: the backward then reads their bases."""
-    stack = [n for n in forward if n.op == "call_function" and n.target in _VIEWS and any(u in backward for u in n.users)]
+    (`VIEWS`), transitively: the backward then reads their bases."""
+    stack = [n for n in forward if n.op == "call_function" and n.target in VIEWS and any(u in backward for u in n.users)]
     while stack:
         node = stack.pop()
         if node in backward or any(not isinstance(a, (fx.Node, int, bool, list, tuple, type(None))) for a in node.args):
             continue
         backward.add(node)
-        stack.extend(i for i in node.all_input_nodes if i.op == "call_function" and i.target in _VIEWS and i in forward)
+        stack.extend(i for i in node.all_input_nodes if i.op == "call_function" and i.target in VIEWS and i in forward)
 
 
 def _per_use(body: fx.GraphModule, requires_grad: list[bool]) -> tuple[fx.GraphModule, tuple[int, ...]]:
