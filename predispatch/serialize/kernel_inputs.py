@@ -281,7 +281,8 @@ def _forward_output(value: Any, parent: fx.GraphModule) -> tuple[fx.Node, fx.Nod
     call, k = value.args
     if not (isinstance(call, fx.Node) and _is_invoke(call) and type(k) is int):
         return None
-    body = getattr(parent, call.args[0].target, None) if isinstance(call.args[0], fx.Node) else None
+    getter = call.args[0]
+    body = getattr(parent, getter.target, None) if isinstance(getter, fx.Node) and isinstance(getter.target, str) else None
     returned = body.graph.output_node().args[0] if isinstance(body, fx.GraphModule) else ()
     output = returned[k] if isinstance(returned, (tuple, list)) and 0 <= k < len(returned) else None
     return (call, output) if isinstance(output, fx.Node) else None

@@ -25,6 +25,11 @@ draws.  (AOTAutograd's own joint export records formulas in their double-differe
 The graph is at the level below autograd, where composites have been taken apart
 (`linear` -> `t` + `addmm`): that is the level at which backward formulas exist.
 
+A program that shares repeated blocks (`invoke_subgraph`) keeps them in its joint: each call
+becomes a call of the body's forward part and, in the backward, of its backward part, both
+made once per body (Note [Shared bodies in the joint] in trace/dedup/backward.py), so the
+joint of 32 identical layers traces one layer's joint.  With symbolic sizes the joint is flat.
+
 Gradients are taken of the loss with respect to every parameter that requires grad and every
 floating user input.  A parameter the loss does not reach gets no gradient output, and its
 entry in `grads` is None, as its `.grad` stays None in eager.  Tied weights are one input,
