@@ -661,3 +661,19 @@ class _Mean(nn.Module):
 
     def forward(self, x):
         return self.inner(x).pow(2).mean()
+
+
+def test_a_body_call_that_bypasses_the_split_is_refused():
+    """The joint proves its body calls went through its split: a call of a body it did not
+    make (torch's own invoke_subgraph differentiation names its bodies fw_..., bw_...) raises."""
+    from predispatch.trace.dedup.backward import SharedBodies
+
+    torch.manual_seed(0)
+    jp = predispatch.export(_Sum(nn.Sequential(Chain(), Chain(), Chain())), (torch.randn(2, 4),)).joint()
+    calls = jp.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    bodies = SharedBodies(None)
+    bodies.taken |= {n.args[1] for n in calls}
+    bodies.check_engaged(jp.graph_module)  # every call is one of the bodies it made
+    calls[0].args = (calls[0].args[0], "fw_repeated_body_0", *calls[0].args[2:])
+    with pytest.raises(JointError, match="torch's own invoke_subgraph differentiation ran instead"):
+        bodies.check_engaged(jp.graph_module)

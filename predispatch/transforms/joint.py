@@ -159,9 +159,10 @@ def _trace_joint(
     fake_mode = ti.detect_fake_mode([n.meta["val"] for n in placeholders])
     with fake_mode:
         args = tuple(_fresh(n.meta["val"], wants) for n, wants in zip(placeholders, wants_grad))
+    bodies = SharedBodies(fake_mode)
     if static_calls(ep.graph_module):  # see Note [Shared bodies in the joint]
         program = copy.deepcopy(ep.graph_module)
-        SharedBodies(fake_mode).retarget(program)
+        bodies.retarget(program)
     else:
         program = inlined_copy(ep.graph_module)
 
@@ -185,6 +186,7 @@ def _trace_joint(
 
     with ti.outside_trace():
         gm = ti.trace_differentiated(joint, args, fake_mode)
+    bodies.check_engaged(gm)  # every body call went through `bodies`
     gm.meta["forward_outputs"] = len(ep.signature.outputs)
     return gm, got_grad
 

@@ -231,6 +231,21 @@ class SharedBodies:
             split = self.splits[key] = self._split(key, None, None)
         return _SharedCall.apply(self, split, key, *(operands[i] for i in split.uses))
 
+    def check_engaged(self, gm: fx.GraphModule) -> None:
+        """Prove the joint's body calls are this object's: a call that reached torch's own
+        autograd key for `invoke_subgraph` would name a body it traced (`fw_...`, `bw_...`),
+        with other formulas and a forward recomputed in the backward."""
+        ours = self.taken | set(self.plain)
+        for module in gm.modules():
+            if isinstance(module, fx.GraphModule):
+                for node in module.graph.find_nodes(op="call_function", target=ti.invoke_subgraph):
+                    if node.args[1] not in ours:
+                        raise JointError(
+                            f"the joint calls a shared body {node.args[1]!r} that predispatch did not split: torch's own "
+                            "invoke_subgraph differentiation ran instead.",
+                            fix="a predispatch bug with this torch release: report it; export with dedup=False meanwhile.",
+                        )
+
     def backward_for(self, key: _Key, split: _Split, tangents: Sequence[torch.Tensor | None]) -> _Split:
         """The split whose backward takes these tangents: `split` itself when they are what it
         was traced for, else one traced for them (once per metadata)."""
