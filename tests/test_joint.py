@@ -551,8 +551,8 @@ def test_module_db_joint_matches_eager(name):
 
 
 def test_program_with_shared_bodies_gives_eagers_gradients():
-    """A deep stack's program calls one shared body (`invoke_subgraph`); its joint is flat and
-    its gradients are eager's, bitwise."""
+    """A deep stack's program calls one shared body (`invoke_subgraph`); its joint calls one
+    forward and one backward body per layer, and its gradients are eager's, bitwise."""
     import test_dedup
 
     torch.manual_seed(0)
@@ -568,6 +568,90 @@ def test_program_with_shared_bodies_gives_eagers_gradients():
     assert torch.equal(loss, expected.detach())
     assert grads.keys() == {*dict(eager.named_parameters()), "x"}
     assert all(torch.equal(grads[name], p.grad) for name, p in eager.named_parameters())
+    calls = jp.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    assert sorted({n.args[1] for n in calls}) == ["repeated_body_0_backward", "repeated_body_0_forward"]
+    assert len(calls) == 12
+
+
+class Chain(nn.Module):
+    """Four tanh layers of one linear, and a residual: a 17-op body, shared at the real threshold."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        h = x
+        for _ in range(4):
+            h = torch.tanh(self.proj(h)) * 2 + 1
+        return x + h
+
+
+class MemoryBlock(nn.Module):
+    """Reads a memory shared by every layer twice (cross-attention's keys and values), with
+    dropout and a layer norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.3)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x, memory):
+        h = self.norm(x + self.drop(torch.tanh(self.a(x))))
+        return h + self.b(memory) * torch.sigmoid(self.c(memory)) * torch.cos(h)
+
+
+class MemoryStack(nn.Module):
+    def __init__(self, n: int = 5):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(MemoryBlock() for _ in range(n))
+
+    def forward(self, x):
+        memory = torch.tanh(self.embed(x))
+        for layer in self.layers:
+            x = layer(x, memory)
+        return (x.transpose(1, 2) * torch.arange(24.0).view(1, 8, 3)).sum()  # x's gradient arrives transposed
+
+
+def test_shared_bodies_sum_gradients_in_eagers_order():
+    """The memory's gradient has two terms per layer and five layers: the body takes each use
+    of it as an operand of its own and the joint adds the terms one by one, in eager's order
+    (a subtotal per layer would differ in the last bits).  Dropout draws eager's masks once, in
+    the forward bodies; the gradients arriving transposed get a backward body traced for them."""
+    torch.manual_seed(0)
+    jp = check_joint(MemoryStack(), (torch.randn(2, 3, 8),))
+    bodies = {n.args[1] for n in jp.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)}
+    assert bodies == {"repeated_body_0_forward", "repeated_body_0_backward_1"}  # every tangent is transposed
+    forward = jp.graph_module.repeated_body_0_forward
+    assert [n.name for n in forward.graph.find_nodes(op="placeholder")][-4:] == ["x_0_0", "x_0_1", "x_1_0", "x_1_1"]  # x and memory, each read twice
+    assert len(forward.graph.find_nodes(op="call_function", target=torch.ops.aten.native_dropout.default)) == 1
+    backward = jp.graph_module.repeated_body_0_backward_1
+    assert not backward.graph.find_nodes(op="call_function", target=torch.ops.aten.native_dropout.default)
+
+
+def test_shared_bodies_split_without_recomputing():
+    """Each layer is one forward call, which returns what its backward reads, and one backward
+    call; no op of the forward runs again in the backward but views."""
+    torch.manual_seed(0)
+    jp = check_joint(_Sum(nn.Sequential(Chain(), Chain(), Chain())), (torch.randn(2, 4),))
+    gm = jp.graph_module
+    ops = lambda body: [n.target for n in getattr(gm, body).graph.nodes if n.op == "call_function"]
+    forward, backward = ops("repeated_body_0_forward"), ops("repeated_body_0_backward")
+    assert forward.count(torch.ops.aten.tanh.default) == 4 and torch.ops.aten.tanh.default not in backward
+    assert backward.count(torch.ops.aten.tanh_backward.default) == 4  # reading the forward's saved tanh
+    signature = "def forward(self, proj_weight_0, proj_weight_1, proj_weight_2, proj_weight_3, x_0_1, tanh, add, tanh_1, add_1, tanh_2, add_2, tanh_3, tangent_0)"
+    assert signature in gm.repeated_body_0_backward.code  # the forward's values it reads, then the tangent
+
+
+class _Sum(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x).sum()
 
 
 class _Mean(nn.Module):
@@ -577,3 +661,19 @@ class _Mean(nn.Module):
 
     def forward(self, x):
         return self.inner(x).pow(2).mean()
+
+
+def test_a_body_call_that_bypasses_the_split_is_refused():
+    """The joint proves its body calls went through its split: a call of a body it did not
+    make (torch's own invoke_subgraph differentiation names its bodies fw_..., bw_...) raises."""
+    from predispatch.trace.dedup.backward import SharedBodies
+
+    torch.manual_seed(0)
+    jp = predispatch.export(_Sum(nn.Sequential(Chain(), Chain(), Chain())), (torch.randn(2, 4),)).joint()
+    calls = jp.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    bodies = SharedBodies(None)
+    bodies.taken |= {n.args[1] for n in calls}
+    bodies.check_engaged(jp.graph_module)  # every call is one of the bodies it made
+    calls[0].args = (calls[0].args[0], "fw_repeated_body_0", *calls[0].args[2:])
+    with pytest.raises(JointError, match="torch's own invoke_subgraph differentiation ran instead"):
+        bodies.check_engaged(jp.graph_module)

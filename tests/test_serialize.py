@@ -172,6 +172,39 @@ def test_round_trip(name, tmp_path):
     assert_same_behaviour(ep, loaded, args, kwargs)
 
 
+class ScaledCounter(Counter):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.ones(3, requires_grad=True)  # a constant leaf the user made require grad
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def test_state_written_in_grad_mode_is_saved_as_its_value(tmp_path):
+    """A buffer a grad-mode run of module() wrote has autograd history (as running the model
+    gives it); the file holds its value: it loads as a plain tensor, not a leaf requiring grad,
+    while the parameters keep theirs and a leaf constant that requires grad keeps that."""
+    model = ScaledCounter()
+    ep = predispatch.export(model, (torch.randn(2, 3),))
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 3, requires_grad=True)
+    ep.module()(x).sum().backward()
+    eager(x.detach().requires_grad_()).sum().backward()
+    assert ep.state_dict["total"].grad_fn is not None and eager.total.grad_fn is not None  # as eager leaves it
+    path = tmp_path / "program.pd"
+    predispatch.save(ep, path)
+    loaded = predispatch.load(path)
+    total = loaded.state_dict["total"]
+    assert (type(total), total.requires_grad, total.is_leaf) == (torch.Tensor, False, True)
+    assert torch.equal(total, eager.total.detach())
+    assert loaded.state_dict["count"].requires_grad is False
+    assert loaded.constants["scale"].requires_grad is True
+    y = torch.randn(2, 3)
+    assert_same_tree(loaded.module()(y), eager(y).detach())
+    assert loaded.state_dict["total"].requires_grad is False  # a no-grad input: no history
+
+
 def test_save_is_deterministic_and_atomic(tmp_path):
     ep, _, _ = export_case("region_nested")
     assert saved(ep) == saved(ep)

@@ -291,3 +291,52 @@ def test_a_joint_program_fed_by_its_forwards_saves_loads_and_runs():
         expected, actual = original.module()(*load_attacks.KERNEL_ARGS), loaded.module()(*load_attacks.KERNEL_ARGS)
     for e, a in zip(torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(actual)):
         assert torch.equal(e, a)
+
+
+def _memory_joint():
+    """A joint program with shared bodies whose backward body calls native_layer_norm_backward
+    (its forward, native_layer_norm, is in the forward body): tests/test_joint.py's MemoryStack."""
+    from test_joint import MemoryStack
+
+    torch.manual_seed(0)
+    model, x = MemoryStack(), torch.randn(2, 3, 8)
+    return predispatch.export(model, (x,)).joint(), x
+
+
+def test_a_joint_program_with_shared_bodies_proves_its_kernels_through_the_calls():
+    """Each call of the backward body is fed the mean and rstd of one forward-body call's layer
+    norm, run on the very input and parameters the backward reads: the file loads and runs
+    exactly like the program saved."""
+    jp, x = _memory_joint()
+    assert jp.graph_module.repeated_body_0_backward_1.graph.find_nodes(
+        op="call_function", target=torch.ops.aten.native_layer_norm_backward.default)
+    buffer = io.BytesIO()
+    predispatch.save(jp, buffer)
+    loaded = predispatch.load(io.BytesIO(buffer.getvalue()))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        expected = jp.module()(x)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        actual = loaded.module()(x)
+    for e, a in zip(torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(actual)):
+        assert torch.equal(e, a)
+
+
+def test_a_backward_body_fed_another_calls_statistics_is_refused():
+    """The last layer's backward call handed the first layer's saved statistics (of another
+    input): the proof through the calls fails, naming the call."""
+    jp, _ = _memory_joint()
+    graph = jp.graph_module.graph
+    invoke = torch.ops.higher_order.invoke_subgraph
+    forwards = [n for n in graph.find_nodes(op="call_function", target=invoke) if n.args[1].endswith("_forward")]
+    last_backward = next(n for n in graph.find_nodes(op="call_function", target=invoke) if "_backward" in n.args[1])
+    body = getattr(jp.graph_module, last_backward.args[0].target)
+    norm = body.graph.find_nodes(op="call_function", target=torch.ops.aten.native_layer_norm_backward.default)[0]
+    mean = norm.args[3]
+    position = body.graph.find_nodes(op="placeholder").index(mean)
+    fed = last_backward.args[2 + position]
+    first = next(u for u in forwards[0].users if u.args[1] == fed.args[1])  # the same output of layer 0's call
+    last_backward.args = (*last_backward.args[: 2 + position], first, *last_backward.args[3 + position:])
+    problems = [str(p) for p in program_problems(jp, stored=True)]
+    assert any("native_layer_norm_backward" in p and f"at call {last_backward.name} of its body" in p for p in problems), problems

@@ -20,7 +20,12 @@ not check them (or that only an internal caller uses).  Each is one of:
 - `FORWARD_PROOFS`: a joint program's backward calls it, so a file may, but only where the
   verifier proves that each trusted argument is the matching forward op's output (or
   argument) in the same graph, called on the very same input and parameters.  A kernel fed
-  by its own forward gets exactly what eager autograd gives it.
+  by its own forward gets exactly what eager autograd gives it.  In a joint program with
+  shared bodies (Note [Shared bodies in the joint] in trace/dedup/backward.py) the kernel is
+  in a backward body and its forward in the matching forward body: the proof then follows
+  the values through every call of the backward body (`BodyCalls`): each trusted argument is
+  an output of one forward-body call that is that forward op's result, and the arguments that
+  must be the same are the very same values at that call.
 
 `verify.py` asks `trusted_input_problems(node)` for every call of these packets in a stored
 program.  docs/format.md's threat model lists both tables.
@@ -35,7 +40,9 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["FORWARD_PROOFS", "REFUSED_IN_FILES", "TRUSTING_PACKETS", "ForwardProof", "scan", "trusted_input_problems"]
+from predispatch.trace.dedup.backward import VIEWS
+
+__all__ = ["FORWARD_PROOFS", "REFUSED_IN_FILES", "TRUSTING_PACKETS", "BodyCalls", "ForwardProof", "body_calls", "scan", "trusted_input_problems"]
 
 
 _SAMPLER = "a quasi-random sampler's internals: it indexes its state tensor by the dimension and count it is given"
@@ -163,9 +170,28 @@ FORWARD_PROOFS: Mapping[str, ForwardProof] = {
 TRUSTING_PACKETS = frozenset({*REFUSED_IN_FILES, *FORWARD_PROOFS})
 
 
-def trusted_input_problems(node: fx.Node, *, root: bool) -> Iterator[str]:
+@dataclass(frozen=True)
+class BodyCalls:
+    """Every call of a subgraph that only `invoke_subgraph` calls: `parent` holds it, `calls`
+    are those nodes of `parent`'s graph (what feeds the subgraph's placeholders)."""
+
+    parent: fx.GraphModule
+    calls: tuple[fx.Node, ...]
+
+
+def body_calls(parent: fx.GraphModule, name: str) -> BodyCalls | None:
+    """The calls of `parent`'s subgraph `name` if every use of it is an `invoke_subgraph` call."""
+    getters = parent.graph.find_nodes(op="get_attr", target=name)
+    calls = [u for g in getters for u in g.users]
+    if not calls or not all(_is_invoke(c) and c.args[0] in getters and not set(getters) & set(c.args[1:]) for c in calls):
+        return None
+    return BodyCalls(parent, tuple(calls))
+
+
+def trusted_input_problems(node: fx.Node, *, root: bool, callers: BodyCalls | None = None) -> Iterator[str]:
     """Why `node`, a call of a `TRUSTING_PACKETS` packet, may not be in a stored program
-    (`root`: it is in the program's root graph, not a subgraph)."""
+    (`root`: it is in the program's root graph, not a subgraph; `callers`: the calls of its
+    graph, when that is a body only `invoke_subgraph` calls)."""
     packet = _packet(node.target)
     assert packet is not None, node.target  # the caller only asks for TRUSTING_PACKETS' calls
     if packet in REFUSED_IN_FILES:
@@ -174,6 +200,13 @@ def trusted_input_problems(node: fx.Node, *, root: bool) -> Iterator[str]:
     proof = FORWARD_PROOFS[packet]
     backward = _bound(node)
     forward_node = _forward_of(backward, proof)
+    if forward_node is None and callers is not None and proof.outputs and proof.extra is None:
+        unproved = [c.name for c in callers.calls if not _proved_at(c, node, backward, proof, callers.parent)]
+        if not unproved:
+            return
+        yield (f"calls {node.target}, which {proof.reason}: at call {unproved[0]} of its body, its {', '.join(proof.outputs)} "
+               f"are not the results of one {' or '.join(proof.forwards)} call of a forward body on the same arguments")
+        return
     if forward_node is None:
         trusted = ", ".join(proof.outputs) or ", ".join(b for b, _ in proof.same)
         yield (f"calls {node.target}, which {proof.reason}: in a file its {trusted} must come from a "
@@ -205,6 +238,74 @@ def _forward_of(backward: dict, proof: ForwardProof) -> fx.Node | None:
     forward = next(iter(sources)) if len(sources) == 1 else None
     ok = forward is not None and forward.op == "call_function" and _packet(forward.target) in proof.forwards
     return forward if ok else None
+
+
+def _proved_at(call: fx.Node, node: fx.Node, backward: dict, proof: ForwardProof, parent: fx.GraphModule) -> bool:
+    """Whether, at `call` of the backward body holding `node`, each trusted argument is an
+    output of one forward-body call that is the forward op's result, and each pair that must be
+    the same is the same value there (a value of the parent graph, or the forward body's)."""
+    sources = set()
+    for argument, index in proof.outputs.items():
+        found = _forward_output(_fed(call, _through_aliases(backward.get(argument))), parent)
+        if found is None:
+            return False
+        forward_call, value = found
+        if not (value.op == "call_function" and value.target is _getitem() and value.args[1] == index):
+            return False
+        sources.add((forward_call, value.args[0]))
+    if len(sources) != 1:
+        return False
+    forward_call, forward_node = next(iter(sources))
+    if not (isinstance(forward_node, fx.Node) and forward_node.op == "call_function" and _packet(forward_node.target) in proof.forwards):
+        return False
+    forward = _bound(forward_node)
+    return all(
+        _value_at(call, backward.get(b), parent) == _value_at(forward_call, forward.get(f), parent, own=forward_call)
+        for b, f in proof.same
+    )
+
+
+def _fed(call: fx.Node, value: Any) -> Any:
+    """What `call` passes for `value`, a placeholder of the body it calls (else None)."""
+    if not (isinstance(value, fx.Node) and value.op == "placeholder"):
+        return None
+    position = value.graph.find_nodes(op="placeholder").index(value)
+    return call.args[2 + position] if 2 + position < len(call.args) else None
+
+
+def _forward_output(value: Any, parent: fx.GraphModule) -> tuple[fx.Node, fx.Node] | None:
+    """(the call, its body's output node) when `value` is `getitem(invoke_subgraph call, k)`."""
+    value = _through_aliases(value)
+    if not (isinstance(value, fx.Node) and value.op == "call_function" and value.target is _getitem()):
+        return None
+    call, k = value.args
+    if not (isinstance(call, fx.Node) and _is_invoke(call) and type(k) is int):
+        return None
+    getter = call.args[0]
+    body = getattr(parent, getter.target, None) if isinstance(getter, fx.Node) and isinstance(getter.target, str) else None
+    returned = body.graph.output_node().args[0] if isinstance(body, fx.GraphModule) else ()
+    output = returned[k] if isinstance(returned, (tuple, list)) and 0 <= k < len(returned) else None
+    return (call, output) if isinstance(output, fx.Node) else None
+
+
+def _value_at(call: fx.Node, value: Any, parent: fx.GraphModule, own: fx.Node | None = None) -> Any:
+    """A value of a body called by `call`, named so that values equal across bodies compare
+    equal: a placeholder is what the call passes (the parent's node, or the forward body's node
+    a forward call's output is); a view (`VIEWS`: a backward body recomputes its forward's) is
+    the view of what it views; another node of the body is (`own` call, node)."""
+    if not isinstance(value, fx.Node):
+        return ("constant", tuple(value)) if isinstance(value, (list, tuple)) else ("constant", type(value), value)
+    if value.op == "call_function" and value.target in VIEWS and not value.kwargs:  # a backward body recomputes views
+        return ("view", value.target, tuple(_value_at(call, a, parent, own) for a in value.args))
+    if value.op != "placeholder":
+        return ("body", own, value)
+    fed = _through_aliases(_fed(call, value))
+    found = _forward_output(fed, parent)
+    return ("body", found[0], found[1]) if found is not None else ("parent", fed)
+
+
+def _is_invoke(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
 
 
 def _through_aliases(value: Any) -> Any:

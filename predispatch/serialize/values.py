@@ -374,7 +374,7 @@ def _tensor_record(t: torch.Tensor, where: str) -> dict:
         "shape": list(t.shape),
         "stride": list(t.stride()) if _is_dense(t.shape, t.stride()) else _contiguous_stride(t.shape),
         "device": str(t.device),
-        "requires_grad": t.requires_grad,
+        "requires_grad": t.requires_grad and t.is_leaf,  # a grad-mode write's history is not state: its value is
         "parameter": isinstance(t, nn.Parameter),
         "as_bytes": t.dtype not in _SAFETENSORS_DTYPES,
     }

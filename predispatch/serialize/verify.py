@@ -40,7 +40,7 @@ from torch import fx, nn
 from predispatch.errors import SerializationError
 from predispatch.runtime import names as naming
 from predispatch.serialize.values import STORED_DEVICE_TYPES
-from predispatch.serialize.kernel_inputs import trusted_input_problems
+from predispatch.serialize.kernel_inputs import BodyCalls, body_calls, trusted_input_problems
 from predispatch.serialize.op_allowlist import decide
 from predispatch.signature import MUTATION_KINDS, ExportSignature, InputKind, Program, state_names
 
@@ -302,12 +302,18 @@ def _opaque(gm: nn.Module, target: str, stored: bool) -> bool:
 MAX_SUBGRAPH_DEPTH = 32
 
 
-def graph_problems(gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), stored: bool = False, path: str = "") -> list[Problem]:
-    """Problems of one graph module and of every module it holds (its subgraphs)."""
+def graph_problems(
+    gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), stored: bool = False, path: str = "", callers: BodyCalls | None = None,
+) -> list[Problem]:
+    """Problems of one graph module and of every module it holds (its subgraphs; `callers`: this
+    one's calls when only `invoke_subgraph` calls it, for Note [Kernels that trust their inputs])."""
     where = f"graph module {path or '<root>'}"
     if stored and path and path.count(".") + 1 > MAX_SUBGRAPH_DEPTH:
         return [Problem(where, f"subgraphs nest more than {MAX_SUBGRAPH_DEPTH} deep, the most a file holds")]
-    problems = [Problem(f"{where}, node {node.name}", why) for node in gm.graph.nodes for why in _node_problems(node, gm, op_namespaces, stored, not path)]
+    problems = [
+        Problem(f"{where}, node {node.name}", why)
+        for node in gm.graph.nodes for why in _node_problems(node, gm, op_namespaces, stored, not path, callers)
+    ]
     kinds = [node.op for node in gm.graph.nodes]
     placeholders = kinds.count("placeholder")
     if kinds[:placeholders] != ["placeholder"] * placeholders or kinds.count("output") != 1 or kinds[-1:] != ["output"]:
@@ -317,32 +323,36 @@ def graph_problems(gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), s
         if not isinstance(child, fx.GraphModule):
             problems.append(Problem(where, f"holds {name!r}, a {type(child).__name__}; a program holds only graph modules"))
         else:
-            problems += graph_problems(child, op_namespaces=op_namespaces, stored=stored, path=child_path)
+            problems += graph_problems(child, op_namespaces=op_namespaces, stored=stored, path=child_path, callers=body_calls(gm, name))
     if stored:
         for name, tensor in (*gm._parameters.items(), *gm._buffers.items()):
             problems += [Problem(f"{where}, tensor {name}", why) for why in stored_tensor_problems(tensor)]
     return problems
 
 
-def _node_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool = True) -> Iterator[str]:
+def _node_problems(
+    node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool = True, callers: BodyCalls | None = None,
+) -> Iterator[str]:
     if node.op not in _NODE_OPS:
         yield f"a {node.op} node; programs hold only {', '.join(_NODE_OPS)}"
     elif node.op == "get_attr" and _held(gm, node.target) is None and not _opaque(gm, node.target, stored):
         yield f"get_attr {node.target!r} names nothing the module holds"
     elif node.op == "call_function":
-        yield from _call_problems(node, gm, namespaces, stored, root)
+        yield from _call_problems(node, gm, namespaces, stored, root, callers)
     if stored and "val" in node.meta:
         yield from _meta_problems(node.meta["val"])
 
 
-def _call_problems(node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool) -> Iterator[str]:
+def _call_problems(
+    node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool, callers: BodyCalls | None = None,
+) -> Iterator[str]:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         decision = decide(target, namespaces, stored=stored)
         if stored and decision.family == "trusts_inputs":  # Note [Kernels that trust their inputs]
             decision = decide(target, namespaces, stored=False)  # its schema still decides
             if decision.allowed:
-                yield from trusted_input_problems(node, root=root)
+                yield from trusted_input_problems(node, root=root, callers=callers)
         if not decision.allowed:
             yield f"calls {target}, which a program may not call ({decision.family}: {decision.reason})"
     elif isinstance(target, torch._ops.HigherOrderOperator):

@@ -25,6 +25,11 @@ draws.  (AOTAutograd's own joint export records formulas in their double-differe
 The graph is at the level below autograd, where composites have been taken apart
 (`linear` -> `t` + `addmm`): that is the level at which backward formulas exist.
 
+A program that shares repeated blocks (`invoke_subgraph`) keeps them in its joint: each call
+becomes a call of the body's forward part and, in the backward, of its backward part, both
+made once per body (Note [Shared bodies in the joint] in trace/dedup/backward.py), so the
+joint of 32 identical layers traces one layer's joint.  With symbolic sizes the joint is flat.
+
 Gradients are taken of the loss with respect to every parameter that requires grad and every
 floating user input.  A parameter the loss does not reach gets no gradient output, and its
 entry in `grads` is None, as its `.grad` stays None in eager.  Tied weights are one input,
@@ -36,7 +41,7 @@ original calling convention returns exactly that pair.
 
 from __future__ import annotations
 
-import operator
+import copy
 from typing import Any
 
 import torch
@@ -46,6 +51,7 @@ from torch import fx
 from predispatch import _torch_internals as ti
 from predispatch.errors import JointError, user_frame
 from predispatch.passes import check_functional, inlined_copy, name_placeholders
+from predispatch.trace.dedup.backward import SharedBodies, drop_autograd_only, forward_nodes, static_calls
 from predispatch.signature import ExportSignature, InputKind, Leaf, OutputKind, OutputSpec, Program
 
 #: The output kind of the gradient of each kind of differentiable input.
@@ -53,12 +59,6 @@ GRADIENT_KIND = {
     InputKind.PARAMETER: OutputKind.GRADIENT_TO_PARAMETER,
     InputKind.USER_INPUT: OutputKind.GRADIENT_TO_USER_INPUT,
 }
-
-#: Ops that only matter to autograd: in a graph that computes its own gradients they are
-#: the identity (`detach` appears where autograd saved a value for the backward, and where
-#: the joint detaches the forward outputs it returns).
-_AUTOGRAD_ONLY = (torch.ops.aten.detach.default,)
-
 
 def joint_program(ep: Program, loss: str | None = None) -> tuple[fx.GraphModule, ExportSignature]:
     """The graph and signature of `ep`'s joint forward-backward program (same state, hooks and
@@ -159,7 +159,12 @@ def _trace_joint(
     fake_mode = ti.detect_fake_mode([n.meta["val"] for n in placeholders])
     with fake_mode:
         args = tuple(_fresh(n.meta["val"], wants) for n, wants in zip(placeholders, wants_grad))
-    program = inlined_copy(ep.graph_module)  # the joint is flat; torch's invoke_subgraph would need its own autograd key
+    bodies = SharedBodies(fake_mode)
+    if static_calls(ep.graph_module):  # see Note [Shared bodies in the joint]
+        program = copy.deepcopy(ep.graph_module)
+        bodies.retarget(program)
+    else:
+        program = inlined_copy(ep.graph_module)
 
     def forward(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outputs = program(*inputs)
@@ -181,6 +186,7 @@ def _trace_joint(
 
     with ti.outside_trace():
         gm = ti.trace_differentiated(joint, args, fake_mode)
+    bodies.check_engaged(gm)  # every body call went through `bodies`
     gm.meta["forward_outputs"] = len(ep.signature.outputs)
     return gm, got_grad
 
@@ -202,11 +208,7 @@ def _fresh(example: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 def _tidy(gm: fx.GraphModule) -> None:
     """Drop autograd-only identities and dead code; put the forward first, then the backward."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _AUTOGRAD_ONLY:
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+    drop_autograd_only(gm.graph)
     forward = forward_nodes(gm.graph, gm.meta["forward_outputs"])
     first_backward = next((n for n in gm.graph.nodes if n.op != "placeholder" and n not in forward), None)
     for node in list(gm.graph.nodes):
@@ -215,23 +217,6 @@ def _tidy(gm: fx.GraphModule) -> None:
     gm.graph.lint()
     gm.__class__.__name__ = "GraphModule"
     gm.recompile()
-
-
-def forward_nodes(graph: fx.Graph, forward_outputs: int) -> set[fx.Node]:
-    """The forward part: the nodes the forward outputs (the first `forward_outputs` outputs)
-    depend on, the other results of the multi-result ops among them (a batch norm's saved
-    statistics, a dropout's mask), which the forward computes for the backward, and the
-    checks on forward values (`_assert_tensor_metadata`, kept for their side effect)."""
-    seen: set[fx.Node] = set()
-    stack = [n for n in graph.output_node().args[0][:forward_outputs] if isinstance(n, fx.Node)]
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-            stack.extend(user for user in node.users if user.target is operator.getitem)
-    checks = [n for n in graph.nodes if n.op == "call_function" and not n.users and n.all_input_nodes]
-    return seen | {n for n in checks if all(i in seen for i in n.all_input_nodes)}
 
 
 def _joint_signature(ep: Program, gm: fx.GraphModule, has_grad: list[bool]) -> ExportSignature:
