@@ -31,13 +31,16 @@ class GlobalState:
 
     switches: the value of each `ti.GLOBAL_SWITCHES` entry (deterministic algorithms, thread
         count, matmul precision, backend flags, ...), in that table's order.
+
+    Not here: the generators' states, which other threads may be drawing from; the trace
+    checks and puts back what forward changed (trace/rng.py, Note [Another thread's draws
+    during an export]).
     """
 
     grad_enabled: bool
     default_dtype: torch.dtype
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     autocast_cache: bool
-    rng_state: torch.Tensor
     mode_depths: tuple[int, int, int]
     compiler_flags: tuple[bool, bool]
     switches: tuple[Any, ...] = ()
@@ -50,7 +53,6 @@ class GlobalState:
             torch.get_default_dtype(),
             tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES),
             torch.is_autocast_cache_enabled(),
-            torch.get_rng_state(),
             ti.mode_stack_depths(),
             (torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag),
             tuple(switch.get() for switch in ti.GLOBAL_SWITCHES),
@@ -70,8 +72,6 @@ class GlobalState:
             torch.set_autocast_enabled(device, enabled)
             torch.set_autocast_dtype(device, dtype)
         torch.set_autocast_cache_enabled(self.autocast_cache)
-        if not torch.equal(torch.get_rng_state(), self.rng_state):
-            torch.set_rng_state(self.rng_state)
         torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = self.compiler_flags
         for table, saved in zip(ti.global_module_hook_tables(), self.global_hooks):
             _put_back(table, saved)
