@@ -103,9 +103,9 @@ def _export_locked(
 ) -> ExportedProgram:
     """`_export_with_policy` under the lock."""
     if is_tracing():  # called by the code another export is tracing
-        with ti.outside_trace(keep_decomposition_policy=False), isolated(modules_of(module_or_fn, args, kwargs)):
+        with ti.outside_trace(keep_decomposition_policy=False), isolated(modules_of(module_or_fn, args, kwargs), module_or_fn):
             return _export_nested(module_or_fn, args, kwargs, policy)
-    with isolated(modules_of(module_or_fn, args, kwargs)):
+    with isolated(modules_of(module_or_fn, args, kwargs), module_or_fn):
         prepared = prepare(module_or_fn, args, kwargs, dynamic_shapes)
         traced = trace(prepared, policy, dedup)
     return build_program(prepared, traced)

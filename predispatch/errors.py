@@ -366,6 +366,23 @@ class ModeSwitchError(PredispatchError):
     """
 
     anchor = "modeswitcherror"
+class OutsideWriteError(PredispatchError):
+    """Forward left a tensor of the trace outside the module, in a place export cannot put back.
+
+    Cause: forward stored what it computed outside its module tree, in a place export does not
+    restore after the trace: an object with `__slots__` or a container of another type (a
+    `deque`) held by a module-level global, a class attribute or a default argument (plain
+    dicts, lists, sets, globals, class attributes, default arguments and `lru_cache`s are put
+    back).  The value is a tracer tensor; the model's next eager call, or a fresh instance,
+    would read it and fail.  The message names the place (`module.NAME.attr`).
+    Example: `HOLDER = Slots()` at module level; forward sets `HOLDER.value = x * 2`.
+    Fix: keep what forward computes on the module (an attribute, a buffer, a dict there), or
+    compute it outside forward.
+    """
+
+    anchor = "outsidewriteerror"
+
+
 class ModuleCopyError(PredispatchError):
     """`pickle` or `copy.copy` of `ep.module()`, which would lose the module's call contract.
 
