@@ -466,3 +466,94 @@ def test_autocast_state_of_every_device_type_restored(fail):
     with pytest.raises(predispatch.errors.TraceError) if fail else contextlib.nullcontext():
         predispatch.export(LeavesAutocastOn(), (torch.randn(3),))
     assert {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ti.AUTOCAST_DEVICE_TYPES} == before
+
+
+# --- switches forward leaves changed, each set the way users set it (issue 21, item 7) --------
+
+
+def _pack(t):
+    return t
+
+
+def _unpack(t):
+    return t
+
+
+def _saved_hooks_stack():
+    """The thread's saved-tensors hooks, bottom first (read by popping and pushing back)."""
+    autograd, stack = torch._C._autograd, []
+    while (top := autograd._top_saved_tensors_default_hooks(True)) is not None:
+        stack.append(top)
+        autograd._pop_saved_tensors_default_hooks()
+    for pack, unpack in reversed(stack):
+        autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return list(reversed(stack))
+
+
+def _vmap_fallback_warns() -> bool:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.vmap(torch._C._VariableFunctions._test_functorch_fallback)(torch.ones(2, 1), torch.ones(2, 1))
+    return any("batching rule" in str(w.message) for w in caught)
+
+
+def _implicit_replication():
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()
+
+
+#: what forward does -> what must read the same before and after export.
+_LEFT_CHANGED = {
+    "saved_tensors_hooks pushed": (
+        lambda outer: torch.autograd.graph.saved_tensors_hooks(_pack, _unpack).__enter__(),
+        _saved_hooks_stack,
+    ),
+    "saved_tensors_hooks popped": (lambda outer: outer.__exit__(None, None, None), _saved_hooks_stack),
+    "disable_saved_tensors_hooks": (
+        lambda outer: torch._C._autograd._saved_tensors_hooks_disable("no saved tensors here", False),
+        lambda: (torch._C._autograd._saved_tensors_hooks_is_enabled(), torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()),
+    ),
+    "DTensor implicit_replication": (
+        lambda outer: _implicit_replication().__enter__(),
+        torch._C._get_dtensor_allow_implicit_replication,
+    ),
+    "functorch vmap fallback warnings": (
+        lambda outer: torch._C._functorch._set_vmap_fallback_warning_enabled(not _vmap_fallback_warns()),
+        _vmap_fallback_warns,
+    ),
+    "legacy vmap fallback warnings": (
+        lambda outer: torch._C._debug_only_display_vmap_fallback_warnings(True),
+        torch._C._debug_only_are_vmap_fallback_warnings_enabled,
+    ),
+}
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["success", "failure"])
+@pytest.mark.parametrize("case", list(_LEFT_CHANGED))
+def test_switch_left_changed_by_forward_is_restored(case, fail):
+    """Forward changes a switch and leaves it so (a context entered and never exited, one
+    exited that export found entered); export puts it back.  Before: each stayed changed."""
+    change, read = _LEFT_CHANGED[case]
+    outer = torch.autograd.graph.saved_tensors_hooks(_unpack, _pack)
+
+    class LeavesIt(nn.Module):
+        def forward(self, x):
+            y = x.sin()
+            change(outer)
+            if fail:
+                raise RuntimeError("boom")
+            return y * 2
+
+    outer.__enter__()
+    try:
+        before = read()
+        with pytest.raises(predispatch.errors.TraceError) if fail else contextlib.nullcontext():
+            predispatch.export(LeavesIt(), (torch.randn(3),))
+        assert read() == before
+    finally:
+        outer.__exit__(None, None, None)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    assert _vmap_fallback_warns() and not torch._C._get_dtensor_allow_implicit_replication()
