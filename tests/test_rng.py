@@ -297,20 +297,18 @@ def test_only_drawn_from_tells_draws_from_reseeds_and_rewinds():
     """The check behind the test above (Note [Another thread's draws during an export]): a state
     advanced by draws (within one state array, and across many twists) is told apart from a
     reseed (another seed, or the same seed again) and from a rewind to an earlier state."""
-    from predispatch.trace.generator_draws import only_drawn_from
-
     g = torch.Generator().manual_seed(11)
     torch.rand(5, generator=g)
     saved = g.get_state()
     torch.rand(3, generator=g)  # same state array, later position
-    assert only_drawn_from(g, saved)
+    assert ti.only_drawn_from(g, saved)
     torch.rand(100_000, generator=g, dtype=torch.float64)  # ~320 twists later
-    assert only_drawn_from(g, saved)
+    assert ti.only_drawn_from(g, saved)
     later = g.get_state()
     g.set_state(saved)  # rewound
-    assert not only_drawn_from(g, later)
+    assert not ti.only_drawn_from(g, later)
     g.manual_seed(11)  # the same seed again: back to the stream's start
-    assert not only_drawn_from(g, saved)
+    assert not ti.only_drawn_from(g, saved)
     g.manual_seed(12)
     torch.rand(5, generator=g)
-    assert not only_drawn_from(g, saved)
+    assert not ti.only_drawn_from(g, saved)

@@ -48,7 +48,6 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch.errors import RngStateError, user_frame
 from predispatch.frontend.reachable import is_filled
-from predispatch.trace.generator_draws import only_drawn_from
 
 #: Functions that change a generator, by module, and what each does.
 _CHANGERS: dict[str, dict[str, str]] = {
@@ -142,7 +141,7 @@ def _changed_by_forward(
         return [
             (g, state)
             for g, state in before
-            if not (record.by_other_threads and g is torch.default_generator) and not only_drawn_from(g, state)
+            if not (record.by_other_threads and g is torch.default_generator) and not ti.only_drawn_from(g, state)
         ]
 
 

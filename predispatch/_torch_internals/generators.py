@@ -1,5 +1,7 @@
 """`only_drawn_from`: did a generator's state move only by draws since a saved state?
 
+torch keeps a generator's state layout in C++; this reads it (one concern of `_torch_internals`).
+
 Note [Another thread's draws during an export]
 ----------------------------------------------
 Export compares the states of the generators forward can reach before and after the trace,
