@@ -155,6 +155,10 @@ def _flip_switch(switch: ti.GlobalSwitch):
     }
     if switch.name in public:
         return public[switch.name]()
+    if switch.name == "torch.autograd.graph.saved_tensors_hooks (the stack)":
+        return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack).__enter__()
+    if switch.name == "torch.autograd.graph.disable_saved_tensors_hooks":
+        return switch.set("flipped" if value is None else None)
     if isinstance(value, bool):
         return switch.set(not value)
     if isinstance(value, dict):  # a config module: flip its first boolean key
@@ -167,6 +171,12 @@ def _flip_switch(switch: ti.GlobalSwitch):
     if isinstance(value, str):  # autograd fallback mode, cudnn depthwise kernel
         return switch.set({"warn": "nothing", "auto": "native"}.get(value, value))
     return switch.set(type(value)(list(type(value).__members__.values())[-1]) if hasattr(type(value), "__members__") else value)
+
+
+#: Switches torch has no getter for, read by a probe that cannot run inside a trace (a vmap):
+#: flipped from the value read before export.
+_PROBED = {"torch._C._functorch._set_vmap_fallback_warning_enabled"}
+_PROBED_BEFORE: dict[str, bool] = {}
 
 
 class FlipsEverything(nn.Module):
@@ -182,6 +192,10 @@ class FlipsEverything(nn.Module):
     def forward(self, x):
         y = self.lin(x)
         for switch in ti.GLOBAL_SWITCHES:
+            if switch.name in _PROBED:
+                switch.set(not _PROBED_BEFORE[switch.name])
+                self.changed(switch.name)
+                continue
             before = switch.get()
             try:
                 _flip_switch(switch)
@@ -197,6 +211,7 @@ class FlipsEverything(nn.Module):
 @pytest.mark.parametrize("fail", [False, True], ids=["success", "failure"])
 def test_global_switches_restored(fail):
     changed, refused = [], []
+    _PROBED_BEFORE.update({s.name: s.get() for s in ti.GLOBAL_SWITCHES if s.name in _PROBED})
     model, x = FlipsEverything(fail, changed, refused), torch.randn(2, 3)
     before = [switch.get() for switch in ti.GLOBAL_SWITCHES]
     with pytest.raises(predispatch.errors.TraceError) if fail else contextlib.nullcontext():
@@ -521,7 +536,7 @@ _LEFT_CHANGED = {
         torch._C._get_dtensor_allow_implicit_replication,
     ),
     "functorch vmap fallback warnings": (
-        lambda outer: torch._C._functorch._set_vmap_fallback_warning_enabled(not _vmap_fallback_warns()),
+        lambda outer: torch._C._functorch._set_vmap_fallback_warning_enabled(False),  # torch's default: True
         _vmap_fallback_warns,
     ),
     "legacy vmap fallback warnings": (
@@ -557,3 +572,12 @@ def test_switch_left_changed_by_forward_is_restored(case, fail):
         outer.__exit__(None, None, None)
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
     assert _vmap_fallback_warns() and not torch._C._get_dtensor_allow_implicit_replication()
+
+
+def test_every_setter_of_torchs_c_modules_is_restored_or_explained():
+    """The switch table derived from torch: every function of `torch._C`, `torch._C._functorch`
+    and `torch._C._autograd` named like a setter (`_set_*`, `_push_*`, `*_enable`, ...) is
+    written back by a `ti.GLOBAL_SWITCHES` entry or listed in `ti.NOT_RESTORED` with why; a new
+    torch's new setter fails here until it is decided."""
+    assert ti.undecided_setters() == []
+    assert all(reason.strip() for reason in ti.NOT_RESTORED.values())

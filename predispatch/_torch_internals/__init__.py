@@ -122,7 +122,9 @@ from predispatch._torch_internals.switches import (  # noqa: F401
     GlobalSwitch,
     KNOWN_GLOBAL_HOOK_TABLES,
     KNOWN_MODULE_HOOK_TABLES,
+    NOT_RESTORED,
     UNREADABLE,
+    undecided_setters,
 )
 from predispatch._torch_internals.tracing import (  # noqa: F401
     _ForwardFrames,
@@ -163,6 +165,8 @@ __all__ = [
     "warn_if_untested",
     "fake_of_meta",
     "GLOBAL_SWITCHES",
+    "NOT_RESTORED",
+    "undecided_setters",
     "GlobalSwitch",
     "AUTOCAST_DEVICE_TYPES",
     "UNREADABLE",
