@@ -226,6 +226,8 @@ class SerializationError(PredispatchError):
     allow list, a HOP operand or output that lies, a kernel fed what its forward never makes,
     a name that is not an identifier or would replace a module attribute, subgraphs nested
     deeper than 32, a meta tensor record), or is a compressed or oversized archive.  Load never returns a partial program and never runs code the file chooses.
+    Cause (call): `ep.module()` refuses to run a backward kernel that reads its gradient
+    unchecked, given a gradient of another shape than its forward's output (an edited file).
     Cause (save): the program holds something format version 1 cannot describe (a tensor
     subclass, a sparse tensor, a symbolic shape, a class defined inside a function).
     Fix: the message names the file member and the node or input; see docs/format.md.

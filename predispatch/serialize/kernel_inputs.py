@@ -24,6 +24,19 @@ not check them (or that only an internal caller uses).  Each is one of:
 
 `verify.py` asks `trusted_input_problems(node)` for every call of these packets in a stored
 program.  docs/format.md's threat model lists both tables.
+
+Note [Kernels that trust their gradient's shape]
+------------------------------------------------
+A backward kernel also takes the gradient of its forward's output, and some read it as if it
+had that output's shape without checking (`GRAD_SHAPES`): `native_layer_norm_backward` given a
+one-element `grad_out` reads past it for every element of its input.  Unlike a saved statistic,
+a gradient comes from whatever the backward computed before, so no graph-local proof exists;
+`ep.module()` checks its shape before each call of such a kernel (`grad_shape_problem`, the
+runtime's `check_kernel_inputs` node) and raises `SerializationError` instead of running it.
+They were found by running every allowed backward kernel autograd calls on torch's OpInfo
+samples with a gradient shrunk to ones and grown to twice its sizes (`probe_gradients`, `python
+-m predispatch.serialize.kernel_inputs --probe`): a kernel that neither raises nor broadcasts is
+listed here, or in `GRAD_SHAPE_SAFE` with why its reads stay inside the tensors it is given.
 """
 
 from __future__ import annotations
@@ -35,7 +48,20 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["FORWARD_PROOFS", "REFUSED_IN_FILES", "TRUSTING_PACKETS", "ForwardProof", "scan", "trusted_input_problems"]
+__all__ = [
+    "FORWARD_PROOFS",
+    "GRAD_SHAPES",
+    "GRAD_SHAPE_SAFE",
+    "REFUSED_IN_FILES",
+    "TRUSTING_PACKETS",
+    "ForwardProof",
+    "GradShape",
+    "grad_shape_problem",
+    "trusts_gradient_shape",
+    "probe_gradients",
+    "scan",
+    "trusted_input_problems",
+]
 
 
 _SAMPLER = "a quasi-random sampler's internals: it indexes its state tensor by the dimension and count it is given"
@@ -157,6 +183,11 @@ FORWARD_PROOFS: Mapping[str, ForwardProof] = {
         (("query", "query"), ("key", "key"), ("value", "value"), ("is_causal", "is_causal"), ("attn_mask", "attn_mask"),
          ("scale", "scale"), ("dropout_p", "dropout_p")),
         "reads the saved logsumexp for every query row, unchecked"),
+    "aten._ctc_loss_backward": ForwardProof(
+        ("aten._ctc_loss",), {"neg_log_likelihood": 0, "log_alpha": 1},
+        (("log_probs", "log_probs"), ("targets", "targets"), ("input_lengths", "input_lengths"),
+         ("target_lengths", "target_lengths"), ("blank", "blank"), ("zero_infinity", "zero_infinity")),
+        "reads the saved log_alpha and loss for every sample, unchecked"),
 }
 
 #: Every packet this module decides: the allow list's `trusts_inputs` family.
@@ -250,7 +281,7 @@ def _getitem() -> Any:
 _TRUSTED_NAMES = (
     "indices", "index", "offsets", "lengths", "batch_sizes", "workspace", "reserve", "mean", "rstd", "invstd",
     "save_mean", "save_invstd", "save_var", "logsumexp", "quasi", "sobolstate", "maximum_indices", "cu_seqlens_q",
-    "cu_seqlens_k",
+    "cu_seqlens_k", "log_alpha", "neg_log_likelihood",
 )
 
 
@@ -287,7 +318,176 @@ CHECKED_BY_TORCH: Mapping[str, str] = {
 }
 
 
+# --------------------------------------------------------------------------- gradients' shapes
+
+
+@dataclass(frozen=True)
+class GradShape:
+    """A backward kernel that reads its gradient argument as its forward output's shape.
+
+    grad: the gradient argument's name.
+    expected: the shape it must have, from the call's other arguments (by schema name).
+    reason: what the kernel reads.
+    """
+
+    grad: str
+    expected: Callable[[dict], tuple[int, ...]]
+    reason: str
+
+
+def _like(argument: str) -> Callable[[dict], tuple[int, ...]]:
+    return lambda bound: tuple(bound[argument].shape)
+
+
+def _grid_sample_output(bound: dict) -> tuple[int, ...]:
+    """(N, C, *grid's spatial sizes): the shape grid_sampler_2d gave its output."""
+    return (*bound["input"].shape[:2], *bound["grid"].shape[1:-1])
+
+
+#: Kernels given a gradient whose shape they do not check (Note [Kernels that trust their
+#: gradient's shape]), by packet.
+GRAD_SHAPES: Mapping[str, GradShape] = {
+    "aten.native_layer_norm_backward": GradShape("grad_out", _like("input"), "reads grad_out for every element of input"),
+    "aten.native_batch_norm_backward": GradShape("grad_out", _like("input"), "reads grad_out for every element of input"),
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward": GradShape(
+        "grad_out", _like("out"), "reads grad_out for every element of out"),
+    "aten.grid_sampler_2d_backward": GradShape(
+        "grad_output", _grid_sample_output, "reads grad_output for every sampled point of every channel"),
+    "aten._ctc_loss_backward": GradShape("grad", _like("neg_log_likelihood"), "reads grad for every sample of the batch"),
+}
+
+#: Kernels the probe finds accepting a gradient of another shape, whose reads still stay inside
+#: the tensors they are given, with why.
+GRAD_SHAPE_SAFE: Mapping[str, str] = {
+    "aten._log_softmax_backward_data": "walks grad_output's own shape (its result has that shape); output is read inside it",
+    "aten.embedding_dense_backward": "views grad_output as (indices, -1): a size that does not divide raises, the row width follows grad",
+    "aten._cdist_backward": "reads grad inside the (x1 rows, x2 rows) block its inputs define; a larger grad is read in part",
+}
+
+
+def trusts_gradient_shape(target: Any) -> bool:
+    """Whether `target` is a call of a `GRAD_SHAPES` kernel (checked before each call)."""
+    return _packet(target) in GRAD_SHAPES
+
+
+def grad_shape_problem(target: Any, args: tuple, kwargs: dict) -> str | None:
+    """Why a call of `target` (a `GRAD_SHAPES` kernel) must not run on these arguments, or None."""
+    check = GRAD_SHAPES.get(_packet(target) or "")
+    if check is None:
+        return None
+    bound = _bound_values(target, args, kwargs)
+    grad, expected = bound[check.grad], check.expected(bound)
+    if tuple(grad.shape) == expected:
+        return None
+    return (f"{target} is given {check.grad} of shape {tuple(grad.shape)} where its forward's output has shape "
+            f"{expected}: the kernel {check.reason} without checking")
+
+
+def _bound_values(target: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    values = dict(zip((a.name for a in target._schema.arguments), args))
+    values.update(kwargs)
+    return values
+
+
+def probe_gradients() -> dict[str, dict[str, str]]:
+    """For each allowed backward packet autograd calls on OpInfo samples: per gradient argument,
+    `checked` (a shrunk gradient raises), `broadcasts` (it gives the expanded gradient's result)
+    or `UNCHECKED` (neither: listed in `GRAD_SHAPES` or `GRAD_SHAPE_SAFE`).  Slow (every OpInfo's
+    backward) and crash-prone: run it in a subprocess."""
+    from predispatch._torch_internals import load_op_db
+    from predispatch.serialize.op_families import PACKETS
+
+    allowed = {p for family in ("aten_functional", "trusts_inputs") for p in PACKETS.get(family, ())}
+    calls = _backward_calls(load_op_db(), allowed)
+    return {packet: _probe_call(op, args, kwargs) for packet, (op, args, kwargs) in sorted(calls.items())}
+
+
+def _gradient_positions(op: Any) -> list[int]:
+    return [i for i, a in enumerate(op._schema.arguments) if a.name.startswith("grad") and str(a.type) == "Tensor"]
+
+
+def _backward_calls(op_db: list[Any], allowed: set[str]) -> dict[str, tuple[Any, tuple, dict]]:
+    """One real call of each allowed backward packet, recorded while autograd differentiates
+    each OpInfo's first samples."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: dict[str, tuple[Any, tuple, dict]] = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            packet = _packet(func)
+            if packet in allowed and "backward" in packet and packet not in calls and _gradient_positions(func):
+                copied = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
+                calls[packet] = (func, *copied)
+            return func(*args, **kwargs)
+
+    for info in op_db:
+        if not info.supports_autograd:
+            continue
+        try:
+            samples = list(info.sample_inputs("cpu", torch.float64, requires_grad=True))[:2]
+        except Exception:  # noqa: BLE001 - an OpInfo without CPU float64 samples
+            continue
+        for sample in samples:
+            try:
+                out = info(sample.input, *sample.args, **sample.kwargs)
+                leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if leaves:
+                    with Record():
+                        torch.autograd.backward(leaves, [torch.randn_like(t) for t in leaves])
+            except Exception:  # noqa: BLE001 - a sample eager itself refuses
+                continue
+    return calls
+
+
+def _probe_call(op: Any, args: tuple, kwargs: dict) -> dict[str, str]:
+    names = [a.name for a in op._schema.arguments]
+    verdicts = {}
+    for i in _gradient_positions(op):
+        if i >= len(args) or not isinstance(args[i], torch.Tensor) or args[i].numel() < 2:
+            continue
+        full = args[i]
+        small = torch.full([1] * full.dim(), 1.5, dtype=full.dtype)
+
+        def call(gradient: torch.Tensor) -> Any:
+            return op(*args[:i], gradient, *args[i + 1:], **kwargs)
+
+        try:
+            reference = call(small.expand(full.shape).contiguous())
+        except Exception:  # noqa: BLE001 - the sample's other arguments refuse a constant gradient
+            continue
+        try:
+            got = call(small)
+        except Exception:  # noqa: BLE001 - the kernel checks the gradient's shape
+            verdicts[names[i]] = "checked"
+            continue
+        if not _same_results(got, reference):
+            verdicts[names[i]] = "UNCHECKED"
+            continue
+        try:
+            call(torch.full([2 * n for n in full.shape], 1.5, dtype=full.dtype))
+        except Exception:  # noqa: BLE001 - a larger gradient is refused: broadcasting only
+            verdicts[names[i]] = "broadcasts"
+            continue
+        verdicts[names[i]] = "UNCHECKED"
+    return verdicts
+
+
+def _same_results(a: Any, b: Any) -> bool:
+    left = [t for t in torch.utils._pytree.tree_leaves(a) if isinstance(t, torch.Tensor)]
+    right = [t for t in torch.utils._pytree.tree_leaves(b) if isinstance(t, torch.Tensor)]
+    return len(left) == len(right) and all(
+        x.shape == y.shape and torch.allclose(x, y, equal_nan=True) for x, y in zip(left, right))
+
+
 if __name__ == "__main__":
+    import json
+    import sys
+
+    if "--probe" in sys.argv:
+        print(json.dumps(probe_gradients(), indent=1))
+        sys.exit()
     for packet, arguments in scan():
         decided = "refused" if packet in REFUSED_IN_FILES else "proved" if packet in FORWARD_PROOFS else CHECKED_BY_TORCH.get(packet, "UNDECIDED")
         print(f"{packet:60} {', '.join(arguments):40} {decided}")
