@@ -13,7 +13,7 @@ Forward may also write outside the module, where the user's code keeps things: s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,9 +146,11 @@ class OutsideState:
     the module files' globals, the user's classes' attributes and functions' default arguments,
     as shallow copies, with the plain containers they hold; and each `lru_cache`'s counters.
 
-    Put back in place, key by key (other threads run code that reads those globals).  A cache
-    that missed during export holds what forward computed, tracer tensors: it is cleared (its
-    entries are recomputed on the next calls; a cache's contents cannot be read or put back).
+    Only what holds a tracer tensor is put back, in place and key by key (other threads run code
+    that reads those globals): a counter or a log of plain values forward kept stays, as after
+    the one eager call export's trace stands for.  A cache that missed during export holds what
+    forward computed, tracer tensors: it is cleared (its entries are recomputed on the next
+    calls; a cache's contents cannot be read or put back).
     """
 
     places: Outside
@@ -177,15 +179,18 @@ class OutsideState:
 
     def restore(self) -> None:
         for container, saved in self.containers:
-            _put_back(container, saved)
+            if isinstance(container, dict):
+                _put_back_keys(container, saved, _holds_tracer)
+            elif any(_holds_tracer(v) for v in container):
+                _put_back(container, saved)
         for (_, namespace), saved in zip(self.places.namespaces, self.namespaces):
-            _put_back_keys(namespace, saved)
+            _put_back_keys(namespace, saved, _holds_tracer)
         for owner, saved in zip(self.places.classes, self.classes):
-            _put_back_attributes(owner, saved)
+            _put_back_attributes(owner, saved, _holds_tracer)
         for function, (positional, keywords) in zip(self.places.functions, self.defaults):
-            if function.__defaults__ is not positional:
+            if function.__defaults__ is not positional and _holds_tracer(function.__defaults__):
                 function.__defaults__ = positional
-            if (function.__kwdefaults__ or {}) != keywords:
+            if _holds_tracer(function.__kwdefaults__):
                 function.__kwdefaults__ = keywords or None
         for (_, cache), misses in zip(self.places.caches, self.cache_misses):
             if cache.cache_info().misses != misses:
@@ -257,23 +262,33 @@ def _attributes(value: Any) -> list[tuple[str, Any]]:
     return found
 
 
-def _put_back_keys(namespace: dict[str, Any], saved: dict[str, Any]) -> None:
-    """Make `namespace` hold `saved` key by key, never emptying it (other code reads it meanwhile)."""
-    for key in [k for k in namespace if k not in saved]:
+def _put_back_keys(namespace: dict[Any, Any], saved: dict[Any, Any], holds: Callable[[Any], bool]) -> None:
+    """Put back, key by key, each value of `namespace` that changed and `holds` says must go;
+    never emptying it (other code reads it meanwhile)."""
+    for key in [k for k in namespace if k not in saved and holds(namespace[k])]:
         del namespace[key]
     for key, value in saved.items():
-        if namespace.get(key, _MISSING) is not value:
+        current = namespace.get(key, _MISSING)
+        if current is not value and (current is _MISSING or holds(current)):
             namespace[key] = value
 
 
-def _put_back_attributes(owner: type, saved: dict[str, Any]) -> None:
-    """A class's attributes as `saved` (a class's namespace is read-only: through set/delattr)."""
+def _put_back_attributes(owner: type, saved: dict[str, Any], holds: Callable[[Any], bool]) -> None:
+    """`_put_back_keys` for a class's attributes (its namespace is read-only: set/delattr)."""
     current = vars(owner)
-    for key in [k for k in current if k not in saved]:
+    for key in [k for k in current if k not in saved and holds(current[k])]:
         delattr(owner, key)
     for key, value in saved.items():
-        if current.get(key, _MISSING) is not value:
+        now = current.get(key, _MISSING)
+        if now is not value and (now is _MISSING or holds(now)):
             setattr(owner, key, value)
+
+
+def _holds_tracer(value: Any) -> bool:
+    """Whether a tracer tensor is reachable from `value` (`_find_tracers`'s bounded walk)."""
+    found: list[str] = []
+    _find_tracers(value, "", 0, set(), found)
+    return bool(found)
 
 
 _MISSING = object()

@@ -304,6 +304,7 @@ def test_every_backward_kernel_that_reads_an_unchecked_gradient_is_decided():
     import subprocess
     import sys
 
+    from predispatch.runtime import kernel_checks
     from predispatch.serialize import kernel_inputs
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -315,7 +316,7 @@ def test_every_backward_kernel_that_reads_an_unchecked_gradient_is_decided():
     verdicts = json.loads(result.stdout)
     assert len(verdicts) > 50  # the probe reached the backward kernels
     unchecked = {packet for packet, found in verdicts.items() if "UNCHECKED" in found.values()}
-    decided = set(kernel_inputs.GRAD_SHAPES) | set(kernel_inputs.GRAD_SHAPE_SAFE) | set(kernel_inputs.REFUSED_IN_FILES)
+    decided = set(kernel_checks.GRAD_SHAPES) | set(kernel_checks.GRAD_SHAPE_SAFE) | set(kernel_inputs.REFUSED_IN_FILES)
     assert sorted(unchecked - decided) == []
     assert {"aten.native_layer_norm_backward", "aten.native_batch_norm_backward", "aten.grid_sampler_2d_backward"} <= unchecked
 
@@ -325,7 +326,7 @@ def test_kernels_given_a_gradient_of_another_shape_are_refused_before_they_run()
     gradient: the honest call passes, the other is refused naming the shapes.  Before: the
     kernels ran and read past the gradient (tests/load_attacks.py's kernel attacks show it
     through `ep.module()`)."""
-    from predispatch.serialize.kernel_inputs import GRAD_SHAPES, grad_shape_problem
+    from predispatch.runtime.kernel_checks import GRAD_SHAPES, grad_shape_problem
 
     aten = torch.ops.aten
     x, w, b = torch.randn(2, 3, 8), torch.ones(8), torch.zeros(8)

@@ -233,9 +233,10 @@ def tree_exit(root: nn.Module, fqn: str) -> str | None:
 # `functools.lru_cache`d helper's cache.  During a trace each such value is a tracer tensor,
 # which breaks the model's next eager call and every fresh instance.  `outside_places` finds
 # these places from the code forward runs: the user's classes of the modules (their methods),
-# the user's functions their code names (transitively), and those functions' globals; the
-# places are put back as they were after export (`_isolation.OutsideState`), and a tracer
-# tensor still reachable from them afterwards is refused, naming the place.
+# the user's functions their code names (transitively), and those functions' globals; what
+# holds a tracer tensor there is put back as it was after export (`_isolation.OutsideState`;
+# plain values forward kept, a call counter, stay), and a tracer tensor still reachable from
+# them afterwards is refused, naming the place.
 
 #: How many of the user's functions the walk follows from the modules' methods.
 _MAX_FUNCTIONS = 2_000

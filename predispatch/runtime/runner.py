@@ -31,10 +31,9 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from predispatch import _torch_internals as ti
-from predispatch.errors import DynamicShapeError, InputMismatchError, SerializationError, user_frame
+from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
 from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.runtime.call_structure import describe_mismatch
-from predispatch.serialize.kernel_inputs import grad_shape_problem
 from predispatch.runtime.modes import (
     PT2E_MODE_ATTRIBUTES,
     check_conversion,
@@ -607,23 +606,6 @@ def _clone_on_read() -> frozenset[int]:
 
 
 _NOTHING: frozenset[int] = frozenset()
-
-
-@fx.node.has_side_effect  # kept by FX's dead-code elimination: it guards the kernel after it
-def check_kernel_gradient(kernel: str, *args: Any, **kwargs: Any) -> None:
-    """Refuse, before it runs, a call of a kernel that reads its gradient as its forward
-    output's shape without checking (Note [Kernels that trust their gradient's shape] in
-    serialize/kernel_inputs.py); `kernel` is the call's target, `args`/`kwargs` its arguments.
-    Only a crafted file's program can fail it: export's own backwards are fed eager's gradients."""
-    namespace, name, overload = kernel.split(".")
-    problem = grad_shape_problem(getattr(getattr(getattr(torch.ops, namespace), name), overload), args, kwargs)
-    if problem is not None:
-        raise SerializationError(
-            f"refused to run a kernel: {problem}, so it would read memory outside the gradient. Only an edited "
-            "file holds such a program; eager autograd never runs one.",
-            where=user_frame(),
-            fix="load programs only from files predispatch.save wrote; this one was edited (see docs/format.md#threat-model).",
-        )
 
 
 @fx.node.has_side_effect  # FX's dead-code elimination keeps it, though nothing reads its result

@@ -40,7 +40,7 @@ from predispatch.runtime import runner
 from predispatch.runtime.names import argument_names
 from predispatch.runtime.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
 from predispatch.runtime.modes import set_exported_modes
-from predispatch.serialize.kernel_inputs import trusts_gradient_shape
+from predispatch.runtime.kernel_checks import guard_kernel_gradients
 from predispatch.signature import InputKind, Program
 from predispatch.runtime.writes import WritePlan, plan_writes
 
@@ -64,7 +64,7 @@ def module_of(ep: Program) -> ProgramModule:
             if id(gm) not in bodies:  # a region body's constants are lifted with its caller's
                 _lift_region_constants(gm)
             _call_functions_through_runner(gm)
-            _check_kernel_gradients(gm)
+            guard_kernel_gradients(gm)
     graph._codegen = ti.PyTreeCodeGen(ti.PyTreeInfo(argument_names(sig.in_spec, sig.arg_names), sig.in_spec, sig.out_spec))
     module = ProgramModule(nn.Module(), fx.Graph())
     _install_state(module, ep)
@@ -214,15 +214,6 @@ def _call_functions_through_runner(gm: fx.GraphModule) -> None:
             fwd.dynamo_function = function  # kept by deepcopy, as fx keeps user-preserved attributes:
             fwd.meta.setdefault(ti.USER_PRESERVED_ATTRIBUTES, {})["dynamo_function"] = function
             node.target = runner.run_autograd_function
-
-
-def _check_kernel_gradients(gm: fx.GraphModule) -> None:
-    """Before each call of a kernel that trusts its gradient's shape, a `check_kernel_gradient`
-    call on the same arguments (Note [Kernels that trust their gradient's shape])."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and trusts_gradient_shape(node.target):
-            with gm.graph.inserting_before(node):
-                gm.graph.call_function(runner.check_kernel_gradient, (str(node.target), *node.args), dict(node.kwargs))
 
 
 def _identifier(path: str) -> str:
