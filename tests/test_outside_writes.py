@@ -193,3 +193,21 @@ def test_a_place_export_cannot_put_back_is_refused_by_name():
     assert "  at test_outside_writes.py:N (predispatch.export(SlotsHolder(), (torch.randn(2, 4),)))" in text, text
     assert "see docs/errors.md#outsidewriteerror" in text
     del _HOLDER.value
+
+
+_STATS: dict = {"calls": 0, "last": {}}
+
+
+class CountsAndCaches(nn.Module):
+    def forward(self, x):
+        _STATS["calls"] += 1  # a plain value: stays, as after the one eager call the trace stands for
+        _STATS["last"][x.shape[-1]] = x * 2  # a tensor of the trace: put back
+        return x + 1
+
+
+def test_plain_values_forward_keeps_outside_stay_tensors_of_the_trace_go():
+    """Only what holds a tracer tensor is put back: a call counter in the same dict keeps
+    forward's one increment (test_autograd_function counts calls this way)."""
+    _STATS.update(calls=0, last={})
+    predispatch.export(CountsAndCaches(), (torch.randn(2, 4),))
+    assert _STATS == {"calls": 1, "last": {}}
