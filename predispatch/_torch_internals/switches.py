@@ -368,7 +368,6 @@ _SWITCHES: tuple[GlobalSwitch | None, ...] = (
     ),
     _c_switch("torch._C._set_sm_carveout_experimental", "_get_sm_carveout_experimental", "_set_sm_carveout_experimental"),
     _c_switch("torch._C._set_only_lift_cpu_tensors", "_only_lift_cpu_tensors", "_set_only_lift_cpu_tensors"),
-    _c_switch("torch._C._set_fake_constant", "_get_fake_constant", "_set_fake_constant"),
     _c_switch("torch.backends.cuda.matmul (cublasLt grouped gemm)", "_get_cublaslt_prefer_grouped_gemm", "_set_cublaslt_prefer_grouped_gemm"),
     _c_switch("torch._C._set_native_aot_enabled", "_get_native_aot_enabled", "_set_native_aot_enabled"),
     _c_switch("torch._C._set_native_aot_unconditional_masked", "_get_native_aot_unconditional_masked", "_set_native_aot_unconditional_masked"),
@@ -418,7 +417,7 @@ NOT_RESTORED: dict[str, str] = {
     **{f"torch._C.{name}": _PER_TENSOR for name in (
         "_set_conj", "_set_neg", "_set_tensor_metadata", "_set_throw_on_mutable_data_ptr",
         "_set_warn_deprecated_on_mutable_data_ptr", "_set_storage_access_error_msg",
-        "_set_storage_data_ptr_access_error_msg")},
+        "_set_storage_data_ptr_access_error_msg", "_set_fake_constant")},
     "torch._C._autograd._set_creation_meta": _PER_TENSOR,
     **{f"torch._C.{name}": _TORCHSCRIPT for name in ("_set_tracing_state", "_set_value_trace", "_set_graph_executor_optimize")},
     **{f"torch._C.{name}": _CUDA_GRAPHS for name in ("_set_cached_tensors_enabled", "_set_graph_exec_group", "_set_override_stale_capture_stream")},
