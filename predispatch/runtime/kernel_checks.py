@@ -27,7 +27,7 @@ from predispatch.errors import SerializationError, user_frame
 
 __all__ = [
     "GRAD_SHAPES", "GRAD_SHAPE_SAFE", "GradShape", "check_kernel_gradient", "grad_shape_problem", "guard_kernel_gradients",
-    "trusts_gradient_shape",
+    "packet_of", "trusts_gradient_shape",
 ]
 
 
@@ -77,12 +77,12 @@ GRAD_SHAPE_SAFE: Mapping[str, str] = {
 
 def trusts_gradient_shape(target: Any) -> bool:
     """Whether `target` is a call of a `GRAD_SHAPES` kernel (checked before each call)."""
-    return _packet(target) in GRAD_SHAPES
+    return packet_of(target) in GRAD_SHAPES
 
 
 def grad_shape_problem(target: Any, args: tuple, kwargs: dict) -> str | None:
     """Why a call of `target` (a `GRAD_SHAPES` kernel) must not run on these arguments, or None."""
-    check = GRAD_SHAPES.get(_packet(target) or "")
+    check = GRAD_SHAPES.get(packet_of(target) or "")
     if check is None:
         return None
     bound = _bound_values(target, args, kwargs)
@@ -99,7 +99,8 @@ def _bound_values(target: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return values
 
 
-def _packet(target: Any) -> str | None:
+def packet_of(target: Any) -> str | None:
+    """`aten.native_layer_norm_backward` for any of its overloads; None for a non-op target."""
     if not isinstance(target, torch._ops.OpOverload):
         return None
     namespace, name = target._schema.name.split("::")

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from predispatch.runtime.kernel_checks import packet_of
+
 __all__ = [
     "FORWARD_PROOFS",
     "REFUSED_IN_FILES",
@@ -183,7 +185,7 @@ TRUSTING_PACKETS = frozenset({*REFUSED_IN_FILES, *FORWARD_PROOFS})
 def trusted_input_problems(node: fx.Node, *, root: bool) -> Iterator[str]:
     """Why `node`, a call of a `TRUSTING_PACKETS` packet, may not be in a stored program
     (`root`: it is in the program's root graph, not a subgraph)."""
-    packet = _packet(node.target)
+    packet = packet_of(node.target)
     assert packet is not None, node.target  # the caller only asks for TRUSTING_PACKETS' calls
     if packet in REFUSED_IN_FILES:
         yield f"calls {node.target}, which a file may not call (trusts_inputs: {REFUSED_IN_FILES[packet]})"
@@ -217,10 +219,10 @@ def _forward_of(backward: dict, proof: ForwardProof) -> fx.Node | None:
     if not proof.outputs:  # fed by the forward's argument: find a forward call sharing it
         first, forward_argument = proof.same[0]
         value = backward.get(first)
-        sources = {u for u in value.users if _packet(u.target) in proof.forwards
+        sources = {u for u in value.users if packet_of(u.target) in proof.forwards
                    and _bound(u).get(forward_argument) is value} if isinstance(value, fx.Node) else set()
     forward = next(iter(sources)) if len(sources) == 1 else None
-    ok = forward is not None and forward.op == "call_function" and _packet(forward.target) in proof.forwards
+    ok = forward is not None and forward.op == "call_function" and packet_of(forward.target) in proof.forwards
     return forward if ok else None
 
 
@@ -245,13 +247,6 @@ def _bound(node: fx.Node) -> dict[str, Any]:
     values.update(zip((a.name for a in schema.arguments), node.args))
     values.update(node.kwargs)
     return values
-
-
-def _packet(target: Any) -> str | None:
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    namespace, name = target._schema.name.split("::")
-    return f"{namespace}.{name}"
 
 
 def _getitem() -> Any:
@@ -335,7 +330,7 @@ def _backward_calls(op_db: list[Any], allowed: set[str]) -> dict[str, tuple[Any,
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            packet = _packet(func)
+            packet = packet_of(func)
             if packet in allowed and "backward" in packet and packet not in calls and _gradient_positions(func):
                 copied = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
                 calls[packet] = (func, *copied)
