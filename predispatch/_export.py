@@ -86,8 +86,10 @@ def _export_with_policy(
 # Note [Export touches only its own thread]
 # -----------------------------------------
 # While one thread exports, others keep running torch: every function export swaps in torch
-# (`ti.patched`, the `Function.apply` interception) serves the exporting thread only and gives
-# every other thread torch's own, and exports themselves are serialised by this lock.
+# (`ti.patched`, the `Function.apply` interception, trace/rng.py's generator changers) serves the
+# exporting thread only and gives every other thread torch's own; the generators other threads
+# draw from are never rewound (Note [Another thread's draws during an export]); and exports
+# themselves are serialised by this lock.
 _ONE_EXPORT_AT_A_TIME = threading.RLock()
 
 
@@ -101,9 +103,9 @@ def _export_locked(
 ) -> ExportedProgram:
     """`_export_with_policy` under the lock."""
     if is_tracing():  # called by the code another export is tracing
-        with ti.outside_trace(keep_decomposition_policy=False), isolated(modules_of(module_or_fn, args, kwargs)):
+        with ti.outside_trace(keep_decomposition_policy=False), isolated(modules_of(module_or_fn, args, kwargs), module_or_fn):
             return _export_nested(module_or_fn, args, kwargs, policy)
-    with isolated(modules_of(module_or_fn, args, kwargs)):
+    with isolated(modules_of(module_or_fn, args, kwargs), module_or_fn):
         prepared = prepare(module_or_fn, args, kwargs, dynamic_shapes)
         traced = trace(prepared, policy, dedup)
     return build_program(prepared, traced)

@@ -6,12 +6,14 @@ to what it can reach: `self.cache = x * 2`, `self.register_buffer(...)`, a hook 
 inside forward, a plain dict of cached attention biases, `torch.set_num_threads(1)`.  During a
 trace every value it writes is a tracer tensor, useless (and poisonous) once the trace is over.
 `isolated` snapshots all of it and puts it back on the way out, whether export succeeded or raised.
+Forward may also write outside the module, where the user's code keeps things: see Note
+[Forward's writes outside the module] (frontend/reachable.py) and `OutsideState`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +21,8 @@ import torch
 from torch import nn
 
 from predispatch import _torch_internals as ti
-from predispatch.frontend.reachable import beyond_tree
+from predispatch.errors import OutsideWriteError, user_frame
+from predispatch.frontend.reachable import Outside, beyond_tree, outside_places
 
 #: Every device type's autocast state, not only CPU's and CUDA's (forward may enter any).
 _AUTOCAST_DEVICES = ti.AUTOCAST_DEVICE_TYPES
@@ -31,13 +34,16 @@ class GlobalState:
 
     switches: the value of each `ti.GLOBAL_SWITCHES` entry (deterministic algorithms, thread
         count, matmul precision, backend flags, ...), in that table's order.
+
+    Not here: the generators' states, which other threads may be drawing from; the trace
+    checks and puts back what forward changed (trace/rng.py, Note [Another thread's draws
+    during an export]).
     """
 
     grad_enabled: bool
     default_dtype: torch.dtype
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     autocast_cache: bool
-    rng_state: torch.Tensor
     mode_depths: tuple[int, int, int]
     compiler_flags: tuple[bool, bool]
     switches: tuple[Any, ...] = ()
@@ -50,7 +56,6 @@ class GlobalState:
             torch.get_default_dtype(),
             tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES),
             torch.is_autocast_cache_enabled(),
-            torch.get_rng_state(),
             ti.mode_stack_depths(),
             (torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag),
             tuple(switch.get() for switch in ti.GLOBAL_SWITCHES),
@@ -70,8 +75,6 @@ class GlobalState:
             torch.set_autocast_enabled(device, enabled)
             torch.set_autocast_dtype(device, dtype)
         torch.set_autocast_cache_enabled(self.autocast_cache)
-        if not torch.equal(torch.get_rng_state(), self.rng_state):
-            torch.set_rng_state(self.rng_state)
         torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = self.compiler_flags
         for table, saved in zip(ti.global_module_hook_tables(), self.global_hooks):
             _put_back(table, saved)
@@ -133,13 +136,188 @@ def _put_back(container: Any, saved: Any) -> None:
         container.update(saved)
 
 
+#: How deep `OutsideState.leaks` looks into what an outside place holds, and how much it visits.
+_LEAK_DEPTH, _LEAK_VISITS = 6, 100_000
+
+
+@dataclass(frozen=True)
+class OutsideState:
+    """What forward can write outside the module (Note [Forward's writes outside the module]):
+    the module files' globals, the user's classes' attributes and functions' default arguments,
+    as shallow copies, with the plain containers they hold; and each `lru_cache`'s counters.
+
+    Only what holds a tracer tensor is put back, in place and key by key (other threads run code
+    that reads those globals): a counter or a log of plain values forward kept stays, as after
+    the one eager call export's trace stands for.  A cache that missed during export holds what
+    forward computed, tracer tensors: it is cleared (its entries are recomputed on the next
+    calls; a cache's contents cannot be read or put back).
+    """
+
+    places: Outside
+    namespaces: tuple[dict[str, Any], ...]
+    classes: tuple[dict[str, Any], ...]
+    defaults: tuple[tuple[Any, Any], ...]
+    containers: tuple[tuple[Any, Any], ...]
+    cache_misses: tuple[int, ...]
+
+    @classmethod
+    def capture(cls, places: Outside) -> OutsideState:
+        defaults = tuple((f.__defaults__, dict(f.__kwdefaults__ or {})) for f in places.functions)
+        held = [
+            *(v for _, ns in places.namespaces for v in ns.values()),
+            *(v for c in places.classes for v in vars(c).values()),
+            *(v for f in places.functions for v in (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values())),
+        ]
+        return cls(
+            places,
+            tuple(dict(ns) for _, ns in places.namespaces),
+            tuple(dict(vars(c)) for c in places.classes),
+            defaults,
+            tuple((c, _copy(c)) for c in _containers_in(held)),
+            tuple(cache.cache_info().misses for _, cache in places.caches),
+        )
+
+    def restore(self) -> None:
+        for container, saved in self.containers:
+            if isinstance(container, dict):
+                _put_back_keys(container, saved, _holds_tracer)
+            elif any(_holds_tracer(v) for v in container):
+                _put_back(container, saved)
+        for (_, namespace), saved in zip(self.places.namespaces, self.namespaces):
+            _put_back_keys(namespace, saved, _holds_tracer)
+        for owner, saved in zip(self.places.classes, self.classes):
+            _put_back_attributes(owner, saved, _holds_tracer)
+        for function, (positional, keywords) in zip(self.places.functions, self.defaults):
+            if function.__defaults__ is not positional and _holds_tracer(function.__defaults__):
+                function.__defaults__ = positional
+            if _holds_tracer(function.__kwdefaults__):
+                function.__kwdefaults__ = keywords or None
+        for (_, cache), misses in zip(self.places.caches, self.cache_misses):
+            if cache.cache_info().misses != misses:
+                cache.cache_clear()
+
+    def leaks(self) -> list[str]:
+        """Where a tracer tensor is still reachable from an outside place after `restore`: what
+        it could not put back (an object's slots, a container of another type, deeper state)."""
+        found: list[str] = []
+        seen: set[int] = set()
+        roots = [
+            *((f"{name}.{key}", v) for name, ns in self.places.namespaces for key, v in list(ns.items())),
+            *((f"{c.__module__}.{c.__qualname__}.{key}", v) for c in self.places.classes for key, v in list(vars(c).items())),
+            *((f"{f.__module__}.{f.__qualname__}'s default argument", v) for f in self.places.functions
+              for v in (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values())),
+        ]
+        for path, value in roots:
+            _find_tracers(value, path, 0, seen, found)
+        return found
+
+
+def _containers_in(values: list[Any]) -> list[Any]:
+    """The plain lists, dicts and sets among `values` and inside them (a few levels)."""
+    found, seen, stack = [], set(), [(v, 0) for v in values]
+    while stack:
+        value, depth = stack.pop()
+        if not isinstance(value, (list, dict, set)) or id(value) in seen or depth > 3:
+            continue
+        seen.add(id(value))
+        found.append(value)
+        stack.extend((child, depth + 1) for child in (value.values() if isinstance(value, dict) else value))
+    return found
+
+
+def _find_tracers(value: Any, path: str, depth: int, seen: set[int], found: list[str]) -> None:
+    """Append `path` (extended into containers and objects) of every tracer tensor in `value`."""
+    if ti.is_traced_tensor(value):
+        found.append(path)
+        return
+    if depth > _LEAK_DEPTH or id(value) in seen or len(seen) > _LEAK_VISITS or isinstance(value, (type, torch.Tensor)):
+        return
+    seen.add(id(value))
+    if isinstance(value, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in list(value.items())]
+    elif isinstance(value, (list, tuple, set, frozenset)) or type(value).__name__ == "deque":
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(list(value))]
+    elif _is_plain_object(value):
+        children = [(f"{path}.{k}", v) for k, v in _attributes(value)]
+    else:
+        return
+    for child_path, child in children:
+        _find_tracers(child, child_path, depth + 1, seen, found)
+
+
+def _is_plain_object(value: Any) -> bool:
+    """A helper object of the user's own class (walked through its attributes)."""
+    module = getattr(type(value), "__module__", "") or ""
+    return not module.startswith(("torch", "builtins", "predispatch", "types")) and (
+        hasattr(value, "__dict__") or hasattr(type(value), "__slots__")
+    )
+
+
+def _attributes(value: Any) -> list[tuple[str, Any]]:
+    found = list(getattr(value, "__dict__", {}).items())
+    for klass in type(value).__mro__:
+        for slot in (lambda s: (s,) if isinstance(s, str) else s)(vars(klass).get("__slots__", ())):
+            if hasattr(value, slot):
+                found.append((slot, getattr(value, slot)))
+    return found
+
+
+def _put_back_keys(namespace: dict[Any, Any], saved: dict[Any, Any], holds: Callable[[Any], bool]) -> None:
+    """Put back, key by key, each value of `namespace` that changed and `holds` says must go;
+    never emptying it (other code reads it meanwhile)."""
+    for key in [k for k in namespace if k not in saved and holds(namespace[k])]:
+        del namespace[key]
+    for key, value in saved.items():
+        current = namespace.get(key, _MISSING)
+        if current is not value and (current is _MISSING or holds(current)):
+            namespace[key] = value
+
+
+def _put_back_attributes(owner: type, saved: dict[str, Any], holds: Callable[[Any], bool]) -> None:
+    """`_put_back_keys` for a class's attributes (its namespace is read-only: set/delattr)."""
+    current = vars(owner)
+    for key in [k for k in current if k not in saved and holds(current[k])]:
+        delattr(owner, key)
+    for key, value in saved.items():
+        now = current.get(key, _MISSING)
+        if now is not value and (now is _MISSING or holds(now)):
+            setattr(owner, key, value)
+
+
+def _holds_tracer(value: Any) -> bool:
+    """Whether a tracer tensor is reachable from `value` (`_find_tracers`'s bounded walk)."""
+    found: list[str] = []
+    _find_tracers(value, "", 0, set(), found)
+    return bool(found)
+
+
+_MISSING = object()
+
+
 @contextlib.contextmanager
-def isolated(modules: list[nn.Module]) -> Iterator[None]:
-    """Restore global state and everything forward may write on `modules` on exit."""
+def isolated(modules: list[nn.Module], fn: Any = None) -> Iterator[None]:
+    """Restore global state and everything forward may write on `modules` (and outside them,
+    in the code of `modules` and of `fn`) on exit; refuse a tracer tensor left outside."""
     state = GlobalState.capture()
     objects = ObjectState.capture(modules)
+    outside = OutsideState.capture(outside_places(modules, fn))
     try:
         yield
     finally:
         state.restore()
         objects.restore()
+        outside.restore()
+    _refuse_leaks(outside)
+
+
+def _refuse_leaks(outside: OutsideState) -> None:
+    leaks = outside.leaks()
+    if leaks:
+        raise OutsideWriteError(
+            f"forward left a tensor of the trace in {leaks[0]}, outside the module, where export cannot "
+            "put back what was there; the model's next eager call (or a fresh instance) would read it "
+            "and fail." + (f" ({len(leaks) - 1} more places.)" if len(leaks) > 1 else ""),
+            where=f"{user_frame()} (the export call)",
+            fix="keep what forward computes on the module (self.cache = ..., a buffer), in a plain "
+            "dict, list or attribute there, or compute it outside forward.",
+        )

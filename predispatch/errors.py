@@ -226,6 +226,8 @@ class SerializationError(PredispatchError):
     allow list, a HOP operand or output that lies, a kernel fed what its forward never makes,
     a name that is not an identifier or would replace a module attribute, subgraphs nested
     deeper than 32, a meta tensor record), or is a compressed or oversized archive.  Load never returns a partial program and never runs code the file chooses.
+    Cause (call): `ep.module()` refuses to run a backward kernel that reads its gradient
+    unchecked, given a gradient of another shape than its forward's output (an edited file).
     Cause (save): the program holds something format version 1 cannot describe (a tensor
     subclass, a sparse tensor, a symbolic shape, a class defined inside a function).
     Fix: the message names the file member and the node or input; see docs/format.md.
@@ -366,6 +368,23 @@ class ModeSwitchError(PredispatchError):
     """
 
     anchor = "modeswitcherror"
+class OutsideWriteError(PredispatchError):
+    """Forward left a tensor of the trace outside the module, in a place export cannot put back.
+
+    Cause: forward stored what it computed outside its module tree, in a place export does not
+    restore after the trace: an object with `__slots__` or a container of another type (a
+    `deque`) held by a module-level global, a class attribute or a default argument (plain
+    dicts, lists, sets, globals, class attributes, default arguments and `lru_cache`s are put
+    back).  The value is a tracer tensor; the model's next eager call, or a fresh instance,
+    would read it and fail.  The message names the place (`module.NAME.attr`).
+    Example: `HOLDER = Slots()` at module level; forward sets `HOLDER.value = x * 2`.
+    Fix: keep what forward computes on the module (an attribute, a buffer, a dict there), or
+    compute it outside forward.
+    """
+
+    anchor = "outsidewriteerror"
+
+
 class ModuleCopyError(PredispatchError):
     """`pickle` or `copy.copy` of `ep.module()`, which would lose the module's call contract.
 

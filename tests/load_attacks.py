@@ -633,6 +633,13 @@ def kernel_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Atta
                  ("node max_pool2d_with_indices_backward", "on other kernel_size"), args=args)
     yield Attack("kernels", "layer norm backward reading a one-element mean", edited(data, feed("native_layer_norm_backward", 3, {"node": "getitem_3"})),
                  ("node native_layer_norm_backward", "its mean, rstd must come from a aten.native_layer_norm call"), args=args)
+    yield Attack("kernels", "layer norm backward reading a four-element grad_out as (1, 3, 4) (checked at the call)",
+                 edited(data, feed("native_layer_norm_backward", 0, {"node": "p_norm_weight"})),
+                 ("aten.native_layer_norm_backward.default is given grad_out of shape (4,) where its forward's output has shape (1, 3, 4)",
+                  "so it would read memory outside the gradient"), args=args)
+    yield Attack("kernels", "batch norm backward reading a one-element grad_out as (2, 1, 4, 4) (checked at the call)",
+                 edited(data, feed("native_batch_norm_backward", 0, {"node": "p_bn_weight"})),
+                 ("aten.native_batch_norm_backward.default is given grad_out of shape (1,) where its forward's output has shape (2, 1, 4, 4)",), args=args)
     yield Attack("kernels", "layer norm backward with another normalized shape", edited(data, feed("native_layer_norm_backward", 2, [1])),
                  ("node native_layer_norm_backward", "on other normalized_shape"), args=args)
     yield Attack("kernels", "group norm backward with statistics of layer norm", edited(data, feed("native_group_norm_backward", 2, {"node": "getitem_11"})),
@@ -700,8 +707,11 @@ def run_attack(attack: Attack) -> dict:
     else:
         outcome, message = "loaded", ""
         if attack.run_after:
-            with torch.no_grad():
-                loaded.module()(*(attack.args or (torch.randn(4, 3),)))
+            try:  # a kernel that trusts its gradient's shape is checked at the call, before it runs
+                with torch.no_grad():
+                    loaded.module()(*(attack.args or (torch.randn(4, 3),)))
+            except SerializationError as exc:
+                outcome, message = "refused", str(exc)
     changed = global_registrations() != before
     return {"class": attack.klass, "case": attack.name, "outcome": outcome, "message": message,
             "missing": [e for e in attack.expect if e not in message], "registered": changed}

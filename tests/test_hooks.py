@@ -844,3 +844,97 @@ the module's hooks changed since export:
     removed forward_hook on 'lin': test_hooks.add_one
   fix: export again to trace the current hooks, or restore the old ones.
   see docs/errors.md#hookschangederror""")
+
+
+# --- Side effects read from the source, not the bytecode (Note [Reading a hook's code from its source])
+
+_BUFFER = torch.zeros(3)
+
+
+def _copies_into_buffer(g):
+    _BUFFER.copy_(g)
+    return g
+
+
+def _records(log, g):
+    log.append(g)
+    return g
+
+
+_EXEC_NAMESPACE: dict = {}
+exec("def made_by_exec(g):\n    return g * 2\n", _EXEC_NAMESPACE)  # no source file to read
+
+
+def _tensor_hook_model(hook):
+    class Hooked(nn.Module):
+        def forward(self, x):
+            h = x * 2
+            h.register_hook(hook)
+            return h * 3
+
+    return Hooked()
+
+
+#: hook -> the side effect the refusal names; each was missed by the former bytecode reading on
+#: every Python (`_slice_store_hook`'s `buf[:] = g` on 3.12, whose STORE_SLICE it did not know).
+_EFFECTFUL = {
+    "in_place_copy": (lambda buf: _copies_into_buffer, "calls _BUFFER.copy_"),
+    "builtin": (lambda buf: print, "its source cannot be read"),
+    "partial": (lambda buf: __import__("functools").partial(_records, []), "calls append"),
+    "exec": (lambda buf: _EXEC_NAMESPACE["made_by_exec"], "its source cannot be read"),
+}
+
+
+def _slice_store_hook(buf):
+    def hook(g):
+        buf[:] = g
+        return g
+
+    return hook
+
+
+@pytest.mark.parametrize("case", ["slice_store_statement", *_EFFECTFUL])
+def test_hook_side_effects_are_read_from_the_source(case):
+    """Each hook has an effect a traced backward would run once, at export: refused, naming it."""
+    buf = torch.zeros(3)
+    if case == "slice_store_statement":
+        hook, effect = _slice_store_hook(buf), "writes buf[:]"
+    else:
+        make, effect = _EFFECTFUL[case]
+        hook = make(buf)
+    with pytest.raises(errors.UnsupportedHookError) as info:
+        predispatch.export(_tensor_hook_model(hook), (torch.randn(3),))
+    assert f"the hook has a Python side effect ({effect}" in message(info.value), message(info.value)
+
+
+def test_hook_inspection_reads_no_bytecode(monkeypatch):
+    """The checks never read bytecode (whose instructions change with each Python release): with
+    `dis` unusable, a pure hook is still captured and an effectful one refused.  Before: the
+    check read `dis.get_instructions` and missed 3.12's STORE_SLICE."""
+    import dis
+
+    def unusable(*args, **kwargs):
+        raise AssertionError("bytecode read")
+
+    monkeypatch.setattr(dis, "get_instructions", unusable)
+    monkeypatch.setattr(dis, "Bytecode", unusable)
+    x = torch.randn(3)
+    ep = predispatch.export(_tensor_hook_model(lambda g: g * 10), (x,))
+    x = x.requires_grad_()
+    ep.module()(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 60.0))
+    with pytest.raises(errors.UnsupportedHookError):
+        predispatch.export(_tensor_hook_model(_slice_store_hook(torch.zeros(3))), (torch.randn(3),))
+    net = Net()
+    net.out.register_full_backward_hook(lambda m, gi, go: (gi[0] * 2,))  # reads no grad_output: no carriers
+    check_gradients(net, (torch.randn(4, 3),))
+
+
+def test_lambdas_on_one_line_are_told_apart():
+    """Of two lambdas on one line, the pure one is captured though the other prints (the columns
+    its code covers pick it)."""
+    pure, printing = (lambda g: g * 10), (lambda g: print(g))  # noqa: E731
+    from predispatch.trace.hooks.inspection import side_effect
+
+    assert side_effect(printing) == "calls print"
+    assert side_effect(pure) is None

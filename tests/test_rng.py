@@ -231,3 +231,84 @@ def test_random_draws_still_match_eager_bitwise():
     expected, actual = run(eager), run(program)
     for a, e in zip(actual, expected):
         assert torch.equal(a, e)
+
+
+class _Draws(nn.Module):
+    """Dropout and `torch.rand` from the default generator: a trace that reads no real generator."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return F.dropout(self.lin(x), 0.5) + torch.rand(4)
+
+
+def test_another_threads_draws_and_seeds_are_neither_rewound_nor_refused():
+    """While the main thread exports (many times), another thread keeps drawing from the default
+    generator and now and then reseeds it with `torch.manual_seed`: every export succeeds, the
+    other thread's draws never repeat (export rewound nothing under it), its `torch.manual_seed`
+    is torch's own, and a refused export still puts back what its forward changed.  Before:
+    exports were refused ("forward changed the state of torch's default CPU generator"), the
+    generator was rewound at the end of each export, and the other thread's `torch.manual_seed`
+    raised our RngStateError (issue 21.5)."""
+    import threading
+
+    stop, started = threading.Event(), threading.Event()
+    draws: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+
+    def bystander():
+        try:
+            seed = 1000
+            while not stop.is_set():
+                for _ in range(50):
+                    draws.append(torch.rand(8, dtype=torch.float64))
+                    started.set()
+                seed += 1
+                torch.manual_seed(seed)  # a fresh stream: no value of it repeats another's
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    thread = threading.Thread(target=bystander)
+    thread.start()
+    started.wait(timeout=60)
+    try:
+        for _ in range(12):
+            predispatch.export(_Draws(), (torch.ones(2, 4),))
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not errors, errors
+    values = torch.cat(draws)
+    assert values.numel() > 8 * 100
+    assert values.unique().numel() == values.numel(), "the other thread drew repeated values"
+
+    # what the exporting thread changes is still put back (no other thread now)
+    module = Seeded(_default_generator)
+    torch.manual_seed(123)
+    before = _snapshot(module)
+    with pytest.raises(RngStateError):
+        predispatch.export(module, (torch.ones(4),))
+    _assert_unchanged(before, _snapshot(module))
+
+
+def test_only_drawn_from_tells_draws_from_reseeds_and_rewinds():
+    """The check behind the test above (Note [Another thread's draws during an export]): a state
+    advanced by draws (within one state array, and across many twists) is told apart from a
+    reseed (another seed, or the same seed again) and from a rewind to an earlier state."""
+    g = torch.Generator().manual_seed(11)
+    torch.rand(5, generator=g)
+    saved = g.get_state()
+    torch.rand(3, generator=g)  # same state array, later position
+    assert ti.only_drawn_from(g, saved)
+    torch.rand(100_000, generator=g, dtype=torch.float64)  # ~320 twists later
+    assert ti.only_drawn_from(g, saved)
+    later = g.get_state()
+    g.set_state(saved)  # rewound
+    assert not ti.only_drawn_from(g, later)
+    g.manual_seed(11)  # the same seed again: back to the stream's start
+    assert not ti.only_drawn_from(g, saved)
+    g.manual_seed(12)
+    torch.rand(5, generator=g)
+    assert not ti.only_drawn_from(g, saved)

@@ -45,13 +45,13 @@ def test_op_table_decides_every_op():
 def test_allow_list_families():
     """Sizes of the families (packets; a packet's mutable overloads are refused by schema), per
     torch release: each release's table is generated on it and reviewed as a diff."""
-    common = {"io": 6, "global_state": 16, "unsafe_layout": 184, "test_only": 12, "trusts_inputs": 45, "predispatch": 1}
+    common = {"io": 6, "global_state": 16, "unsafe_layout": 184, "test_only": 12, "trusts_inputs": 46, "predispatch": 1}
     by_release = {
-        (2, 11): {"torchscript_builtin": 137, "mutable_only": 249, "aten_functional": 1079, "prims": 134},
-        (2, 12): {"torchscript_builtin": 132, "mutable_only": 252, "aten_functional": 1091, "prims": 136},
-        (2, 13): {"torchscript_builtin": 133, "mutable_only": 251, "aten_functional": 1087, "prims": 136},
-        (2, 14): {"torchscript_builtin": 133, "mutable_only": 252, "aten_functional": 1087, "prims": 136},
-        (2, 15): {"torchscript_builtin": 134, "mutable_only": 255, "aten_functional": 1089, "prims": 136},
+        (2, 11): {"torchscript_builtin": 137, "mutable_only": 249, "aten_functional": 1078, "prims": 134},
+        (2, 12): {"torchscript_builtin": 132, "mutable_only": 252, "aten_functional": 1090, "prims": 136},
+        (2, 13): {"torchscript_builtin": 133, "mutable_only": 251, "aten_functional": 1086, "prims": 136},
+        (2, 14): {"torchscript_builtin": 133, "mutable_only": 252, "aten_functional": 1086, "prims": 136},
+        (2, 15): {"torchscript_builtin": 134, "mutable_only": 255, "aten_functional": 1088, "prims": 136},
     }
     assert op_allowlist.allow_list_summary() == {**common, **by_release[ti.TORCH]}
     assert [f.name for f in op_allowlist.FAMILIES if f.allowed] == ["aten_functional", "prims", "predispatch"]
@@ -268,7 +268,7 @@ def test_every_kernel_that_may_trust_its_inputs_is_decided():
     decided = kernel_inputs.TRUSTING_PACKETS | set(kernel_inputs.CHECKED_BY_TORCH)
     assert sorted(scanned - decided) == [] and sorted(set(kernel_inputs.CHECKED_BY_TORCH) - scanned) == []
     assert kernel_inputs.TRUSTING_PACKETS == set(PACKETS["trusts_inputs"])
-    assert (len(kernel_inputs.REFUSED_IN_FILES), len(kernel_inputs.FORWARD_PROOFS)) == (33, 12)
+    assert (len(kernel_inputs.REFUSED_IN_FILES), len(kernel_inputs.FORWARD_PROOFS)) == (33, 13)
 
 
 def test_a_joint_program_fed_by_its_forwards_saves_loads_and_runs():
@@ -340,3 +340,67 @@ def test_a_backward_body_fed_another_calls_statistics_is_refused():
     last_backward.args = (*last_backward.args[: 2 + position], first, *last_backward.args[3 + position:])
     problems = [str(p) for p in program_problems(jp, stored=True)]
     assert any("native_layer_norm_backward" in p and f"at call {last_backward.name} of its body" in p for p in problems), problems
+
+
+@pytest.mark.slow
+def test_every_backward_kernel_that_reads_an_unchecked_gradient_is_decided():
+    """The gradient probe (Note [Kernels that trust their gradient's shape]), in a subprocess
+    (a kernel reading out of bounds may crash): every allowed backward kernel autograd calls on
+    the OpInfo samples that takes a shrunk or grown gradient without raising or broadcasting is
+    checked at each call (`GRAD_SHAPES`), explained (`GRAD_SHAPE_SAFE`) or refused in files."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from predispatch.runtime import kernel_checks
+    from predispatch.serialize import kernel_inputs
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "predispatch.serialize.kernel_inputs", "--probe"],
+        capture_output=True, text=True, timeout=900, cwd=root, env={**os.environ, "PYTHONPATH": root},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    verdicts = json.loads(result.stdout)
+    assert len(verdicts) > 50  # the probe reached the backward kernels
+    unchecked = {packet for packet, found in verdicts.items() if "UNCHECKED" in found.values()}
+    decided = set(kernel_checks.GRAD_SHAPES) | set(kernel_checks.GRAD_SHAPE_SAFE) | set(kernel_inputs.REFUSED_IN_FILES)
+    assert sorted(unchecked - decided) == []
+    assert {"aten.native_layer_norm_backward", "aten.native_batch_norm_backward", "aten.grid_sampler_2d_backward"} <= unchecked
+
+
+def test_kernels_given_a_gradient_of_another_shape_are_refused_before_they_run():
+    """`grad_shape_problem`, on each `GRAD_SHAPES` kernel's honest call and with a one-element
+    gradient: the honest call passes, the other is refused naming the shapes.  Before: the
+    kernels ran and read past the gradient (tests/load_attacks.py's kernel attacks show it
+    through `ep.module()`)."""
+    from predispatch.runtime.kernel_checks import GRAD_SHAPES, grad_shape_problem
+
+    aten = torch.ops.aten
+    x, w, b = torch.randn(2, 3, 8), torch.ones(8), torch.zeros(8)
+    out, mean, rstd = aten.native_layer_norm(x, [8], w, b, 1e-5)
+    image, grid = torch.randn(1, 2, 5, 5), torch.rand(1, 3, 3, 2) * 2 - 1
+    q = torch.randn(1, 2, 4, 8)
+    attention, logsumexp = aten._scaled_dot_product_flash_attention_for_cpu(q, q, q)[:2]
+    log_probs = torch.randn(6, 2, 4).log_softmax(2)
+    targets = torch.tensor([[1, 2, 3], [3, 2, 1]])
+    loss, alpha = aten._ctc_loss(log_probs, targets, [6, 6], [3, 3], 0, False)
+    bn, bn_mean, bn_invstd = aten.native_batch_norm(x, None, None, None, None, True, 0.1, 1e-5)
+    calls = {
+        "aten.native_layer_norm_backward": (aten.native_layer_norm_backward.default, (out, x, [8], mean, rstd, w, b, [True] * 3)),
+        "aten.native_batch_norm_backward": (aten.native_batch_norm_backward.default,
+                                            (bn, x, None, None, None, bn_mean, bn_invstd, True, 1e-5, [True] * 3)),
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward": (
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default, (attention, q, q, q, attention, logsumexp, 0.0, False)),
+        "aten.grid_sampler_2d_backward": (aten.grid_sampler_2d_backward.default,
+                                          (torch.ones(1, 2, 3, 3), image, grid, 0, 0, False, [True, True])),
+        "aten._ctc_loss_backward": (aten._ctc_loss_backward.default,
+                                    (torch.ones(2), log_probs, targets, [6, 6], [3, 3], loss, alpha, 0, False)),
+    }
+    assert set(calls) == set(GRAD_SHAPES)
+    for packet, (op, args) in calls.items():
+        assert grad_shape_problem(op, args, {}) is None, packet
+        op(*args)  # the honest call runs
+        problem = grad_shape_problem(op, (torch.ones(1), *args[1:]), {})
+        assert problem is not None and problem.startswith(f"{op} is given {GRAD_SHAPES[packet].grad} of shape (1,)"), problem

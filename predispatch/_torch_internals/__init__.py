@@ -14,6 +14,7 @@ By concern, one module each; every name is re-exported here, so the rest of pred
     tracing.py            the one functional trace, module-call interception, the joint's trace
     functional.py         FunctionalTensorMode and the mode stacks; functional tensors' values
     switches.py           torch's process-wide switches and hook tables (restored after export)
+    generators.py         a generator's state layout: moved only by draws, or reseeded?
     audit.py              what the composite audit asks of the dispatcher
     codegen.py            FX code generation, size symbols and op registries (build and load)
 """
@@ -60,6 +61,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
 from torch.fx.graph import _PyTreeCodeGen as PyTreeCodeGen, _PyTreeInfo as PyTreeInfo
 from torch.fx.graph_module import _USER_PRESERVED_ATTRIBUTES_KEY as USER_PRESERVED_ATTRIBUTES
 
+from predispatch._torch_internals.generators import only_drawn_from  # noqa: F401
 from predispatch._torch_internals.audit import (  # noqa: F401
     aten_overloads,
     CIA,
@@ -120,7 +122,9 @@ from predispatch._torch_internals.switches import (  # noqa: F401
     GlobalSwitch,
     KNOWN_GLOBAL_HOOK_TABLES,
     KNOWN_MODULE_HOOK_TABLES,
+    NOT_RESTORED,
     UNREADABLE,
+    undecided_setters,
 )
 from predispatch._torch_internals.tracing import (  # noqa: F401
     _ForwardFrames,
@@ -161,6 +165,8 @@ __all__ = [
     "warn_if_untested",
     "fake_of_meta",
     "GLOBAL_SWITCHES",
+    "NOT_RESTORED",
+    "undecided_setters",
     "GlobalSwitch",
     "AUTOCAST_DEVICE_TYPES",
     "UNREADABLE",
@@ -237,6 +243,7 @@ __all__ = [
     "MODULE_CALLS",
     "inside_op_call",
     "generator_identity",
+    "only_drawn_from",
     "import_dynamo",
     "import_op_registrations",
     "reparametrize",

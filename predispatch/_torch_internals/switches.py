@@ -6,6 +6,9 @@ raises if torch adds a hook table the capture does not know.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,11 +33,15 @@ class GlobalSwitch:
     name: how users set it (the public call or attribute), for messages and tests.
     get: reads it now; `set(get())` must be a no-op.
     set: writes a value `get` returned.
+    setters: the functions of torch's C modules that write it (`torch._C._set_cudnn_enabled`),
+        by qualified name: with `NOT_RESTORED`, every such function torch has is decided
+        (`undecided_setters`).
     """
 
     name: str
     get: Callable[[], Any]
     set: Callable[[Any], None]
+    setters: tuple[str, ...] = ()
 
 
 def _fp32_precision(backend: str, op: str) -> GlobalSwitch:
@@ -42,6 +49,7 @@ def _fp32_precision(backend: str, op: str) -> GlobalSwitch:
         f"torch.backends.{backend}.{op}.fp32_precision" if backend != "generic" else "torch.backends.fp32_precision",
         lambda: torch._C._get_fp32_precision_getter(backend, op),
         lambda value: torch._C._set_fp32_precision_setter(backend, op, value),
+        ("torch._C._set_fp32_precision_setter",),
     )
 
 
@@ -106,7 +114,9 @@ def _c_switch(name: str, getter: str, setter: str) -> GlobalSwitch | None:
     read, write = getattr(torch._C, getter, None), getattr(torch._C, setter, None)
     if read is None or write is None:  # not in this torch (2.11 has no grad layout switch): nothing to restore
         return None
-    return GlobalSwitch(name, lambda: _readable(read), lambda v: write(*v) if isinstance(v, tuple) else write(v))
+    return GlobalSwitch(
+        name, lambda: _readable(read), lambda v: write(*v) if isinstance(v, tuple) else write(v), (f"torch._C.{setter}",)
+    )
 
 
 def _readable(read: Callable[[], Any]) -> Any:
@@ -135,14 +145,83 @@ def _config_switch(module_name: str) -> GlobalSwitch:
     return GlobalSwitch(module_name, lambda: config().get_config_copy(), put_back)
 
 
+def _saved_tensors_hooks_stack() -> tuple[tuple[Any, Any], ...]:
+    """The thread's saved-tensors default hooks (`torch.autograd.graph.saved_tensors_hooks`),
+    bottom first.  torch reads only the top: the stack is read by popping every pair and
+    pushing them back (it is thread-local: no other thread sees it meanwhile)."""
+    autograd = torch._C._autograd
+    popped = []
+    while (top := autograd._top_saved_tensors_default_hooks(True)) is not None:
+        popped.append(top)
+        autograd._pop_saved_tensors_default_hooks()
+    stack = tuple(reversed(popped))
+    _push_saved_tensors_hooks(stack)
+    return stack
+
+
+def _set_saved_tensors_hooks_stack(stack: tuple[tuple[Any, Any], ...]) -> None:
+    autograd = torch._C._autograd
+    while autograd._top_saved_tensors_default_hooks(True) is not None:
+        autograd._pop_saved_tensors_default_hooks()
+    _push_saved_tensors_hooks(stack)
+
+
+def _push_saved_tensors_hooks(stack: tuple[tuple[Any, Any], ...]) -> None:
+    """Push `stack` (bottom first), also while `disable_saved_tensors_hooks` is in force (torch
+    refuses a push then): enabled for the pushes, disabled again with its message."""
+    autograd = torch._C._autograd
+    message = _saved_tensors_hooks_disabled()
+    if message is not None:
+        autograd._saved_tensors_hooks_enable()
+    try:
+        for pack, unpack in stack:
+            autograd._push_saved_tensors_default_hooks(pack, unpack)
+    finally:
+        if message is not None:
+            autograd._saved_tensors_hooks_disable(message, False)
+
+
+def _saved_tensors_hooks_disabled() -> str | None:
+    """`disable_saved_tensors_hooks`'s message while it is in force, else None."""
+    autograd = torch._C._autograd
+    return None if autograd._saved_tensors_hooks_is_enabled() else autograd._saved_tensors_hooks_get_disabled_error_message()
+
+
+def _set_saved_tensors_hooks_disabled(message: str | None) -> None:
+    autograd = torch._C._autograd
+    if message is None:
+        autograd._saved_tensors_hooks_enable()
+    else:
+        autograd._saved_tensors_hooks_disable(message, False)  # the stack is put back separately
+
+
+def _vmap_fallback_warnings() -> bool:
+    """Whether functorch's vmap warns when an op has no batching rule.  torch has a setter
+    (`torch._C._functorch._set_vmap_fallback_warning_enabled`) but no getter: read by running
+    torch's test op without a batching rule under vmap and looking for the warning (with the
+    fallback itself enabled for the probe, and put back)."""
+    functorch = torch._C._functorch
+    fallback = functorch._is_vmap_fallback_enabled()
+    functorch._set_vmap_fallback_enabled(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+            warnings.simplefilter("always")
+            ones = torch.ones(2, 1)
+            torch.vmap(torch._C._VariableFunctions._test_functorch_fallback)(ones, ones)
+    finally:
+        functorch._set_vmap_fallback_enabled(fallback)
+    return any("batching rule" in str(w.message) for w in caught)
+
+
 def _float32_matmul_precision() -> str:
     """torch refuses to answer once the legacy and the new fp32_precision APIs were mixed."""
     return _readable(torch.get_float32_matmul_precision)
 
 
-#: Every process-wide switch a forward can flip, enumerated from torch 2.13's `torch/__init__.py`,
-#: `torch/backends/*/__init__.py`, `torch/autograd`, the `torch._C._set_*`/`_get_*` pairs, the JIT's
-#: and functorch's flags, and the Dynamo and functorch config modules.
+#: Every process-wide (or thread-wide) switch a forward can flip, enumerated from torch 2.13's
+#: `torch/__init__.py`, `torch/backends/*/__init__.py`, `torch/autograd`, the `torch._C._set_*`/`_get_*`
+#: pairs, the JIT's and functorch's flags, and the Dynamo and functorch config modules; every setter
+#: of torch's C modules is either here (`setters`) or in `NOT_RESTORED` (`undecided_setters`).
 #: In restore order: the fp32_precision entries last (the legacy switches write them too).
 #: Not here, and why: `set_num_interop_threads` (can be called once, before any parallel work;
 #: eager raises on a second call, so there is nothing to restore), grad mode, default dtype,
@@ -155,22 +234,29 @@ _SWITCHES: tuple[GlobalSwitch | None, ...] = (
         "torch.use_deterministic_algorithms",
         lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
         _set_deterministic,
+        ("torch._C._set_deterministic_algorithms",),
     ),
     _c_switch(
         "torch.utils.deterministic.fill_uninitialized_memory",
         "_get_deterministic_fill_uninitialized_memory",
         "_set_deterministic_fill_uninitialized_memory",
     ),
-    GlobalSwitch("torch.set_num_threads", torch.get_num_threads, torch.set_num_threads),
-    GlobalSwitch("torch.set_float32_matmul_precision", _float32_matmul_precision, torch.set_float32_matmul_precision),
-    GlobalSwitch("torch.set_flush_denormal", _flush_denormal, torch.set_flush_denormal),
-    GlobalSwitch("torch.set_warn_always", torch.is_warn_always_enabled, torch.set_warn_always),
+    GlobalSwitch("torch.set_num_threads", torch.get_num_threads, torch.set_num_threads, ("torch._C.set_num_threads",)),
+    GlobalSwitch(
+        "torch.set_float32_matmul_precision",
+        _float32_matmul_precision,
+        torch.set_float32_matmul_precision,
+        ("torch._C._set_float32_matmul_precision",),
+    ),
+    GlobalSwitch("torch.set_flush_denormal", _flush_denormal, torch.set_flush_denormal, ("torch._C.set_flush_denormal",)),
+    GlobalSwitch("torch.set_warn_always", torch.is_warn_always_enabled, torch.set_warn_always, ("torch._C._set_warnAlways",)),
     GlobalSwitch("torch.set_default_device", _default_device_context, _set_default_device_context),
     GlobalSwitch("torch.set_printoptions", _print_options, _set_print_options),
     GlobalSwitch(
         "torch.autograd.set_detect_anomaly",
         lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
         _set_anomaly,
+        ("torch._C.set_anomaly_enabled",),
     ),
     _c_switch("torch.autograd.set_multithreading_enabled", "_is_multithreading_enabled", "_set_multithreading_enabled"),
     _c_switch("torch.autograd.forward_ad (forward grad)", "_is_fwd_grad_enabled", "_set_fwd_grad_enabled"),
@@ -183,6 +269,7 @@ _SWITCHES: tuple[GlobalSwitch | None, ...] = (
         "torch.sparse.check_sparse_tensor_invariants",
         torch.sparse.check_sparse_tensor_invariants.is_enabled,
         torch._C._set_check_sparse_tensor_invariants,
+        ("torch._C._set_check_sparse_tensor_invariants",),
     ),
     _c_switch("torch.backends.cudnn.enabled", "_get_cudnn_enabled", "_set_cudnn_enabled"),
     _c_switch("torch.backends.cudnn.benchmark", "_get_cudnn_benchmark", "_set_cudnn_benchmark"),
@@ -226,6 +313,7 @@ _SWITCHES: tuple[GlobalSwitch | None, ...] = (
     _c_switch("torch.backends.cuda.enable_math_sdp", "_get_math_sdp_enabled", "_set_sdp_use_math"),
     _c_switch("torch.backends.cuda.enable_cudnn_sdp", "_get_cudnn_sdp_enabled", "_set_sdp_use_cudnn"),
     _c_switch("torch.backends.cuda (fa3 sdp)", "_get_fa3_sdp_enabled", "_set_sdp_use_fa3"),
+    _c_switch("torch.backends.cuda (fa4 sdp)", "_get_fa4_sdp_enabled", "_set_sdp_use_fa4"),
     _c_switch("torch.backends.cuda (overrideable sdp)", "_get_overrideable_sdp_enabled", "_set_sdp_use_overrideable"),
     _c_switch(
         "torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp",
@@ -242,7 +330,54 @@ _SWITCHES: tuple[GlobalSwitch | None, ...] = (
         "torch._C._functorch._set_vmap_fallback_enabled",
         lambda: torch._C._functorch._is_vmap_fallback_enabled(),
         lambda value: torch._C._functorch._set_vmap_fallback_enabled(value),
+        ("torch._C._functorch._set_vmap_fallback_enabled",),
     ),
+    GlobalSwitch(
+        "torch._C._functorch._set_vmap_fallback_warning_enabled",
+        _vmap_fallback_warnings,
+        lambda value: torch._C._functorch._set_vmap_fallback_warning_enabled(value),
+        ("torch._C._functorch._set_vmap_fallback_warning_enabled",),
+    ),
+    _c_switch(
+        "torch._C._debug_only_display_vmap_fallback_warnings",
+        "_debug_only_are_vmap_fallback_warnings_enabled",
+        "_debug_only_display_vmap_fallback_warnings",
+    ),
+    # the stack first: pushing it back needs the hooks enabled (`_push_saved_tensors_hooks`)
+    GlobalSwitch(
+        "torch.autograd.graph.saved_tensors_hooks (the stack)",
+        _saved_tensors_hooks_stack,
+        _set_saved_tensors_hooks_stack,
+        ("torch._C._autograd._push_saved_tensors_default_hooks", "torch._C._autograd._pop_saved_tensors_default_hooks"),
+    ),
+    GlobalSwitch(
+        "torch.autograd.graph.disable_saved_tensors_hooks",
+        _saved_tensors_hooks_disabled,
+        _set_saved_tensors_hooks_disabled,
+        ("torch._C._autograd._saved_tensors_hooks_disable", "torch._C._autograd._saved_tensors_hooks_enable"),
+    ),
+    _c_switch(
+        "torch.distributed.tensor.experimental.implicit_replication",
+        "_get_dtensor_allow_implicit_replication",
+        "_set_dtensor_allow_implicit_replication",
+    ),
+    _c_switch(
+        "torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch",
+        "_warn_on_accumulate_grad_stream_mismatch",
+        "_set_warn_on_accumulate_grad_stream_mismatch",
+    ),
+    _c_switch("torch._C._set_sm_carveout_experimental", "_get_sm_carveout_experimental", "_set_sm_carveout_experimental"),
+    _c_switch("torch._C._set_only_lift_cpu_tensors", "_only_lift_cpu_tensors", "_set_only_lift_cpu_tensors"),
+    _c_switch("torch.backends.cuda.matmul (cublasLt grouped gemm)", "_get_cublaslt_prefer_grouped_gemm", "_set_cublaslt_prefer_grouped_gemm"),
+    _c_switch("torch._C._set_native_aot_enabled", "_get_native_aot_enabled", "_set_native_aot_enabled"),
+    _c_switch("torch._C._set_native_aot_unconditional_masked", "_get_native_aot_unconditional_masked", "_set_native_aot_unconditional_masked"),
+    _c_switch("torch.cuda.tunable.enable", "_cuda_tunableop_is_enabled", "_cuda_tunableop_enable"),
+    _c_switch("torch.cuda.tunable.tuning_enable", "_cuda_tunableop_tuning_is_enabled", "_cuda_tunableop_tuning_enable"),
+    _c_switch("torch.cuda.tunable.record_untuned_enable", "_cuda_record_untuned_is_enabled", "_cuda_record_untuned_enable"),
+    _c_switch(
+        "torch.cuda.tunable (wildcard fallback)", "_cuda_tunableop_wildcard_fallback_is_enabled", "_cuda_tunableop_wildcard_fallback_enable"
+    ),
+    _c_switch("torch.cuda.memory (caching allocator)", "_cuda_cudaCachingAllocator_is_enabled", "_cuda_cudaCachingAllocator_enable"),
     _config_switch("torch._functorch.config"),
     _config_switch("torch._dynamo.config"),
     # last: the legacy switches above (matmul precision, allow_tf32) also write these
@@ -253,6 +388,68 @@ _SWITCHES: tuple[GlobalSwitch | None, ...] = (
     ),
 )
 GLOBAL_SWITCHES: tuple[GlobalSwitch, ...] = tuple(switch for switch in _SWITCHES if switch is not None)
+
+_PER_TENSOR = "a flag of one tensor, not of the process"
+_DISPATCH_STATE = "the dispatcher's own thread-local state, set and reset by torch's context managers around their work"
+_TORCHSCRIPT = "TorchScript's tracer and executor (predispatch never runs TorchScript)"
+_CUDA_GRAPHS = "CUDA graph capture internals (predispatch never captures CUDA graphs)"
+_PROCESS = "process plumbing (DataLoader workers, crash reports, thread names): no effect on any result"
+
+#: torch's C setters that no `GLOBAL_SWITCHES` entry restores, with why (in torch 2.11-2.15).
+NOT_RESTORED: dict[str, str] = {
+    "torch._C._set_grad_enabled": "grad mode: `_isolation.GlobalState` restores it",
+    "torch._C._set_default_dtype": "the default dtype: `_isolation.GlobalState` restores it",
+    "torch._C._set_default_tensor_type": "sets the default dtype, which `_isolation.GlobalState` restores",
+    **{f"torch._C.{name}": "autocast: `_isolation.GlobalState` restores every device type's" for name in (
+        "set_autocast_cache_enabled", "set_autocast_cpu_dtype", "set_autocast_cpu_enabled", "set_autocast_dtype",
+        "set_autocast_enabled", "set_autocast_gpu_dtype", "set_autocast_ipu_dtype", "set_autocast_ipu_enabled",
+        "set_autocast_xla_dtype", "set_autocast_xla_enabled")},
+    "torch._C.set_num_interop_threads": "can be called once, before any parallel work: eager raises on a second call",
+    **{f"torch._C.{name}": "the mode stacks: `_isolation` pops them to their depths" for name in (
+        "_push_on_torch_dispatch_stack", "_pop_torch_dispatch_stack", "_push_on_torch_function_stack",
+        "_pop_torch_function_stack")},
+    **{f"torch._C.{name}": _DISPATCH_STATE for name in (
+        "_set_dispatch_mode", "_set_torch_function_state", "_set_skip_next_torch_function",
+        "_set_meta_in_tls_dispatch_include")},
+    "torch._C._functorch._set_dynamic_layer_keys_included": _DISPATCH_STATE,
+    "torch._C._functorch.set_inplace_requires_grad_allowed": _DISPATCH_STATE,
+    "torch._C._functorch.set_single_level_autograd_function_allowed": _DISPATCH_STATE,
+    **{f"torch._C.{name}": _PER_TENSOR for name in (
+        "_set_conj", "_set_neg", "_set_tensor_metadata", "_set_throw_on_mutable_data_ptr",
+        "_set_warn_deprecated_on_mutable_data_ptr", "_set_storage_access_error_msg",
+        "_set_storage_data_ptr_access_error_msg", "_set_fake_constant")},
+    "torch._C._autograd._set_creation_meta": _PER_TENSOR,
+    **{f"torch._C.{name}": _TORCHSCRIPT for name in ("_set_tracing_state", "_set_value_trace", "_set_graph_executor_optimize")},
+    **{f"torch._C.{name}": _CUDA_GRAPHS for name in ("_set_cached_tensors_enabled", "_set_graph_exec_group", "_set_override_stale_capture_stream")},
+    **{f"torch._C.{name}": _PROCESS for name in (
+        "_set_worker_pids", "_set_worker_signal_handlers", "_set_print_stack_traces_on_fatal_signal", "_set_thread_name",
+        "set_vital")},
+    "torch._C._cuda_cudaCachingAllocator_enable": "CUDA's caching allocator on or off: memory placement, not results "
+    "(restored where torch can read it: 2.12 and later)",
+    "torch._C._set_default_mobile_cpu_allocator": "the mobile CPU allocator (no getter; memory placement, not results)",
+    "torch._C._set_generator_metaclass": "registered once, when torch is imported",
+    "torch._C._set_should_use_format_with_string_table": "the profiler's output format",
+    "torch._C._autograd._set_empty_test_observer": "a hook for torch's own tests",
+    "torch._C._autograd._push_node_creation_hook": "torch's compiled autograd sets it for its own work and pops it",
+    "torch._C._autograd._pop_node_creation_hook": "torch's compiled autograd sets it for its own work and pops it",
+}
+
+#: Which functions of torch's C modules count as setters (`undecided_setters`).
+_SETTER_NAME = re.compile(r"^_(set|push|pop)_|^_push_on_|_enable$|_disable$|^set_|^_debug_only_display_")
+_C_MODULES = ("torch._C", "torch._C._functorch", "torch._C._autograd")
+
+
+def undecided_setters() -> list[str]:
+    """torch's C setters this torch has that neither a switch restores nor `NOT_RESTORED`
+    explains: a new one is a setting export might leave changed (tests/test_isolation.py)."""
+    decided = {name for switch in GLOBAL_SWITCHES for name in switch.setters} | set(NOT_RESTORED)
+    found = []
+    for module_name in _C_MODULES:
+        module = importlib.import_module(module_name)
+        for name in dir(module):
+            if _SETTER_NAME.search(name) and callable(getattr(module, name)) and f"{module_name}.{name}" not in decided:
+                found.append(f"{module_name}.{name}")
+    return sorted(found)
 
 
 #: Every hook table torch 2.11-2.15 gives an nn.Module (`module._backward_hooks`, ...) and keeps

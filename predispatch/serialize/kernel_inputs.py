@@ -29,6 +29,10 @@ not check them (or that only an internal caller uses).  Each is one of:
 
 `verify.py` asks `trusted_input_problems(node)` for every call of these packets in a stored
 program.  docs/format.md's threat model lists both tables.
+
+Backward kernels that trust their gradient's shape are checked at run time instead
+(runtime/kernel_checks.py, Note [Kernels that trust their gradient's shape]); `probe_gradients`
+finds them.
 """
 
 from __future__ import annotations
@@ -40,9 +44,20 @@ from typing import Any
 import torch
 from torch import fx
 
+from predispatch.runtime.kernel_checks import packet_of
 from predispatch.trace.dedup.backward import VIEWS
 
-__all__ = ["FORWARD_PROOFS", "REFUSED_IN_FILES", "TRUSTING_PACKETS", "BodyCalls", "ForwardProof", "body_calls", "scan", "trusted_input_problems"]
+__all__ = [
+    "FORWARD_PROOFS",
+    "REFUSED_IN_FILES",
+    "TRUSTING_PACKETS",
+    "BodyCalls",
+    "ForwardProof",
+    "body_calls",
+    "probe_gradients",
+    "scan",
+    "trusted_input_problems",
+]
 
 
 _SAMPLER = "a quasi-random sampler's internals: it indexes its state tensor by the dimension and count it is given"
@@ -164,6 +179,11 @@ FORWARD_PROOFS: Mapping[str, ForwardProof] = {
         (("query", "query"), ("key", "key"), ("value", "value"), ("is_causal", "is_causal"), ("attn_mask", "attn_mask"),
          ("scale", "scale"), ("dropout_p", "dropout_p")),
         "reads the saved logsumexp for every query row, unchecked"),
+    "aten._ctc_loss_backward": ForwardProof(
+        ("aten._ctc_loss",), {"neg_log_likelihood": 0, "log_alpha": 1},
+        (("log_probs", "log_probs"), ("targets", "targets"), ("input_lengths", "input_lengths"),
+         ("target_lengths", "target_lengths"), ("blank", "blank"), ("zero_infinity", "zero_infinity")),
+        "reads the saved log_alpha and loss for every sample, unchecked"),
 }
 
 #: Every packet this module decides: the allow list's `trusts_inputs` family.
@@ -192,7 +212,7 @@ def trusted_input_problems(node: fx.Node, *, root: bool, callers: BodyCalls | No
     """Why `node`, a call of a `TRUSTING_PACKETS` packet, may not be in a stored program
     (`root`: it is in the program's root graph, not a subgraph; `callers`: the calls of its
     graph, when that is a body only `invoke_subgraph` calls)."""
-    packet = _packet(node.target)
+    packet = packet_of(node.target)
     assert packet is not None, node.target  # the caller only asks for TRUSTING_PACKETS' calls
     if packet in REFUSED_IN_FILES:
         yield f"calls {node.target}, which a file may not call (trusts_inputs: {REFUSED_IN_FILES[packet]})"
@@ -233,10 +253,10 @@ def _forward_of(backward: dict, proof: ForwardProof) -> fx.Node | None:
     if not proof.outputs:  # fed by the forward's argument: find a forward call sharing it
         first, forward_argument = proof.same[0]
         value = backward.get(first)
-        sources = {u for u in value.users if _packet(u.target) in proof.forwards
+        sources = {u for u in value.users if packet_of(u.target) in proof.forwards
                    and _bound(u).get(forward_argument) is value} if isinstance(value, fx.Node) else set()
     forward = next(iter(sources)) if len(sources) == 1 else None
-    ok = forward is not None and forward.op == "call_function" and _packet(forward.target) in proof.forwards
+    ok = forward is not None and forward.op == "call_function" and packet_of(forward.target) in proof.forwards
     return forward if ok else None
 
 
@@ -256,7 +276,7 @@ def _proved_at(call: fx.Node, node: fx.Node, backward: dict, proof: ForwardProof
     if len(sources) != 1:
         return False
     forward_call, forward_node = next(iter(sources))
-    if not (isinstance(forward_node, fx.Node) and forward_node.op == "call_function" and _packet(forward_node.target) in proof.forwards):
+    if not (isinstance(forward_node, fx.Node) and forward_node.op == "call_function" and packet_of(forward_node.target) in proof.forwards):
         return False
     forward = _bound(forward_node)
     return all(
@@ -331,13 +351,6 @@ def _bound(node: fx.Node) -> dict[str, Any]:
     return values
 
 
-def _packet(target: Any) -> str | None:
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    namespace, name = target._schema.name.split("::")
-    return f"{namespace}.{name}"
-
-
 def _getitem() -> Any:
     import operator
 
@@ -351,7 +364,7 @@ def _getitem() -> Any:
 _TRUSTED_NAMES = (
     "indices", "index", "offsets", "lengths", "batch_sizes", "workspace", "reserve", "mean", "rstd", "invstd",
     "save_mean", "save_invstd", "save_var", "logsumexp", "quasi", "sobolstate", "maximum_indices", "cu_seqlens_q",
-    "cu_seqlens_k",
+    "cu_seqlens_k", "log_alpha", "neg_log_likelihood",
 )
 
 
@@ -388,7 +401,109 @@ CHECKED_BY_TORCH: Mapping[str, str] = {
 }
 
 
+# --------------------------------------------------------------------------- gradients' shapes
+
+
+def probe_gradients() -> dict[str, dict[str, str]]:
+    """For each allowed backward packet autograd calls on OpInfo samples: per gradient argument,
+    `checked` (a shrunk gradient raises), `broadcasts` (it gives the expanded gradient's result)
+    or `UNCHECKED` (neither: listed in runtime/kernel_checks.py's `GRAD_SHAPES` or
+    `GRAD_SHAPE_SAFE`, or refused in files).  Slow (every OpInfo's
+    backward) and crash-prone: run it in a subprocess."""
+    from predispatch._torch_internals import load_op_db
+    from predispatch.serialize.op_families import PACKETS
+
+    allowed = {p for family in ("aten_functional", "trusts_inputs") for p in PACKETS.get(family, ())}
+    calls = _backward_calls(load_op_db(), allowed)
+    return {packet: _probe_call(op, args, kwargs) for packet, (op, args, kwargs) in sorted(calls.items())}
+
+
+def _gradient_positions(op: Any) -> list[int]:
+    return [i for i, a in enumerate(op._schema.arguments) if a.name.startswith("grad") and str(a.type) == "Tensor"]
+
+
+def _backward_calls(op_db: list[Any], allowed: set[str]) -> dict[str, tuple[Any, tuple, dict]]:
+    """One real call of each allowed backward packet, recorded while autograd differentiates
+    each OpInfo's first samples."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: dict[str, tuple[Any, tuple, dict]] = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            packet = packet_of(func)
+            if packet in allowed and "backward" in packet and packet not in calls and _gradient_positions(func):
+                copied = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
+                calls[packet] = (func, *copied)
+            return func(*args, **kwargs)
+
+    for info in op_db:
+        if not info.supports_autograd:
+            continue
+        try:
+            samples = list(info.sample_inputs("cpu", torch.float64, requires_grad=True))[:2]
+        except Exception:  # noqa: BLE001 - an OpInfo without CPU float64 samples
+            continue
+        for sample in samples:
+            try:
+                out = info(sample.input, *sample.args, **sample.kwargs)
+                leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if leaves:
+                    with Record():
+                        torch.autograd.backward(leaves, [torch.randn_like(t) for t in leaves])
+            except Exception:  # noqa: BLE001 - a sample eager itself refuses
+                continue
+    return calls
+
+
+def _probe_call(op: Any, args: tuple, kwargs: dict) -> dict[str, str]:
+    names = [a.name for a in op._schema.arguments]
+    verdicts = {}
+    for i in _gradient_positions(op):
+        if i >= len(args) or not isinstance(args[i], torch.Tensor) or args[i].numel() < 2:
+            continue
+        full = args[i]
+        small = torch.full([1] * full.dim(), 1.5, dtype=full.dtype)
+
+        def call(gradient: torch.Tensor) -> Any:
+            return op(*args[:i], gradient, *args[i + 1:], **kwargs)
+
+        try:
+            reference = call(small.expand(full.shape).contiguous())
+        except Exception:  # noqa: BLE001 - the sample's other arguments refuse a constant gradient
+            continue
+        try:
+            got = call(small)
+        except Exception:  # noqa: BLE001 - the kernel checks the gradient's shape
+            verdicts[names[i]] = "checked"
+            continue
+        if not _same_results(got, reference):
+            verdicts[names[i]] = "UNCHECKED"
+            continue
+        try:
+            call(torch.full([2 * n for n in full.shape], 1.5, dtype=full.dtype))
+        except Exception:  # noqa: BLE001 - a larger gradient is refused: broadcasting only
+            verdicts[names[i]] = "broadcasts"
+            continue
+        verdicts[names[i]] = "UNCHECKED"
+    return verdicts
+
+
+def _same_results(a: Any, b: Any) -> bool:
+    left = [t for t in torch.utils._pytree.tree_leaves(a) if isinstance(t, torch.Tensor)]
+    right = [t for t in torch.utils._pytree.tree_leaves(b) if isinstance(t, torch.Tensor)]
+    return len(left) == len(right) and all(
+        x.shape == y.shape and torch.allclose(x, y, equal_nan=True) for x, y in zip(left, right))
+
+
 if __name__ == "__main__":
+    import json
+    import sys
+
+    if "--probe" in sys.argv:
+        print(json.dumps(probe_gradients(), indent=1))
+        sys.exit()
     for packet, arguments in scan():
         decided = "refused" if packet in REFUSED_IN_FILES else "proved" if packet in FORWARD_PROOFS else CHECKED_BY_TORCH.get(packet, "UNDECIDED")
         print(f"{packet:60} {', '.join(arguments):40} {decided}")

@@ -21,9 +21,14 @@ export refuses, by three mechanisms:
   generator, generators kept on the module tree or in the globals and closures of its forwards)
   are compared when forward returns; a change is refused, naming the export call.
 
-Either way every such generator is put back as it was before export.  torch's own tracing
+Either way a generator forward changed is put back as it was before export.  torch's own tracing
 machinery (`_TRACERS`: Dynamo tracing a `torch.cond` branch saves and restores the RNG state
 around its work) calls the same functions and is let through.
+
+Other threads keep their generators (Note [Another thread's draws during an export]): the
+changers refuse on the exporting thread only, a state moved only by draws is neither refused nor
+put back, and after another thread called a changer meanwhile the default generator cannot be
+told apart (its state is then neither checked nor put back).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import importlib
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -93,17 +99,17 @@ def refusing_rng_changes(module: nn.Module) -> Iterator[frozenset[int]]:
     ti.import_dynamo()  # it rewraps torch.manual_seed on import: before the patch, not inside it
     generators = _visible_generators(module)
     before = [(g, g.get_state()) for g in generators]
-    refusals: list[RngStateError] = []
-    patched = _patch_changers(refusals)
+    record = _Changes(threading.get_ident())
+    patched = _patch_changers(record)
+    changed: list[tuple[torch.Generator, torch.Tensor]] | None = None
     try:
         yield frozenset(ti.generator_identity(g) for g in generators)
-        if refusals:  # forward caught the refusal and went on: the export still fails
-            raise refusals[0]
-        with ti.outside_trace():  # real tensors: compared with the trace's modes set aside
-            changed = [g for g, state in before if not torch.equal(g.get_state(), state)]
+        if record.refusals:  # forward caught the refusal and went on: the export still fails
+            raise record.refusals[0]
+        changed = _changed_by_forward(before, record)
         if changed:
             raise RngStateError(
-                f"forward changed the state of {_describe(changed[0])} without a call export can "
+                f"forward changed the state of {_describe(changed[0][0])} without a call export can "
                 "intercept (Generator.manual_seed, .set_state or .seed called on it directly); a graph "
                 "cannot record that, so the program's random numbers would differ from eager's.",
                 where=f"{user_frame()} (the export call)",
@@ -111,8 +117,32 @@ def refusing_rng_changes(module: nn.Module) -> Iterator[frozenset[int]]:
             )
     finally:
         _unpatch(patched)
-        for g, state in before:
+        for g, state in changed if changed is not None else _changed_by_forward(before, record):
             g.set_state(state)
+
+
+class _Changes:
+    """What the changers saw during one export: the exporting thread's refusals, and whether
+    another thread changed the default generator (then forward's changes of it cannot be told)."""
+
+    def __init__(self, thread: int):
+        self.thread = thread
+        self.refusals: list[RngStateError] = []
+        self.by_other_threads = False
+
+
+def _changed_by_forward(
+    before: list[tuple[torch.Generator, torch.Tensor]], record: _Changes
+) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """The generators (with their saved states) whose state moved other than by draws (Note
+    [Another thread's draws during an export]); the default one is left out once another thread
+    reseeded it."""
+    with ti.outside_trace():  # real tensors: read with the trace's modes set aside
+        return [
+            (g, state)
+            for g, state in before
+            if not (record.by_other_threads and g is torch.default_generator) and not ti.only_drawn_from(g, state)
+        ]
 
 
 def refuse_generators_made_in_forward(gm: fx.GraphModule, visible: frozenset[int]) -> None:
@@ -149,15 +179,15 @@ def _stack_line(node: fx.Node) -> str | None:
     return f"{path}:{line} ({code.strip()})"
 
 
-def _patch_changers(refusals: list[RngStateError]) -> list[tuple[Any, str, Any]]:
-    """Replace each changer with one that refuses (into `refusals`); returns what to put back."""
+def _patch_changers(record: _Changes) -> list[tuple[Any, str, Any]]:
+    """Replace each changer with one that refuses (into `record`); returns what to put back."""
     patched = []
     for module_name, functions in _CHANGERS.items():
         module = sys.modules.get(module_name) or _import(module_name)
         for name, effect in functions.items():
             original = getattr(module, name, None) if module is not None else None
             if callable(original):
-                setattr(module, name, _refusing(f"{module_name}.{name}", effect, original, refusals))
+                setattr(module, name, _refusing(f"{module_name}.{name}", effect, original, record))
                 patched.append((module, name, original))
     return patched
 
@@ -174,19 +204,23 @@ def _unpatch(patched: list[tuple[Any, str, Any]]) -> None:
         setattr(module, name, original)
 
 
-def _refusing(qualified: str, effect: str, original: Callable[..., Any], refusals: list[RngStateError]) -> Callable[..., Any]:
-    """`original`, refusing when called from the user's code.
+def _refusing(qualified: str, effect: str, original: Callable[..., Any], record: _Changes) -> Callable[..., Any]:
+    """`original`, refusing when called from the user's code on the exporting thread.
 
-    Let through: torch's tracing machinery (`_TRACERS`), and every call after the first refusal
-    (a `finally:` restoring the state as the refusal unwinds, as `freeze_rng_state` does, must
-    not replace the first error; the generators are put back when the trace ends anyway).
+    Let through: another thread's call (noted in `record`), torch's tracing machinery
+    (`_TRACERS`), and every call after the first refusal (a `finally:` restoring the state as
+    the refusal unwinds, as `freeze_rng_state` does, must not replace the first error; the
+    generators are put back when the trace ends anyway).
     """
 
     def changer(*args: Any, **kwargs: Any) -> Any:
-        caller = os.path.abspath(sys._getframe(1).f_code.co_filename)
-        if caller.startswith(_TRACERS) or refusals:
+        if threading.get_ident() != record.thread:
+            record.by_other_threads = True
             return original(*args, **kwargs)
-        refusals.append(
+        caller = os.path.abspath(sys._getframe(1).f_code.co_filename)
+        if caller.startswith(_TRACERS) or record.refusals:
+            return original(*args, **kwargs)
+        record.refusals.append(
             RngStateError(
                 f"forward calls {qualified}(), which {effect}; a graph records random ops but cannot "
                 "record a change of the generator, so the program's outputs and the generator's state "
@@ -195,7 +229,7 @@ def _refusing(qualified: str, effect: str, original: Callable[..., Any], refusal
                 fix=_FIX,
             )
         )
-        raise refusals[0]
+        raise record.refusals[0]
 
     changer.__wrapped__ = original  # type: ignore[attr-defined]
     return changer

@@ -7,7 +7,7 @@ A hook may read the module it is given (`go[0] @ module.weight`).  Traced as wri
 backward would read the outer trace's tensor for the weight, which a captured backward may
 not (it reads only its operands and what its forward saved).  So when a hook may read module
 state (`may_read_state` in inspection.py: it uses its module argument, is a bound method, or
-reaches an `nn.Module` through a closure or a global; read from the bytecode), its Function
+reaches an `nn.Module` through a closure or a global; read from its source and names), its Function
 takes every tensor the module holds as extra operands (`State`: parameters, buffers and tensor
 attributes, recursively, a tied tensor once), saves them, and runs the hooks with the module
 rebound to the saved values (`ti.reparametrize`, every name of a tied tensor); their gradients
