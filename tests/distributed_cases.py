@@ -1,0 +1,181 @@
+"""What each rank runs for tests/test_distributed.py (started by tests/ranks.py, one process a rank).
+
+`python tests/distributed_cases.py CASE OUT`: joins the gloo group torch's env:// variables
+name, runs `CASE`, writes its JSON result to OUT.  A case returns plain values (graph text,
+op counts, whether outputs and gradients equal eager's bitwise) for the test to assert on; a
+case that raises writes `{"error": class name, "message": text}`.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import sys
+import traceback
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+import predispatch
+from predispatch.passes import mutable_ops
+from predispatch.program.printing import format_graph
+
+CASES: dict[str, Callable[[int], dict[str, Any]]] = {}
+
+
+def case(fn: Callable[[int], dict[str, Any]]) -> Callable[[int], dict[str, Any]]:
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def mlp() -> nn.Module:
+    """The same weights on every rank (seeded), as a parallel model starts from one model."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+
+
+def rank_input(rank: int, *shape: int) -> torch.Tensor:
+    """An input that differs between ranks, so a missing collective shows in the outputs."""
+    torch.manual_seed(100 + rank)
+    return torch.randn(*shape)
+
+
+def collectives(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """How many calls of each distributed op (`_c10d_functional`, `c10d`, ...) the graph holds."""
+    counts: Counter[str] = Counter()
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                name = str(node.target)
+                if "c10d" in name:
+                    counts[name] += 1
+    return dict(sorted(counts.items()))
+
+
+def equal(a: Any, b: Any) -> bool:
+    """Bitwise equal pytrees of tensors (None equals None)."""
+    la, lb = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
+    return len(la) == len(lb) and all(
+        (x is None and y is None) or (isinstance(x, torch.Tensor) and torch.equal(x, y)) for x, y in zip(la, lb)
+    )
+
+
+def grads_of(module: nn.Module) -> list[torch.Tensor | None]:
+    return [p.grad for p in module.parameters()]
+
+
+def save_load(ep: Any) -> Any:
+    """`ep` saved and loaded back, through memory."""
+    buffer = io.BytesIO()
+    predispatch.save(ep, buffer)
+    buffer.seek(0)
+    return predispatch.load(buffer, op_namespaces=("_c10d_functional", "_c10d_functional_autograd"))
+
+
+def refusal(fn: Callable[[], Any]) -> dict[str, Any]:
+    """What `fn` raised: its class and text (its first line alone is what tests golden)."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the case reports whatever was raised
+        return {"raised": type(exc).__name__, "first_line": str(exc).splitlines()[0], "message": str(exc)}
+    return {"raised": None}
+
+
+# ---------------------------------------------------------------------------------------------
+# hand-written functional collectives: work today, in the joint too, and save/load
+
+
+class FunctionalCollectives(nn.Module):
+    """torch's functional collectives written by hand: a differentiable all-gather of the
+    activations, a reduce-scatter back, and a non-differentiable all-reduce of a statistic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        group = dist.group.WORLD
+        full = funcol.all_gather_tensor_autograd(self.lin(x), 0, group)
+        part = funcol.reduce_scatter_tensor_autograd(full.relu(), "sum", 0, group)
+        scale = funcol.all_reduce(x.detach().abs().mean(), "avg", group)
+        out = part * scale
+        return out, out.sum()
+
+
+def run_eager(model: nn.Module, *args: Any) -> tuple[Any, list]:
+    """Outputs and parameter gradients of `model` (a copy) in eager, the loss its last output."""
+    eager = copy.deepcopy(model)
+    out = eager(*args)
+    out[-1].backward()
+    return out, grads_of(eager)
+
+
+def run_program(ep: Any, *args: Any) -> tuple[Any, list]:
+    """Outputs and parameter gradients of `ep.module()`, the loss its last output."""
+    program = ep.module()
+    out = program(*args)
+    out[-1].backward()
+    return out, grads_of(program)
+
+
+def run_joint(ep: Any, *args: Any) -> tuple[Any, list]:
+    """Outputs and parameter gradients of `ep.joint()`, run under no_grad: its gradients come
+    from its graph.  The loss is the last output."""
+    joint = ep.joint(loss=f"[{ep.signature.out_spec.num_children - 1}]")
+    with torch.no_grad():
+        out, grads = joint.module()(*args)
+    return out, [grads[name] for name in joint.module().state_dict() if name in grads], joint
+
+
+@case
+def functional_collectives(rank: int) -> dict[str, Any]:
+    model, x = FunctionalCollectives(), rank_input(rank, 4, 8)
+    ep = predispatch.export(model, (x,))
+    expected, e_grads = run_eager(model, x)
+    actual, p_grads = run_program(ep, x)
+    j_out, j_grads, joint = run_joint(ep, x)
+    loaded = save_load(ep)
+    return {
+        "graph": format_graph(ep.graph_module),
+        "collectives": collectives(ep.graph_module),
+        "joint_collectives": collectives(joint.graph_module),
+        "mutable": mutable_ops(ep.graph_module) + mutable_ops(joint.graph_module),
+        "outputs_equal": equal(actual, expected),
+        "grads_equal": equal(p_grads, e_grads),
+        "joint_equal": equal(j_out, expected) and equal(j_grads, e_grads),
+        "loaded_equal": equal(run_program(loaded, x), (expected, e_grads)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(name: str, out: str) -> None:
+    dist.init_process_group("gloo")
+    try:
+        try:
+            result = CASES[name](dist.get_rank())
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which asserts on it
+            result = {"error": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+        with open(out, "w") as f:
+            json.dump(result, f)
+        dist.barrier()  # no rank tears gloo down while another still talks to it
+    finally:
+        dist.destroy_process_group()
+    # gloo's threads can abort the interpreter's teardown ("terminate called without an active
+    # exception"); the result is written, so leave without it
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
+
+
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
