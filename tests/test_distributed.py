@@ -68,3 +68,97 @@ class GraphModule(torch.nn.Module):
             assert result["mutable"] == []
             assert result["outputs_equal"] and result["grads_equal"]
             assert result["joint_equal"] and result["loaded_equal"]
+
+
+class TestInPlaceCollectives(TestCase):
+    def test_in_place_collectives_become_functional_collectives_and_writes(self):
+        # dist.all_reduce / all_gather_into_tensor / reduce_scatter_tensor / all_gather /
+        # broadcast in forward: torch's functional collective, its wait, and the write (a
+        # keep_history: eager's kernel is out of autograd's sight); no c10d op left, outputs and
+        # gradients equal eager's on every call, in the joint and after save/load
+        results = ranks("inplace_collectives")
+        if on_golden_torch():
+            self.assertExpectedInline(results[0]["graph"], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[8, 8]", p_lin_bias: "f32[8]", x: "f32[4, 8]"):
+        linear: "f32[4, 8]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  p_lin_weight = p_lin_bias = None
+        detach: "f32[4, 8]" = torch.ops.aten.detach.default(linear)
+        all_reduce: "f32[4, 8]" = torch.ops._c10d_functional.all_reduce.default(detach, 'sum', '0');  detach = None
+        wait_tensor: "f32[4, 8]" = torch.ops._c10d_functional.wait_tensor.default(all_reduce);  all_reduce = None
+        keep_history: "f32[4, 8]" = torch.ops.predispatch.keep_history.default(wait_tensor, linear);  wait_tensor = linear = None
+        empty: "f32[8, 8]" = torch.ops.aten.empty.memory_format([8, 8], device = device(type='cpu'), pin_memory = False)
+        detach_2: "f32[4, 8]" = torch.ops.aten.detach.default(keep_history)
+        mul: "f32[4, 8]" = torch.ops.aten.mul.Tensor(detach_2, 1);  detach_2 = None
+        detach_3: "f32[4, 8]" = torch.ops.aten.detach.default(mul);  mul = None
+        all_gather_into_tensor: "f32[8, 8]" = torch.ops._c10d_functional.all_gather_into_tensor.default(detach_3, 2, '0');  detach_3 = None
+        wait_tensor_1: "f32[8, 8]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor);  all_gather_into_tensor = None
+        keep_history_1: "f32[8, 8]" = torch.ops.predispatch.keep_history.default(wait_tensor_1, empty);  wait_tensor_1 = empty = None
+        empty_1: "f32[2, 8]" = torch.ops.aten.empty.memory_format([2, 8], device = device(type='cpu'), pin_memory = False)
+        slice_2: "f32[4, 8]" = torch.ops.aten.slice.Tensor(keep_history_1, 0, 0, 4);  keep_history_1 = None
+        relu: "f32[4, 8]" = torch.ops.aten.relu.default(slice_2);  slice_2 = None
+        detach_4: "f32[4, 8]" = torch.ops.aten.detach.default(relu);  relu = None
+        reduce_scatter_tensor: "f32[2, 8]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(detach_4, 'max', 2, '0');  detach_4 = None
+        wait_tensor_2: "f32[2, 8]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor);  reduce_scatter_tensor = None
+        keep_history_2: "f32[2, 8]" = torch.ops.predispatch.keep_history.default(wait_tensor_2, empty_1);  wait_tensor_2 = empty_1 = None
+        empty_2: "f32[2, 8]" = torch.ops.aten.empty.memory_format([2, 8], device = device(type='cpu'), pin_memory = False)
+        empty_3: "f32[2, 8]" = torch.ops.aten.empty.memory_format([2, 8], device = device(type='cpu'), pin_memory = False)
+        detach_6: "f32[2, 8]" = torch.ops.aten.detach.default(keep_history_2);  keep_history_2 = None
+        all_gather_into_tensor_1: "f32[4, 8]" = torch.ops._c10d_functional.all_gather_into_tensor.default(detach_6, 2, '0');  detach_6 = None
+        wait_tensor_3: "f32[4, 8]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_1);  all_gather_into_tensor_1 = None
+        split = torch.ops.aten.split.Tensor(wait_tensor_3, 2);  wait_tensor_3 = None
+        getitem: "f32[2, 8]" = split[0]
+        getitem_1: "f32[2, 8]" = split[1];  split = None
+        keep_history_3: "f32[2, 8]" = torch.ops.predispatch.keep_history.default(getitem, empty_2);  getitem = empty_2 = None
+        keep_history_4: "f32[2, 8]" = torch.ops.predispatch.keep_history.default(getitem_1, empty_3);  getitem_1 = empty_3 = None
+        detach_7: "f32[4, 8]" = torch.ops.aten.detach.default(x);  x = None
+        mean: "f32[8]" = torch.ops.aten.mean.dim(detach_7, [0]);  detach_7 = None
+        detach_8: "f32[8]" = torch.ops.aten.detach.default(mean)
+        broadcast: "f32[8]" = torch.ops._c10d_functional.broadcast.default(detach_8, 1, '0');  detach_8 = None
+        wait_tensor_4: "f32[8]" = torch.ops._c10d_functional.wait_tensor.default(broadcast);  broadcast = None
+        keep_history_5: "f32[8]" = torch.ops.predispatch.keep_history.default(wait_tensor_4, mean);  wait_tensor_4 = mean = None
+        cat: "f32[4, 8]" = torch.ops.aten.cat.default([keep_history_3, keep_history_4]);  keep_history_3 = keep_history_4 = None
+        slice_4: "f32[4, 8]" = torch.ops.aten.slice.Tensor(keep_history, 0, 0, 4);  keep_history = None
+        mul_1: "f32[4, 8]" = torch.ops.aten.mul.Tensor(cat, slice_4);  cat = slice_4 = None
+        add: "f32[4, 8]" = torch.ops.aten.add.Tensor(mul_1, keep_history_5);  mul_1 = keep_history_5 = None
+        sum_1: "f32[]" = torch.ops.aten.sum.default(add)
+        return (add, sum_1)""")
+        for result in results:
+            assert result["collectives"] == {
+                "_c10d_functional.all_gather_into_tensor.default": 2,
+                "_c10d_functional.all_reduce.default": 1,
+                "_c10d_functional.broadcast.default": 1,
+                "_c10d_functional.reduce_scatter_tensor.default": 1,
+                "_c10d_functional.wait_tensor.default": 5,
+            }
+            # the backward of a write out of autograd's sight is the identity: no collective added
+            assert result["joint_collectives"] == result["collectives"]
+            assert result["mutable"] == [] and result["module_unchanged"]
+            assert result["calls_equal"] == [True] * 5
+            assert result["joint_equal"] and result["loaded_equal"]
+
+    def test_in_place_collectives_without_a_functional_twin_are_refused_by_name(self):
+        for result in ranks("inplace_collectives_refused"):
+            assert result["all_to_all"]["raised"] == "DistributedError"
+            assert result["all_to_all"]["first_line"] == (
+                "forward calls the in-place collective c10d.alltoall_ (no functional twin); its schema hides "
+                "the write, so a graph cannot hold it, and torch has no functional collective for it."
+            )
+            assert "distributed_cases.py" in result["all_to_all"]["message"]  # the user's line
+            assert result["premul_sum"]["raised"] == "DistributedError"
+            assert "its reduction PREMUL_SUM has no functional collective" in result["premul_sum"]["first_line"]
+
+
+def test_the_functional_check_knows_c10d_writes():
+    # c10d's schemas declare no write (`allreduce_(Tensor[] tensors, ...)`): read from the
+    # schema alone, a graph holding one passed as functional
+    import torch
+    from torch import fx
+
+    from predispatch.passes import mutable_ops
+
+    graph = fx.Graph()
+    t = graph.placeholder("t")
+    call = graph.call_function(torch.ops.c10d.allreduce_.default, ([t], None, None, None, False))
+    graph.output(call)
+    assert not torch.ops.c10d.allreduce_.default._schema.is_mutable
+    assert mutable_ops(fx.GraphModule({}, graph)) == ["allreduce__default: c10d.allreduce_.default"]
