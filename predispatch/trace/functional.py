@@ -32,7 +32,12 @@ from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
 from predispatch.trace.collectives import COLLECTIVE_REWRITES
-from predispatch.trace.constructs import refuse_script_modules, refusing_encoder_fast_path, torch_func_refusal
+from predispatch.trace.constructs import (
+    naming_property_errors,
+    refuse_script_modules,
+    refusing_encoder_fast_path,
+    torch_func_refusal,
+)
 from predispatch.trace.decompose import FAST_INPLACE_META, REWRITES, DecompositionLog, DecompositionPolicy
 from predispatch.trace.dedup import Dedup, share_repeated_blocks
 from predispatch.trace.grad_history import GradHistoryKeeper
@@ -295,6 +300,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
         stack.enter_context(torch.enable_grad())  # the ambient mode regions are relative to
         stack.enter_context(inference_mode_as_grad_mode())  # Note [inference_mode in forward]
         stack.enter_context(refusing_encoder_fast_path())
+        stack.enter_context(naming_property_errors())
         stack.enter_context(ti.exporting_flags())
         stack.enter_context(_no_backend_heuristics())
         stack.enter_context(
