@@ -234,6 +234,121 @@ def inplace_collectives_refused(rank: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# DTensor state and FSDP2: refused by name, nothing changed; what works instead exports
+
+
+def mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def tensor_parallel_mlp() -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(mlp(), mesh(), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+class DTensorMLP(nn.Module):
+    """DTensor parameters without parallelize_module's hooks: the input is made a replicated
+    DTensor in forward, DTensor's dispatch communicates, the output is gathered."""
+
+    def __init__(self) -> None:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        super().__init__()
+        self.mlp, self.mesh = mlp(), mesh()
+        plan = {"0.weight": [Shard(0)], "0.bias": [Shard(0)], "2.weight": [Shard(1)], "2.bias": [Replicate()]}
+        for name, placements in plan.items():
+            owner, attr = self.mlp.get_submodule(name.split(".")[0]), name.split(".")[1]
+            setattr(owner, attr, nn.Parameter(distribute_tensor(getattr(owner, attr).detach(), self.mesh, placements)))
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        return self.mlp(DTensor.from_local(x, self.mesh, [Replicate()])).full_tensor()
+
+
+def dtensor_parameters() -> nn.Module:
+    return DTensorMLP()
+
+
+def fsdp2_mlp() -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp()
+    fully_shard(model[0])
+    fully_shard(model)
+    return model
+
+
+@case
+def distributed_state_refused(rank: int) -> dict[str, Any]:
+    out = {}
+    for name, make, x in [
+        ("tensor_parallel", tensor_parallel_mlp, rank_input(0, 4, 8)),
+        ("dtensor_parameters", dtensor_parameters, rank_input(0, 4, 8)),
+        ("fsdp2", fsdp2_mlp, rank_input(rank, 4, 8)),
+    ]:
+        model = make()
+        before = {k: (type(v), v.to_local().clone() if hasattr(v, "to_local") else v.clone()) for k, v in model.state_dict().items()}
+        out[name] = refusal(lambda: predispatch.export(model, (x,)))
+        after = model.state_dict()
+        out[name]["unchanged"] = before.keys() == after.keys() and all(
+            type(after[k]) is t and torch.equal(after[k].to_local() if hasattr(after[k], "to_local") else after[k], v)
+            for k, (t, v) in before.items()
+        )
+        out[name]["eager_runs"] = model(x).shape == (4, 8)  # the model still works after the refusal
+    return out
+
+
+class ShardedLinear(nn.Module):
+    """What works instead of FSDP2: each rank holds a row shard of the weight as a plain
+    parameter and gathers the full weight in forward (SimpleFSDP's form with torch's
+    functional collectives); the gather's backward reduce-scatters the weight's gradient."""
+
+    def __init__(self, full: nn.Linear, rank: int, world: int) -> None:
+        super().__init__()
+        rows = full.out_features // world
+        self.weight = nn.Parameter(full.weight.detach()[rank * rows : (rank + 1) * rows].clone())
+        self.bias = nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x):
+        weight = funcol.all_gather_tensor_autograd(self.weight, 0, dist.group.WORLD)
+        return nn.functional.linear(x, weight, self.bias)
+
+
+class ShardedMLP(nn.Module):
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__()
+        full = mlp()
+        self.up, self.down = ShardedLinear(full[0], rank, world), ShardedLinear(full[2], rank, world)
+
+    def forward(self, x):
+        out = self.down(self.up(x).relu())
+        return out, out.sum()
+
+
+@case
+def sharded_parameters_gathered_in_forward(rank: int) -> dict[str, Any]:
+    model, x = ShardedMLP(rank, dist.get_world_size()), rank_input(rank, 4, 8)
+    ep = predispatch.export(model, (x,))
+    expected, e_grads = run_eager(model, x)
+    actual, p_grads = run_program(ep, x)
+    j_out, j_grads, joint = run_joint(ep, x)
+    return {
+        "graph": format_graph(ep.graph_module),
+        "state_shapes": {k: list(v.shape) for k, v in ep.state_dict.items()},
+        "collectives": collectives(ep.graph_module),
+        "joint_collectives": collectives(joint.graph_module),
+        "mutable": mutable_ops(ep.graph_module) + mutable_ops(joint.graph_module),
+        "outputs_equal": equal(actual, expected),
+        "grads_equal": equal(p_grads, e_grads),
+        "joint_equal": equal(j_out, expected) and equal(j_grads, e_grads),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def main(name: str, out: str) -> None:

@@ -162,3 +162,55 @@ def test_the_functional_check_knows_c10d_writes():
     graph.output(call)
     assert not torch.ops.c10d.allreduce_.default._schema.is_mutable
     assert mutable_ops(fx.GraphModule({}, graph)) == ["allreduce__default: c10d.allreduce_.default"]
+
+
+class TestDistributedState(TestCase):
+    def test_dtensor_state_and_fsdp2_are_refused_by_name_and_left_unchanged(self):
+        # DTensor parameters were faked as plain tensors of the global shape (tensor parallelism
+        # was refused with an error about torch's _FromTorchTensor; DTensor parameters without
+        # hooks exported with no collective); FSDP2 failed on a FunctionalTensor's _local_tensor
+        for result in ranks("distributed_state_refused"):
+            for name in ("tensor_parallel", "dtensor_parameters", "fsdp2"):
+                assert result[name]["raised"] == "DistributedError", (name, result[name])
+                assert result[name]["unchanged"] and result[name]["eager_runs"], name
+                assert "docs/distributed.md" in result[name]["message"]
+            if on_golden_torch():  # DeviceMesh's repr differs between releases
+                assert result["tensor_parallel"]["first_line"] == (
+                    "parameter '0.weight' is a DTensor (placements (S(0)) on DeviceMesh((2,), 'cpu', stride=(1,)), "
+                    "global shape (16, 8), this rank's shard (8, 8)); export would make it a plain tensor of the "
+                    "global shape with DTensor's communication lost: a program no rank runs."
+                )
+            assert result["dtensor_parameters"]["first_line"].startswith("parameter 'mlp.0.weight' is a DTensor")
+            assert result["fsdp2"]["first_line"].startswith("the module is sharded by FSDP2 (fully_shard)")
+
+    def test_sharded_parameters_gathered_in_forward_export_per_rank(self):
+        # what works instead: each rank's shard a plain parameter, gathered in forward with a
+        # functional all-gather; the program holds the rank's shards, the joint reduce-scatters
+        # their gradients
+        results = ranks("sharded_parameters_gathered_in_forward")
+        if on_golden_torch():
+            self.assertExpectedInline(results[0]["graph"], """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_up_weight: "f32[8, 8]", p_up_bias: "f32[16]", p_down_weight: "f32[4, 16]", p_down_bias: "f32[8]", x: "f32[4, 8]"):
+        all_gather_into_tensor: "f32[16, 8]" = torch.ops._c10d_functional.all_gather_into_tensor.default(p_up_weight, 2, '0');  p_up_weight = None
+        wait_tensor: "f32[16, 8]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor);  all_gather_into_tensor = None
+        linear: "f32[4, 16]" = torch.ops.aten.linear.default(x, wait_tensor, p_up_bias);  x = wait_tensor = p_up_bias = None
+        relu: "f32[4, 16]" = torch.ops.aten.relu.default(linear);  linear = None
+        all_gather_into_tensor_1: "f32[8, 16]" = torch.ops._c10d_functional.all_gather_into_tensor.default(p_down_weight, 2, '0');  p_down_weight = None
+        wait_tensor_1: "f32[8, 16]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_1);  all_gather_into_tensor_1 = None
+        linear_1: "f32[4, 8]" = torch.ops.aten.linear.default(relu, wait_tensor_1, p_down_bias);  relu = wait_tensor_1 = p_down_bias = None
+        sum_1: "f32[]" = torch.ops.aten.sum.default(linear_1)
+        return (linear_1, sum_1)""")
+        for result in results:
+            assert result["state_shapes"] == {"up.weight": [8, 8], "up.bias": [16], "down.weight": [4, 16], "down.bias": [8]}
+            assert result["collectives"] == {
+                "_c10d_functional.all_gather_into_tensor.default": 2,
+                "_c10d_functional.wait_tensor.default": 2,
+            }
+            assert result["joint_collectives"] == {
+                "_c10d_functional.all_gather_into_tensor.default": 2,
+                "_c10d_functional.reduce_scatter_tensor.default": 2,
+                "_c10d_functional.wait_tensor.default": 4,
+            }
+            assert result["mutable"] == []
+            assert result["outputs_equal"] and result["grads_equal"] and result["joint_equal"]
