@@ -349,6 +349,48 @@ def sharded_parameters_gathered_in_forward(rank: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# side by side: torch's joint exporter (the route torchtitan and autoparallel build on)
+
+
+class WithLoss(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        out = self.inner(x)
+        out = out.full_tensor() if hasattr(out, "full_tensor") else out
+        return out, out.sum()
+
+
+@case
+def tensor_parallel_side_by_side(rank: int) -> dict[str, Any]:
+    """The tensor-parallel MLP through `aot_export_joint_with_descriptors` and through export."""
+    import contextlib
+
+    from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors, aot_export_joint_with_descriptors
+
+    model, x = WithLoss(tensor_parallel_mlp()), rank_input(0, 4, 8)  # the same input on both ranks, as TP needs
+    expected, e_grads = run_eager(model, x)
+    e_grads = [g.to_local() for g in e_grads]
+    with contextlib.ExitStack() as stack:
+        joint = aot_export_joint_with_descriptors(stack, model, (x,))
+        counts = collectives(joint.graph_module)
+        params = [(str(n.meta["desc"]), list(n.meta["val"].shape)) for n in joint.graph_module.graph.find_nodes(op="placeholder")]
+        compiled = aot_compile_joint_with_descriptors(joint)
+    program = copy.deepcopy(model)
+    program.zero_grad(set_to_none=True)
+    actual = compiled(*program.parameters(), x)
+    actual[-1].backward()
+    return {
+        "torch_joint_collectives": counts,
+        "torch_joint_inputs": params,
+        "torch_equal": equal(actual, expected) and equal([p.grad.to_local() for p in program.parameters()], e_grads),
+        "predispatch": refusal(lambda: predispatch.export(model, (x,)))["raised"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def main(name: str, out: str) -> None:

@@ -214,3 +214,20 @@ class GraphModule(torch.nn.Module):
             }
             assert result["mutable"] == []
             assert result["outputs_equal"] and result["grads_equal"] and result["joint_equal"]
+
+
+class TestSideBySide(TestCase):
+    def test_tensor_parallel_mlp_torch_joint_exporter_and_predispatch(self):
+        # the tensor-parallel MLP (ColwiseParallel, RowwiseParallel): torch's joint exporter
+        # unwraps each DTensor parameter to its local shard (__tensor_flatten__: `_local_tensor`
+        # plus the mesh) and writes the row-wise layer's all_reduce; predispatch refuses it by
+        # name until it builds per-rank programs (docs/distributed.md)
+        for result in ranks("tensor_parallel_side_by_side"):
+            assert result["torch_joint_collectives"] == {
+                "_c10d_functional.all_reduce.default": 1,
+                "_c10d_functional.wait_tensor.default": 1,
+            }
+            local = {desc: shape for desc, shape in result["torch_joint_inputs"] if "_local_tensor" in desc}
+            assert sorted(local.values()) == [[8], [8], [8, 8], [8, 8]]  # the rank's shards
+            assert result["torch_equal"]
+            assert result["predispatch"] == "DistributedError"
