@@ -47,14 +47,19 @@ def rank_input(rank: int, *shape: int) -> torch.Tensor:
 
 
 def collectives(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """How many calls of each distributed op (`_c10d_functional`, `c10d`, ...) the graph holds."""
+    """How many calls of each distributed op the graph holds, subgraphs included, by op name:
+    `c10d.allreduce_` as such, torch's functional collectives without their namespace (torch
+    2.11 records the autograd variant's `_c10d_functional_autograd`, later releases the op
+    below it, `_c10d_functional`)."""
     counts: Counter[str] = Counter()
     for module in gm.modules():
         if isinstance(module, torch.fx.GraphModule):
             for node in module.graph.nodes:
                 name = str(node.target)
-                if "c10d" in name:
+                if name.startswith("c10d."):
                     counts[name] += 1
+                elif name.startswith("_c10d_functional"):
+                    counts[name.split(".", 1)[1]] += 1
     return dict(sorted(counts.items()))
 
 

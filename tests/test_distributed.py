@@ -54,16 +54,16 @@ class GraphModule(torch.nn.Module):
         return (mul, sum_1)""")
         for result in results:
             assert result["collectives"] == {
-                "_c10d_functional.all_gather_into_tensor.default": 1,
-                "_c10d_functional.all_reduce.default": 1,
-                "_c10d_functional.reduce_scatter_tensor.default": 1,
-                "_c10d_functional.wait_tensor.default": 3,
+                "all_gather_into_tensor.default": 1,
+                "all_reduce.default": 1,
+                "reduce_scatter_tensor.default": 1,
+                "wait_tensor.default": 3,
             }
             assert result["joint_collectives"] == {
-                "_c10d_functional.all_gather_into_tensor.default": 2,
-                "_c10d_functional.all_reduce.default": 1,
-                "_c10d_functional.reduce_scatter_tensor.default": 2,
-                "_c10d_functional.wait_tensor.default": 5,
+                "all_gather_into_tensor.default": 2,
+                "all_reduce.default": 1,
+                "reduce_scatter_tensor.default": 2,
+                "wait_tensor.default": 5,
             }
             assert result["mutable"] == []
             assert result["outputs_equal"] and result["grads_equal"]
@@ -124,11 +124,11 @@ class GraphModule(torch.nn.Module):
         return (add, sum_1)""")
         for result in results:
             assert result["collectives"] == {
-                "_c10d_functional.all_gather_into_tensor.default": 2,
-                "_c10d_functional.all_reduce.default": 1,
-                "_c10d_functional.broadcast.default": 1,
-                "_c10d_functional.reduce_scatter_tensor.default": 1,
-                "_c10d_functional.wait_tensor.default": 5,
+                "all_gather_into_tensor.default": 2,
+                "all_reduce.default": 1,
+                "broadcast.default": 1,
+                "reduce_scatter_tensor.default": 1,
+                "wait_tensor.default": 5,
             }
             # the backward of a write out of autograd's sight is the identity: no collective added
             assert result["joint_collectives"] == result["collectives"]
@@ -204,13 +204,13 @@ class GraphModule(torch.nn.Module):
         for result in results:
             assert result["state_shapes"] == {"up.weight": [8, 8], "up.bias": [16], "down.weight": [4, 16], "down.bias": [8]}
             assert result["collectives"] == {
-                "_c10d_functional.all_gather_into_tensor.default": 2,
-                "_c10d_functional.wait_tensor.default": 2,
+                "all_gather_into_tensor.default": 2,
+                "wait_tensor.default": 2,
             }
             assert result["joint_collectives"] == {
-                "_c10d_functional.all_gather_into_tensor.default": 2,
-                "_c10d_functional.reduce_scatter_tensor.default": 2,
-                "_c10d_functional.wait_tensor.default": 4,
+                "all_gather_into_tensor.default": 2,
+                "reduce_scatter_tensor.default": 2,
+                "wait_tensor.default": 4,
             }
             assert result["mutable"] == []
             assert result["outputs_equal"] and result["grads_equal"] and result["joint_equal"]
@@ -224,8 +224,8 @@ class TestSideBySide(TestCase):
         # name until it builds per-rank programs (docs/distributed.md)
         for result in ranks("tensor_parallel_side_by_side"):
             assert result["torch_joint_collectives"] == {
-                "_c10d_functional.all_reduce.default": 1,
-                "_c10d_functional.wait_tensor.default": 1,
+                "all_reduce.default": 1,
+                "wait_tensor.default": 1,
             }
             local = {desc: shape for desc, shape in result["torch_joint_inputs"] if "_local_tensor" in desc}
             assert sorted(local.values()) == [[8], [8], [8, 8], [8, 8]]  # the rank's shards
