@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from predispatch import _torch_internals as ti
 from predispatch import ops  # noqa: F401 - registers predispatch::keep_history
 from predispatch.errors import DistributedError, user_frame
 from predispatch.passes.check_functional import HIDDEN_WRITES
@@ -52,31 +53,17 @@ class Collective:
     skips: tuple = ()  # `ti.functional_rewrites`'s composites to ask about: none, c10d ops are not composites
 
 
-def _group(process_group: Any) -> tuple[str, int]:
-    """The name and size of the group a c10d op received (a boxed ProcessGroup)."""
-    group = torch._C._distributed_c10d.ProcessGroup.unbox(process_group)
-    return group.group_name, group.size()
-
-
 #: c10d's reduction kinds and the names `_c10d_functional` takes; PREMUL_SUM carries a factor
 #: the functional op has no argument for.
 _REDUCE_OP_NAMES = {"SUM": "sum", "AVG": "avg", "PRODUCT": "product", "MIN": "min", "MAX": "max", "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
 
 
 def _reduce_op(reduce_op: Any, op: str) -> str:
-    """The `_c10d_functional` name of the reduction a c10d op received (a boxed ReduceOp,
-    whose one method `op()` gives its RedOpType's value)."""
-    kind = torch._C._distributed_c10d.ReduceOp.RedOpType(reduce_op.op()).name
+    """The `_c10d_functional` name of the reduction a c10d op received."""
+    kind = ti.reduce_op_kind(reduce_op)
     if kind not in _REDUCE_OP_NAMES:
         raise _refusal(op, f"its reduction {kind} has no functional collective")
     return _REDUCE_OP_NAMES[kind]
-
-
-def _done_work() -> Any:
-    """A completed c10d work, boxed as c10d ops return it: the write happened already."""
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(None)
-    return torch._C._distributed_c10d._create_work_from_future(future).boxed()
 
 
 def _write(target: torch.Tensor, value: torch.Tensor) -> None:
@@ -94,44 +81,44 @@ _f = torch.ops._c10d_functional if torch.distributed.is_available() else None
 def _allreduce_(tensors, process_group, reduce_op, sparse_indices=None, async_op=True, timeout=-1):
     if sparse_indices is not None:
         raise _refusal("c10d.allreduce_", "a sparse all-reduce has no functional collective")
-    name, _ = _group(process_group)
+    name, _ = ti.group_of(process_group)
     op = _reduce_op(reduce_op, "c10d.allreduce_")
     for t in tensors:
         _write(t, _f.wait_tensor(_f.all_reduce(t.detach(), op, name)))
-    return tensors, _done_work()
+    return tensors, ti.completed_work()
 
 
 def _allgather_base_(output, input, process_group, async_op=True, timeout=-1):
-    name, size = _group(process_group)
+    name, size = ti.group_of(process_group)
     _write(output, _f.wait_tensor(_f.all_gather_into_tensor(input.detach(), size, name)))
-    return output, _done_work()
+    return output, ti.completed_work()
 
 
 def _reduce_scatter_base_(output, input, process_group, reduce_op, async_op=True, timeout=-1):
-    name, size = _group(process_group)
+    name, size = ti.group_of(process_group)
     op = _reduce_op(reduce_op, "c10d._reduce_scatter_base_")
     _write(output, _f.wait_tensor(_f.reduce_scatter_tensor(input.detach(), op, size, name)))
-    return output, _done_work()
+    return output, ti.completed_work()
 
 
 def _allgather_(output_tensors, input_tensors, process_group, async_op=True, timeout=-1):
-    name, size = _group(process_group)
+    name, size = ti.group_of(process_group)
     for outputs, input in zip(output_tensors, input_tensors):
         if any(o.shape != input.shape or o.dtype != input.dtype for o in outputs):
             raise _refusal("c10d.allgather_", "its outputs differ in shape or dtype from the input")
         gathered = _f.wait_tensor(_f.all_gather_into_tensor(input.detach().contiguous(), size, name))
         for out, part in zip(outputs, gathered.chunk(size)):
             _write(out, part)
-    return output_tensors, _done_work()
+    return output_tensors, ti.completed_work()
 
 
 def _broadcast_(tensors, process_group, root_rank, root_tensor, async_op=True, timeout=-1):
-    name, _ = _group(process_group)
+    name, _ = ti.group_of(process_group)
     if root_tensor != 0:
         raise _refusal("c10d.broadcast_", "a broadcast from a tensor other than the first has no functional collective")
     for t in tensors:
         _write(t, _f.wait_tensor(_f.broadcast(t.detach(), root_rank, name)))
-    return tensors, _done_work()
+    return tensors, ti.completed_work()
 
 
 def _refusal(op: str, why: str) -> DistributedError:

@@ -132,9 +132,9 @@ def naming_property_errors() -> Iterator[None]:
 
         return __getattr__
 
-    fx = torch.fx._symbolic_trace
+    fx_owner, fx_name = ti.FX_MODULE_GETATTR
     with ti.patched(nn.Module, "__getattr__", make, mechanism=_PROPERTY_ERRORS, probe=_probe_getattr):
-        with ti.patched(fx, "_orig_module_getattr", make, mechanism=_PROPERTY_ERRORS, probe=_probe_fx_getattr):
+        with ti.patched(fx_owner, fx_name, make, mechanism=_PROPERTY_ERRORS, probe=_probe_fx_getattr):
             yield
 
 
@@ -144,7 +144,8 @@ def _probe_getattr() -> None:
 
 def _probe_fx_getattr() -> None:
     """As FX's `module_getattr_wrapper` calls it: the module global, looked up at call time."""
-    torch.fx._symbolic_trace._orig_module_getattr(_Probe(), "_predispatch_probe_missing")
+    owner, name = ti.FX_MODULE_GETATTR
+    getattr(owner, name)(_Probe(), "_predispatch_probe_missing")
 
 
 def _property_getter(cls: type, name: str) -> Any:
