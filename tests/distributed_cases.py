@@ -185,7 +185,8 @@ class InPlaceCollectives(nn.Module):
         pieces = [torch.empty(part.shape) for _ in range(2)]
         dist.all_gather(pieces, part)
         stat = x.detach().mean(0)
-        dist.broadcast(stat, src=1)
+        work = dist.broadcast(stat, src=1, async_op=True)
+        work.wait()  # the program's write is complete before any later read; its work is a done one
         out = torch.cat(pieces) * y[: 2 * part.shape[0]] + stat
         return out, out.sum()
 
