@@ -31,7 +31,6 @@ fail the functional check rather than run.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,17 +39,9 @@ from predispatch import _torch_internals as ti
 from predispatch import ops  # noqa: F401 - registers predispatch::keep_history
 from predispatch.errors import DistributedError, user_frame
 from predispatch.passes.check_functional import HIDDEN_WRITES
+from predispatch.trace.decompose import Rewrite
 
-__all__ = ["COLLECTIVE_REWRITES", "Collective"]
-
-
-@dataclass(frozen=True)
-class Collective:
-    """How the trace runs an in-place c10d op: `fn(*args, **kwargs)` in its place."""
-
-    fn: Callable[..., Any]
-    reason: str
-    skips: tuple = ()  # `ti.functional_rewrites`'s composites to ask about: none, c10d ops are not composites
+__all__ = ["COLLECTIVE_REWRITES"]
 
 
 #: c10d's reduction kinds and the names `_c10d_functional` takes; PREMUL_SUM carries a factor
@@ -139,7 +130,8 @@ def _refused(op: str) -> Callable[..., Any]:
     return refuse
 
 
-_FUNCTIONAL = {
+#: The in-place collectives torch has a functional twin for: what runs instead, and what it becomes.
+_FUNCTIONAL: dict[str, tuple[Callable[..., Any], str]] = {
     "c10d::allreduce_": (_allreduce_, "dist.all_reduce: _c10d_functional.all_reduce + wait_tensor + the write"),
     "c10d::_allgather_base_": (
         _allgather_base_,
@@ -154,7 +146,7 @@ _FUNCTIONAL = {
 }
 
 
-def _collective_rewrites() -> dict[torch._ops.OpOverload, Collective]:
+def _collective_rewrites() -> dict[torch._ops.OpOverload, Rewrite]:
     """Every c10d op that writes (`HIDDEN_WRITES`): its functional form, or its refusal."""
     if not torch.distributed.is_available():
         return {}
@@ -162,7 +154,7 @@ def _collective_rewrites() -> dict[torch._ops.OpOverload, Collective]:
     for qualified in HIDDEN_WRITES:
         fn, reason = _FUNCTIONAL.get(qualified, (_refused(qualified.replace("::", ".")), "no functional twin: refused"))
         op = getattr(torch.ops.c10d, qualified.split("::")[1]).default
-        table[op] = Collective(fn, reason)
+        table[op] = Rewrite(fn, reason)  # no skips: c10d ops are not composites
     return table
 
 
