@@ -145,20 +145,26 @@ def run_joint(ep: Any, *args: Any) -> tuple[Any, list]:
 @case
 def functional_collectives(rank: int) -> dict[str, Any]:
     model, x = FunctionalCollectives(), rank_input(rank, 4, 8)
+    return exported_and_trained(model, x)
+
+
+def exported_and_trained(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    """Export `model` (its last output the loss) and report the graph, its collectives, and
+    whether `ep.module()`, `ep.joint()` and the saved and loaded program equal eager."""
     ep = predispatch.export(model, (x,))
     expected, e_grads = run_eager(model, x)
     actual, p_grads = run_program(ep, x)
     j_out, j_grads, joint = run_joint(ep, x)
-    loaded = save_load(ep)
     return {
         "graph": format_graph(ep.graph_module),
+        "state_shapes": {k: list(v.shape) for k, v in ep.state_dict.items()},
         "collectives": collectives(ep.graph_module),
         "joint_collectives": collectives(joint.graph_module),
         "mutable": mutable_ops(ep.graph_module) + mutable_ops(joint.graph_module),
         "outputs_equal": equal(actual, expected),
         "grads_equal": equal(p_grads, e_grads),
         "joint_equal": equal(j_out, expected) and equal(j_grads, e_grads),
-        "loaded_equal": equal(run_program(loaded, x), (expected, e_grads)),
+        "loaded_equal": equal(run_program(save_load(ep), x), (expected, e_grads)),
     }
 
 
@@ -337,21 +343,7 @@ class ShardedMLP(nn.Module):
 
 @case
 def sharded_parameters_gathered_in_forward(rank: int) -> dict[str, Any]:
-    model, x = ShardedMLP(rank, dist.get_world_size()), rank_input(rank, 4, 8)
-    ep = predispatch.export(model, (x,))
-    expected, e_grads = run_eager(model, x)
-    actual, p_grads = run_program(ep, x)
-    j_out, j_grads, joint = run_joint(ep, x)
-    return {
-        "graph": format_graph(ep.graph_module),
-        "state_shapes": {k: list(v.shape) for k, v in ep.state_dict.items()},
-        "collectives": collectives(ep.graph_module),
-        "joint_collectives": collectives(joint.graph_module),
-        "mutable": mutable_ops(ep.graph_module) + mutable_ops(joint.graph_module),
-        "outputs_equal": equal(actual, expected),
-        "grads_equal": equal(p_grads, e_grads),
-        "joint_equal": equal(j_out, expected) and equal(j_grads, e_grads),
-    }
+    return exported_and_trained(ShardedMLP(rank, dist.get_world_size()), rank_input(rank, 4, 8))
 
 
 # ---------------------------------------------------------------------------------------------
