@@ -314,6 +314,24 @@ def distributed_state_refused(rank: int) -> dict[str, Any]:
     return out
 
 
+class DTensorInForward(nn.Module):
+    """Plain parameters; forward makes a DTensor of its input and gathers it back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.mesh = nn.Linear(8, 8), mesh()
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(self.lin(x), self.mesh, [Shard(0)]).full_tensor()
+
+
+@case
+def dtensor_made_in_forward(rank: int) -> dict[str, Any]:
+    return refusal(lambda: predispatch.export(DTensorInForward(), (rank_input(rank, 4, 8),)))
+
+
 class ShardedLinear(nn.Module):
     """What works instead of FSDP2: each rank holds a row shard of the weight as a plain
     parameter and gathers the full weight in forward (SimpleFSDP's form with torch's

@@ -183,6 +183,17 @@ class TestDistributedState(TestCase):
             assert result["dtensor_parameters"]["first_line"].startswith("parameter 'mlp.0.weight' is a DTensor")
             assert result["fsdp2"]["first_line"].startswith("the module is sharded by FSDP2 (fully_shard)")
 
+    def test_dtensor_made_in_forward_is_refused_by_name(self):
+        # was an AutogradFunctionError about torch's _FromTorchTensor, with a fix about writing
+        # the Function's forward, which the user cannot apply
+        for result in ranks("dtensor_made_in_forward"):
+            assert result["raised"] == "DistributedError"
+            assert result["first_line"] == (
+                "forward makes, unwraps or redistributes a DTensor (torch's _FromTorchTensor: DTensor.from_local, "
+                "to_local, redistribute, full_tensor); export does not build per-rank DTensor programs yet."
+            )
+            assert "distributed_cases.py" in result["message"]  # the user's line
+
     def test_sharded_parameters_gathered_in_forward_export_per_rank(self):
         # what works instead: each rank's shard a plain parameter, gathered in forward with a
         # functional all-gather; the program holds the rank's shards, the joint reduce-scatters
