@@ -140,8 +140,8 @@ class GraphModule(torch.nn.Module):
         for result in ranks("inplace_collectives_refused"):
             assert result["all_to_all"]["raised"] == "DistributedError"
             assert result["all_to_all"]["first_line"] == (
-                "forward calls the in-place collective c10d.alltoall_ (no functional twin); its schema hides "
-                "the write, so a graph cannot hold it, and torch has no functional collective for it."
+                "forward calls the in-place collective c10d.alltoall_ (torch has no functional collective for it); "
+                "its schema hides the write, so a graph cannot hold it as it is."
             )
             assert "distributed_cases.py" in result["all_to_all"]["message"]  # the user's line
             assert result["premul_sum"]["raised"] == "DistributedError"

@@ -70,6 +70,7 @@ _f = torch.ops._c10d_functional if torch.distributed.is_available() else None
 
 
 def _allreduce_(tensors, process_group, reduce_op, sparse_indices=None, async_op=True, timeout=-1):
+    """`c10d::allreduce_`'s arguments (`dist.all_reduce`); so are the others' below."""
     if sparse_indices is not None:
         raise _refusal("c10d.allreduce_", "a sparse all-reduce has no functional collective")
     name, _ = ti.group_of(process_group)
@@ -114,8 +115,8 @@ def _broadcast_(tensors, process_group, root_rank, root_tensor, async_op=True, t
 
 def _refusal(op: str, why: str) -> DistributedError:
     return DistributedError(
-        f"forward calls the in-place collective {op} ({why}); its schema hides the write, so "
-        "a graph cannot hold it, and torch has no functional collective for it.",
+        f"forward calls the in-place collective {op} ({why}); its schema hides the write, so a graph "
+        "cannot hold it as it is.",
         where=user_frame(),
         fix="write it with torch.distributed._functional_collectives (all_reduce, "
         "all_gather_tensor_autograd, reduce_scatter_tensor_autograd, all_to_all_single_autograd), "
@@ -124,8 +125,10 @@ def _refusal(op: str, why: str) -> DistributedError:
 
 
 def _refused(op: str) -> Callable[..., Any]:
+    """What the trace runs for an in-place collective without a functional twin: the refusal."""
+
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise _refusal(op, "no functional twin")
+        raise _refusal(op, "torch has no functional collective for it")
 
     return refuse
 
