@@ -421,8 +421,10 @@ class DistributedError(PredispatchError):
     coalesced forms) or one the twin cannot express (a `PREMUL_SUM` reduction, a sparse
     all-reduce); DTensor parameters, buffers or inputs (tensor parallelism through
     `parallelize_module`, `distribute_tensor`), whose program would be one of the global
-    tensor, not the rank's, and DTensors made or redistributed in forward; a module sharded by FSDP2 (`fully_shard`), whose gathers and
-    reduce-scatters run in hooks and streams outside forward.
+    tensor, not the rank's, and DTensors made or redistributed in forward; a
+    DistributedDataParallel module (its gradient all-reduce runs in autograd hooks; wrap
+    `ep.module()` in DDP instead); a module sharded by FSDP2 (`fully_shard`), whose gathers
+    and reduce-scatters run in hooks and streams outside forward.
     Example: `dist.all_to_all(outs, ins)` in forward; `export(parallelize_module(m, mesh, plan), args)`.
     Fix: write the communication with torch's functional collectives
     (`torch.distributed._functional_collectives`: `all_reduce`, `all_gather_tensor_autograd`,

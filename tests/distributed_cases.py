@@ -294,10 +294,15 @@ def fsdp2_mlp() -> nn.Module:
     return model
 
 
+def ddp_mlp() -> nn.Module:
+    return nn.parallel.DistributedDataParallel(mlp())
+
+
 @case
 def distributed_state_refused(rank: int) -> dict[str, Any]:
     out = {}
     for name, make, x in [
+        ("ddp", ddp_mlp, rank_input(rank, 4, 8)),
         ("tensor_parallel", tensor_parallel_mlp, rank_input(0, 4, 8)),
         ("dtensor_parameters", dtensor_parameters, rank_input(0, 4, 8)),
         ("fsdp2", fsdp2_mlp, rank_input(rank, 4, 8)),
@@ -330,6 +335,17 @@ class DTensorInForward(nn.Module):
 @case
 def dtensor_made_in_forward(rank: int) -> dict[str, Any]:
     return refusal(lambda: predispatch.export(DTensorInForward(), (rank_input(rank, 4, 8),)))
+
+
+@case
+def ddp_around_the_program(rank: int) -> dict[str, Any]:
+    """What the DDP refusal says to do: export the wrapped module, wrap the program in DDP."""
+    model, x = mlp(), rank_input(rank, 4, 8)
+    program = nn.parallel.DistributedDataParallel(predispatch.export(copy.deepcopy(model), (x,)).module())
+    eager = nn.parallel.DistributedDataParallel(model)
+    expected, actual = eager(x), program(x)
+    expected.sum().backward(), actual.sum().backward()
+    return {"equal": equal(actual, expected) and equal(grads_of(program), grads_of(eager))}
 
 
 class ShardedLinear(nn.Module):

@@ -170,7 +170,7 @@ class TestDistributedState(TestCase):
         # was refused with an error about torch's _FromTorchTensor; DTensor parameters without
         # hooks exported with no collective); FSDP2 failed on a FunctionalTensor's _local_tensor
         for result in ranks("distributed_state_refused"):
-            for name in ("tensor_parallel", "dtensor_parameters", "fsdp2"):
+            for name in ("ddp", "tensor_parallel", "dtensor_parameters", "fsdp2"):
                 assert result[name]["raised"] == "DistributedError", (name, result[name])
                 assert result[name]["unchanged"] and result[name]["eager_runs"], name
                 assert "docs/distributed.md" in result[name]["message"]
@@ -182,6 +182,16 @@ class TestDistributedState(TestCase):
                 )
             assert result["dtensor_parameters"]["first_line"].startswith("parameter 'mlp.0.weight' is a DTensor")
             assert result["fsdp2"]["first_line"].startswith("the module is sharded by FSDP2 (fully_shard)")
+            assert result["ddp"]["first_line"] == (
+                "the module is DistributedDataParallel: it all-reduces gradients in autograd hooks of its reducer, "
+                "outside forward's code, so a graph of forward cannot hold them."
+            )
+
+    def test_ddp_around_the_program_equals_ddp_around_the_model(self):
+        # the fix the DDP refusal gives: DistributedDataParallel(ep.module()) all-reduces the
+        # program's gradients as DDP does the model's
+        for result in ranks("ddp_around_the_program"):
+            assert result["equal"]
 
     def test_dtensor_made_in_forward_is_refused_by_name(self):
         # was an AutogradFunctionError about torch's _FromTorchTensor, with a fix about writing

@@ -8,7 +8,9 @@ Faked as a plain tensor of its metadata it became a parameter of the *global* sh
 collective in the graph: a program no rank runs, correct only by accident (when DTensor's
 own dispatch happened to run at call time).  FSDP2 (`fully_shard`) shards parameters as
 DTensors too, and gathers them in forward pre-hooks and reduce-scatters their gradients in
-backward callbacks on streams of its own: none of that is forward's code.
+backward callbacks on streams of its own: none of that is forward's code.  DDP all-reduces
+gradients in its reducer's autograd hooks, likewise outside forward; its program is the
+wrapped module's, wrapped in DDP again (`DistributedDataParallel(ep.module())`).
 
 Until per-rank programs exist (the graph of what one rank runs, DTensor unwrapped to its local
 shard and its communication as functional collectives), both are refused with
@@ -39,7 +41,8 @@ _WHAT_WORKS = (
 
 
 def refuse_distributed_state(module: nn.Module, state: Any, user_tensors: list[torch.Tensor]) -> None:
-    """Raise `DistributedError` for an FSDP2-sharded module, or for DTensor state or inputs."""
+    """Raise `DistributedError` for a DDP-wrapped or FSDP2-sharded module, or for DTensor state or inputs."""
+    _refuse_ddp(module)
     _refuse_fsdp2(module)
     dtensor = _dtensor_class()
     if dtensor is None:
@@ -69,6 +72,23 @@ def _dtensor_error(what: str, tensor: Any) -> DistributedError:
         where=f"{user_frame()} (the export call)",
         fix=_WHAT_WORKS,
     )
+
+
+def _refuse_ddp(module: nn.Module) -> None:
+    """DistributedDataParallel all-reduces gradients in its reducer's autograd hooks, which a
+    program of forward does not hold (torch's trace stops at its compiler-disabled forward)."""
+    for path, sub in module.named_modules():
+        if isinstance(sub, nn.parallel.DistributedDataParallel):
+            name = f"submodule {path!r}" if path else "the module"
+            inner = f"{path}.module" if path else "ddp.module"
+            raise DistributedError(
+                f"{name} is DistributedDataParallel: it all-reduces gradients in autograd hooks of its "
+                "reducer, outside forward's code, so a graph of forward cannot hold them.",
+                where=f"{user_frame()} (the export call)",
+                fix=f"export the wrapped module ({inner}) and wrap the program in DDP: "
+                "DistributedDataParallel(ep.module()) all-reduces the program's gradients as DDP does the model's; "
+                "see docs/distributed.md.",
+            )
 
 
 def _refuse_fsdp2(module: nn.Module) -> None:
