@@ -432,6 +432,30 @@ class DedupVerificationError(PredispatchError):
     anchor = "dedupverificationerror"
 
 
+class DistributedError(PredispatchError):
+    """A distributed construct export cannot yet capture as the rank runs it; refused by name.
+
+    Cause: an in-place c10d collective with no functional twin in torch (`dist.all_to_all`,
+    `dist.send`/`recv`, `dist.gather`, `dist.scatter`, `dist.reduce`, `dist.barrier`, the
+    coalesced forms) or one the twin cannot express (a `PREMUL_SUM` reduction, a sparse
+    all-reduce); DTensor parameters, buffers or inputs (tensor parallelism through
+    `parallelize_module`, `distribute_tensor`), whose program would be one of the global
+    tensor, not the rank's, and DTensors made or redistributed in forward; a
+    DistributedDataParallel module (its gradient all-reduce runs in autograd hooks; wrap
+    `ep.module()` in DDP instead); a module sharded by FSDP2 (`fully_shard`), whose gathers
+    and reduce-scatters run in hooks and streams outside forward.
+    Example: `dist.all_to_all(outs, ins)` in forward; `export(parallelize_module(m, mesh, plan), args)`.
+    Fix: write the communication with torch's functional collectives
+    (`torch.distributed._functional_collectives`: `all_reduce`, `all_gather_tensor_autograd`,
+    `reduce_scatter_tensor_autograd`, `all_to_all_single_autograd`), which export with their
+    backward; `dist.all_reduce`, `dist.all_gather_into_tensor`, `dist.all_gather`,
+    `dist.reduce_scatter_tensor` and `dist.broadcast` are exported as those.  See
+    docs/distributed.md for what works.
+    """
+
+    anchor = "distributederror"
+
+
 class TorchDriftError(PredispatchError):
     """A hook predispatch places in torch did not engage on the running torch.
 

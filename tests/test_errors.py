@@ -91,6 +91,34 @@ forward changes the shape, strides or storage of input 'b' in place (x.t_(), x.r
   fix: write it out of place (x = x.t()) and return the new tensor.
   see docs/errors.md#traceerror""")
 
+    def test_attribute_error_inside_a_property_is_named(self):
+        # Python answers an AttributeError raised in a property by calling nn.Module.__getattr__,
+        # whose "'Gathered' object has no attribute 'weight'" dropped the property's own error
+        class Gathered(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.shard = nn.Parameter(torch.ones(3))
+
+            @property
+            def weight(self):
+                return self.shard.full_tensor()  # a DTensor method; the trace's tensors lack it
+
+            def forward(self, x):
+                return x * self.weight
+
+        model = Gathered()
+        with pytest.raises(errors.TraceError) as info:
+            predispatch.export(model, (torch.ones(3),))
+        self.assertExpectedInline(message(info.value), """\
+property Gathered.weight raised AttributeError: 'FunctionalTensor' object has no attribute 'full_tensor'; nn.Module.__getattr__ would have reported it as a missing attribute 'weight'.
+  at test_errors.py:N (return self.shard.full_tensor()  # a DTensor method; the trace's tensors lack it)
+  fix: the named line inside the property failed under tracing; torch's error is kept as err.torch_error. A property that gathers a DTensor parameter (SimpleFSDP, parametrizations of DTensors) is not supported yet: see docs/distributed.md.
+  see docs/errors.md#traceerror""")
+        assert isinstance(info.value.torch_error, AttributeError)
+        assert nn.Module.__getattr__ is torch.fx._symbolic_trace._orig_module_getattr  # both put back
+        with pytest.raises(AttributeError, match="'Gathered' object has no attribute 'weight'"):
+            model.weight  # eager's own behaviour, unchanged outside export
+
     def test_call_with_other_constant(self):
         class Scale(nn.Module):
             def forward(self, x, k):

@@ -17,6 +17,7 @@ By concern, one module each; every name is re-exported here, so the rest of pred
     generators.py         a generator's state layout: moved only by draws, or reseeded?
     audit.py              what the composite audit asks of the dispatcher
     codegen.py            FX code generation, size symbols and op registries (build and load)
+    distributed.py        c10d's boxed process groups, reductions and works; FX's module getattr
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ from predispatch._torch_internals.codegen import (  # noqa: F401
     size_symint,
     symbol_ranges,
     torch_function_disabled,
+)
+from predispatch._torch_internals.distributed import (  # noqa: F401
+    completed_work,
+    FX_MODULE_GETATTR,
+    group_of,
+    reduce_op_kind,
 )
 from predispatch._torch_internals.functional import (  # noqa: F401
     DISPATCH_OBSERVER,

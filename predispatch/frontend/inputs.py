@@ -15,6 +15,7 @@ from torch import nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import UnsupportedInputError, user_frame
+from predispatch.frontend.distributed import refuse_distributed_state
 from predispatch.frontend.dynamic import DynamicInputs, fake_dynamic_inputs
 from predispatch.frontend.reachable import Beyond, beyond_tree, modules_reached, resolve
 from predispatch.frontend.shared_storage import StorageView, with_storage_views
@@ -105,10 +106,11 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     leaves, in_spec = _named_leaves(signature_of, args, kwargs)
     state = with_storage_views(lift_state(module, beyond_tree(module)))
     _check_state(state)
-    dynamic = fake_dynamic_inputs(module, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
-    fake_mode = dynamic.fake_mode if dynamic else ti.new_fake_mode()
     flat = pytree.tree_leaves((args, kwargs))
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    refuse_distributed_state(module, state, tensors)  # Note [Distributed state]
+    dynamic = fake_dynamic_inputs(module, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
+    fake_mode = dynamic.fake_mode if dynamic else ti.new_fake_mode()
     device = _inputs_device(flat)
     fake_state = tuple(_fakify(fake_mode, s.tensor, s.spec.kind is InputKind.PARAMETER, device) for s in state)
     if dynamic:

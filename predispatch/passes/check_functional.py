@@ -14,8 +14,37 @@ from torch import fx
 from predispatch.errors import NonFunctionalGraphError
 
 
+#: c10d's in-place collectives: their schemas declare no write (`allreduce_(Tensor[] tensors,
+#: ...)`), yet each writes what is named here, or talks to other ranks as a side effect a
+#: graph cannot order.  A graph holding one is not functional (Note [In-place collectives]
+#: in trace/collectives.py), whatever the schema says.
+HIDDEN_WRITES: dict[str, str] = {
+    "c10d::allreduce_": "tensors",
+    "c10d::allreduce_coalesced_": "tensors",
+    "c10d::allgather_": "output_tensors",
+    "c10d::_allgather_base_": "output_tensor",
+    "c10d::allgather_coalesced_": "output_lists",
+    "c10d::allgather_into_tensor_coalesced_": "outputs",
+    "c10d::reduce_scatter_": "output_tensors",
+    "c10d::_reduce_scatter_base_": "output_tensor",
+    "c10d::reduce_scatter_tensor_coalesced_": "outputs",
+    "c10d::reduce_": "tensors (on the root)",
+    "c10d::broadcast_": "tensors",
+    "c10d::gather_": "output_tensors (on the root)",
+    "c10d::scatter_": "output_tensors",
+    "c10d::alltoall_": "output_tensors",
+    "c10d::alltoall_base_": "output",
+    "c10d::recv_": "tensors",
+    "c10d::recv_any_source_": "tensors",
+    "c10d::send": "nothing: sends to another rank",
+    "c10d::barrier": "nothing: waits for every rank",
+    "c10d::monitored_barrier_": "nothing: waits for every rank",
+}
+
+
 def mutable_ops(gm: fx.GraphModule) -> list[str]:
-    """`node: op` for every call of an op whose schema mutates an argument, subgraphs included."""
+    """`node: op` for every call of an op whose schema mutates an argument, or that writes
+    without its schema saying so (`HIDDEN_WRITES`), subgraphs included."""
     return [f"{node.name}: {node.target}" for node in _all_nodes(gm) if _is_mutable(node.target)]
 
 
@@ -37,7 +66,7 @@ def check_functional(gm: fx.GraphModule) -> None:
 
 
 def _is_mutable(target: object) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+    return isinstance(target, torch._ops.OpOverload) and (target._schema.is_mutable or target._schema.name in HIDDEN_WRITES)
 
 
 def _all_nodes(gm: fx.GraphModule) -> Iterator[fx.Node]:

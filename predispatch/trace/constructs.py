@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from predispatch import _torch_internals as ti
-from predispatch.errors import UnsupportedConstructError, user_frame
+from predispatch.errors import TraceError, UnsupportedConstructError, user_frame
 
 #: The torch.func files a transform's call passes through (torch/_functorch/...).
 _FUNCTORCH_FILES = ("apis.py", "eager_transforms.py", "vmap.py")
@@ -90,3 +90,79 @@ def refusing_encoder_fast_path() -> Iterator[None]:
 
     with ti.patched(nn.TransformerEncoder, "forward", make, mechanism=_ENCODER_FAST_PATH):
         yield
+
+
+_PROPERTY_ERRORS = "property errors under nn.Module.__getattr__ (make_fx's _orig_module_getattr)"
+
+
+class _Probe(nn.Module):
+    """A module the probe asks for a missing attribute."""
+
+
+@contextlib.contextmanager
+def naming_property_errors() -> Iterator[None]:
+    """An AttributeError raised inside a module's property is raised as ours, naming the property.
+
+    Python answers an AttributeError from a property by calling the class's `__getattr__`, and
+    `nn.Module.__getattr__` raises its own "'Linear' object has no attribute 'weight'" with the
+    property's error dropped (not even chained): a parametrization or a SimpleFSDP-style
+    gathered parameter failing under the trace (a DTensor attribute a FunctionalTensor lacks)
+    read as a missing parameter.  When torch's `__getattr__` fails for a name that is a property
+    of the class, the property is run again to catch its own error, which is raised as a
+    TraceError naming the property and the line inside it that failed.
+
+    While the trace runs, `nn.Module.__getattr__` is make_fx's wrapper, which calls torch's
+    original through the module global `_orig_module_getattr` of torch/fx/_symbolic_trace.py,
+    read at each call: that global is what is replaced (`ti.FX_MODULE_GETATTR`).  Not
+    `nn.Module.__getattr__` itself: Dynamo, which traces `torch.cond`'s branches, would trace
+    into the replacement and fail to capture the branch.  The probe reaches the global as the
+    wrapper does; tests/test_errors.py shows the property named on every tested release.
+    """
+
+    def make(original: Any) -> Any:
+        def __getattr__(self: nn.Module, name: str) -> Any:
+            try:
+                return original(self, name)
+            except AttributeError:
+                getter = _property_getter(type(self), name)
+                if getter is None:
+                    raise
+                try:
+                    getter(self)
+                except AttributeError as inner:
+                    raise _property_error(type(self), name, inner) from None
+                raise
+
+        return __getattr__
+
+    fx_owner, fx_name = ti.FX_MODULE_GETATTR
+    with ti.patched(fx_owner, fx_name, make, mechanism=_PROPERTY_ERRORS, probe=_probe_fx_getattr):
+        yield
+
+
+def _probe_fx_getattr() -> None:
+    """As FX's `module_getattr_wrapper` calls it: the module global, looked up at call time."""
+    owner, name = ti.FX_MODULE_GETATTR
+    getattr(owner, name)(_Probe(), "_predispatch_probe_missing")
+
+
+def _property_getter(cls: type, name: str) -> Any:
+    """The getter of property `name` of `cls` (searched along its MRO as Python does), or None."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            found = vars(klass)[name]
+            return found.fget if isinstance(found, property) else None
+    return None
+
+
+def _property_error(cls: type, name: str, inner: AttributeError) -> TraceError:
+    error = TraceError(
+        f"property {cls.__name__}.{name} raised AttributeError: {inner}; nn.Module.__getattr__ would "
+        f"have reported it as a missing attribute {name!r}.",
+        where=user_frame(inner.__traceback__),
+        fix="the named line inside the property failed under tracing; torch's error is kept as "
+        "err.torch_error. A property that gathers a DTensor parameter (SimpleFSDP, parametrizations of "
+        "DTensors) is not supported yet: see docs/distributed.md.",
+    )
+    error.torch_error = inner
+    return error

@@ -31,7 +31,13 @@ from predispatch.frontend.inputs import CONSTANT_TYPES, hf_cache_fix, is_hf_cach
 from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
-from predispatch.trace.constructs import refuse_script_modules, refusing_encoder_fast_path, torch_func_refusal
+from predispatch.trace.collectives import COLLECTIVE_REWRITES
+from predispatch.trace.constructs import (
+    naming_property_errors,
+    refuse_script_modules,
+    refusing_encoder_fast_path,
+    torch_func_refusal,
+)
 from predispatch.trace.decompose import FAST_INPLACE_META, REWRITES, DecompositionLog, DecompositionPolicy
 from predispatch.trace.dedup import Dedup, share_repeated_blocks
 from predispatch.trace.grad_history import GradHistoryKeeper
@@ -294,12 +300,14 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
         stack.enter_context(torch.enable_grad())  # the ambient mode regions are relative to
         stack.enter_context(inference_mode_as_grad_mode())  # Note [inference_mode in forward]
         stack.enter_context(refusing_encoder_fast_path())
+        stack.enter_context(naming_property_errors())
         stack.enter_context(ti.exporting_flags())
         stack.enter_context(_no_backend_heuristics())
         stack.enter_context(
             ti.decomposition_hook(lambda op, default, args, kwargs: policy.should_decompose(op, default, log, args, kwargs))
         )
-        stack.enter_context(ti.functional_rewrites({op: (r.fn, r.skips) for op, r in REWRITES.items()}))
+        rewrites = {**REWRITES, **COLLECTIVE_REWRITES}  # Note [In-place collectives]
+        stack.enter_context(ti.functional_rewrites({op: (r.fn, r.skips) for op, r in rewrites.items()}))
         stack.enter_context(ti.meta_kernels(FAST_INPLACE_META))
         stack.enter_context(prepared.fake_mode)
         stack.enter_context(_counted())

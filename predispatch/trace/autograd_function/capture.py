@@ -13,7 +13,7 @@ import torch
 from torch.utils.checkpoint import CheckpointFunction
 
 from predispatch import _torch_internals as ti
-from predispatch.errors import AutogradFunctionError, user_frame
+from predispatch.errors import AutogradFunctionError, DistributedError, user_frame
 from predispatch.trace.autograd_function.hop import function_call
 from predispatch.trace.trace_hop import TraceTimeFunction
 from predispatch.trace.autograd_function.record import CapturedCall
@@ -51,6 +51,23 @@ if ti.NOOP_SAVE_INPUTS is not None:
         "non-reentrant activation checkpointing's placeholder (torch 2.11): it only anchors saved-tensor "
         "hooks, and its backward is never meant to run; the program runs the checkpointed function plainly "
         "(same values and gradients, without the memory saving), as later releases' export does.",
+    )
+
+
+#: DTensor's own Functions (`from_local`'s `_FromTorchTensor`, `to_local`'s, `Redistribute`) live here.
+_DTENSOR_PACKAGE = "torch.distributed.tensor."
+
+
+def _dtensor_in_forward(cls: type) -> DistributedError:
+    """Forward makes, unwraps or redistributes a DTensor: refused by name (Note [Distributed
+    state] in frontend/distributed.py), not reported as a Function whose forward cannot be traced."""
+    return DistributedError(
+        f"forward makes, unwraps or redistributes a DTensor (torch's {cls.__name__}: DTensor.from_local, "
+        "to_local, redistribute, full_tensor); export does not build per-rank DTensor programs yet.",
+        where=user_frame(),
+        fix="keep the rank's tensors plain and write the communication with "
+        "torch.distributed._functional_collectives (all_gather_tensor_autograd, all_reduce, "
+        "reduce_scatter_tensor_autograd), which export with their backward; see docs/distributed.md.",
     )
 
 
@@ -95,6 +112,8 @@ def capture_autograd_functions() -> Iterator[None]:
             return ti.torch_apply(cls, *args, **kwargs)
         if cls in RUN_INSTEAD:
             return RUN_INSTEAD[cls][0](cls, *args, **kwargs)
+        if cls.__module__.startswith(_DTENSOR_PACKAGE):
+            raise _dtensor_in_forward(cls)
         if _left_to_torch(calls, cls):
             return _torch_apply(cls, *args, **kwargs)
         return _apply(calls, cls, _bind(cls, args, kwargs))
