@@ -495,3 +495,126 @@ class TraceErrorFix(TestCase):
         with pytest.raises(predispatch.errors.PredispatchError) as info:
             predispatch.export(ToNumpy(), (torch.randn(2),))
         assert "metadata" not in str(info.value) and "x.t_()" not in str(info.value)
+
+
+# --- our errors for constructs torch fails on (trace/constructs.py; issue 23, 10) ------------
+
+
+class PackedGRU(nn.Module):
+    def __init__(self, pack: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.GRU(3, 4, batch_first=True)
+        self.pack = pack
+
+    def forward(self, x, lengths):
+        if not self.pack:  # the fix the refusal gives: the padded batch, masked
+            out, _ = self.rnn(x)
+            return out * (torch.arange(x.shape[1]) < lengths[:, None])[..., None]
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        return nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[0]
+
+
+class GradientPenalty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+
+    def forward(self, x):
+        energy = self.lin(x).pow(2).sum()
+        (force,) = torch.autograd.grad(energy, x, create_graph=True)
+        return force
+
+
+class QuantizedInput(nn.Module):
+    def __init__(self, fake_quantize: type = torch.ao.quantization.FakeQuantize):
+        super().__init__()
+        self.fq = fake_quantize()
+
+    def forward(self, x):
+        return self.fq(x) * 2
+
+
+class NormalLogProb(nn.Module):
+    def __init__(self, validate: bool = True):
+        super().__init__()
+        self.validate = validate
+
+    def forward(self, mu, x):
+        return torch.distributions.Normal(mu, mu.exp(), validate_args=self.validate).log_prob(x)
+
+
+class ConstructErrors(TestCase):
+    maxDiff = None
+
+    def test_pack_padded_sequence(self):
+        x, lengths = torch.randn(2, 5, 3), torch.tensor([5, 3])
+        for lengths_arg in (lengths, [5, 3]):  # sizes from a tensor or from a list: both fail in torch
+            module = PackedGRU()
+            with pytest.raises(UnsupportedConstructError) as info:
+                predispatch.export(module, (x, lengths_arg) if isinstance(lengths_arg, torch.Tensor) else (x, lengths))
+            assert "pack_padded_sequence" in str(info.value)
+        self.assertExpectedInline(stable_message(info.value), """\
+forward packs a padded batch (torch.nn.utils.rnn.pack_padded_sequence / PackedSequence): the packed batch sizes come from the lengths' values, which export cannot know (it traces shapes, not values).
+  at test_patterns.py:N (out, _ = self.rnn(packed))
+  fix: run the RNN on the padded batch without packing and mask the steps past each length (torch.arange(T) < lengths[:, None]); a unidirectional RNN's outputs at the valid steps are the packed run's, and its final state is the output at lengths - 1 (gather it).
+  see docs/errors.md#unsupportedconstructerror""")
+        # the fix works: the masked padded run exports and equals eager's packed run
+        export_and_check(PackedGRU(pack=False), (x, lengths), exact=False)
+        program = predispatch.export(PackedGRU(pack=False), (x, lengths)).module()
+        torch.testing.assert_close(program(x, lengths), PackedGRU()(x, lengths))
+
+    def test_autograd_grad_in_forward(self):
+        x = torch.randn(2, 3)
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(GradientPenalty(), (x,))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward calls torch.autograd.grad (or Tensor.backward); export traces forward above autograd, where forward's tensors have no autograd graph to differentiate.
+  at test_patterns.py:N ((force,) = torch.autograd.grad(energy, x, create_graph=True))
+  fix: export the function without the gradient and differentiate the program's output outside it (torch.autograd.grad(ep.module()(x).sum(), x) in your training step), or write the derivative out in forward.
+  see docs/errors.md#unsupportedconstructerror""")
+
+    def test_fake_quantize_check(self):
+        with pytest.raises(predispatch.errors.DataDependentError) as info:
+            predispatch.export(QuantizedInput(), (torch.randn(2, 3),))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward uses torch.ao.quantization.FakeQuantize, whose forward branches on the values of its observer_enabled and fake_quant_enabled buffers; export traces shapes, not values, so the check has no answer (it is inside torch's ao/quantization/fake_quantize.py (forward), where torch.cond cannot be applied).
+  at test_patterns.py:N (return self.fq(x) * 2)
+  fix: use FusedMovingAvgObsFakeQuantize (the fake quantizer of torch.ao.quantization.get_default_qat_qconfig), which reads those flags inside one op; or export the float model and quantize the program with PT2E (torch.ao.quantization.quantize_pt2e.prepare_qat_pt2e).
+  see docs/errors.md#datadependenterror""")
+
+    def test_distribution_validate_args(self):
+        mu, x = torch.randn(3), torch.randn(3)
+        with pytest.raises(predispatch.errors.DataDependentError) as info:
+            predispatch.export(NormalLogProb(), (mu, x))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward uses a torch.distributions distribution with validate_args=True, which checks its parameters' (and log_prob's sample's) values; export traces shapes, not values, so the check has no answer (it is inside torch's distributions/distribution.py (__init__), where torch.cond cannot be applied).
+  at test_patterns.py:N (return torch.distributions.Normal(mu, mu.exp(), validate_args=self.validate).log_prob(x))
+  fix: build the distribution with validate_args=False (or call torch.distributions.Distribution.set_default_validate_args(False) before export), and check the values outside forward if you need to.
+  see docs/errors.md#datadependenterror""")
+        check_gradients(NormalLogProb(validate=False), (mu, x))  # the fix works
+
+    def test_other_torch_check_names_the_place(self):
+        """A data-dependent check inside torch that has no entry: where it is, not torch.cond."""
+
+        class GaussianLoss(nn.Module):
+            def forward(self, mean, target, var):
+                return nn.functional.gaussian_nll_loss(mean, target, var)  # checks var >= 0
+
+        with pytest.raises(predispatch.errors.DataDependentError) as info:
+            predispatch.export(GaussianLoss(), (torch.randn(3), torch.randn(3), torch.rand(3)))
+        self.assertExpectedInline(stable_message(info.value), """\
+a check inside torch's own code (nn/functional.py (gaussian_nll_loss)) reads a value inside a tensor, which export cannot know (it traces shapes, not values); torch.cond cannot be applied inside torch's code.
+  at test_patterns.py:N (return nn.functional.gaussian_nll_loss(mean, target, var)  # checks var >= 0)
+  fix: call that torch function with arguments that skip the check (see the named file), or outside forward on the program's inputs or outputs.
+  see docs/errors.md#datadependenterror""")
+
+    def test_users_own_branch_keeps_torch_cond(self):
+        class Branch(nn.Module):
+            def forward(self, x):
+                return x * 2 if x.sum() > 0 else x
+
+        with pytest.raises(predispatch.errors.DataDependentError) as info:
+            predispatch.export(Branch(), (torch.randn(3),))
+        assert "torch.cond" in info.value.fix

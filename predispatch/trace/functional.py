@@ -31,7 +31,12 @@ from predispatch.frontend.inputs import CONSTANT_TYPES, hf_cache_fix, is_hf_cach
 from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
-from predispatch.trace.constructs import refuse_script_modules, refusing_encoder_fast_path, torch_func_refusal
+from predispatch.trace.constructs import (
+    construct_refusal,
+    refuse_script_modules,
+    refusing_encoder_fast_path,
+    torch_check_error,
+)
 from predispatch.trace.decompose import FAST_INPLACE_META, REWRITES, DecompositionLog, DecompositionPolicy
 from predispatch.trace.dedup import Dedup, share_repeated_blocks
 from predispatch.trace.grad_history import GradHistoryKeeper
@@ -533,9 +538,13 @@ def _user_errors():
                 ),
                 exc,
             ) from None
+        refusal = construct_refusal(exc)
+        if refusal is not None:
+            raise from_torch(refusal, exc) from None
         if _is_data_dependent(exc):
             raise from_torch(
-                DataDependentError(
+                torch_check_error(exc, where)
+                or DataDependentError(
                     "Python code branches on, or converts, a value inside a tensor, which export "
                     "cannot know (it traces shapes, not values).",
                     where=where,
@@ -543,9 +552,6 @@ def _user_errors():
                 ),
                 exc,
             ) from None
-        refusal = torch_func_refusal(exc)
-        if refusal is not None:
-            raise from_torch(refusal, exc) from None
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise from_torch(
             TraceError(f"tracing failed: {type(exc).__name__}: {first_line}", where=where, fix=_trace_error_fix(exc)),
