@@ -177,12 +177,13 @@ def user_frame(tb: TracebackType | None = None) -> str | None:
     """
     frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()[:-1]
     for frame in reversed(frames):
-        if _is_user_file(frame.filename):
+        if is_user_file(frame.filename):
             return f"{frame.filename}:{frame.lineno} ({frame.line.strip() if frame.line else ''})"
     return None
 
 
-def _is_user_file(filename: str) -> bool:
+def is_user_file(filename: str) -> bool:
+    """Whether `filename` is the user's: not torch, not predispatch, not the standard library."""
     import torch
 
     if filename.startswith("<"):

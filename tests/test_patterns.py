@@ -618,3 +618,59 @@ a check inside torch's own code (nn/functional.py (gaussian_nll_loss)) reads a v
         with pytest.raises(predispatch.errors.DataDependentError) as info:
             predispatch.export(Branch(), (torch.randn(3),))
         assert "torch.cond" in info.value.fix
+
+
+class FlexAttention(nn.Module):
+    """flex_attention with a score_mod reading a parameter, or with a causal block mask built in forward."""
+
+    def __init__(self, masked: bool):
+        super().__init__()
+        self.masked = masked
+        self.bias = nn.Parameter(torch.linspace(-1, 1, 2))
+
+    def forward(self, q, k, v):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        if self.masked:
+            mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, q.shape[2], k.shape[2], device="cpu")
+            return flex_attention(q, k, v, block_mask=mask)
+        return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score + self.bias[h] * (qi - ki))
+
+
+class DenseAttention(nn.Module):
+    """The fix the flex_attention refusal gives: the same masks and biases, dense, through SDPA."""
+
+    def __init__(self, masked: bool):
+        super().__init__()
+        self.masked = masked
+        self.bias = nn.Parameter(torch.linspace(-1, 1, 2))
+
+    def forward(self, q, k, v):
+        qi, ki = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None, :]
+        if self.masked:
+            return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=qi >= ki)
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias[:, None, None] * (qi - ki))
+
+
+class FlexAttentionRefusal(TestCase):
+    maxDiff = None
+    qkv = tuple(torch.randn(1, 2, 128, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    def test_score_mod_and_block_mask_refused_by_name(self):
+        for masked in (False, True):
+            with pytest.raises(UnsupportedConstructError) as info:
+                predispatch.export(FlexAttention(masked), self.qkv)
+            assert "flex_attention" in str(info.value)
+        self.assertExpectedInline(stable_message(info.value), """\
+forward calls torch.nn.attention.flex_attention (or create_block_mask), whose Python builds block masks with torch.vmap; export does not capture torch.func transforms yet.
+  at test_patterns.py:N (mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, q.shape[2], k.shape[2], device="cpu"))
+  fix: on CPU flex_attention computes the dense scores anyway: use F.scaled_dot_product_attention with a boolean attn_mask made from your mask_mod by broadcasting (mask_mod(b, h, q_idx[:, None], kv_idx[None, :])), adding a score_mod's bias to a float attn_mask; or export with torch.export.export(...).run_decompositions().
+  see docs/errors.md#unsupportedconstructerror""")
+
+    def test_the_fix_exports_eagers_values(self):
+        for masked in (False, True):
+            with torch.no_grad():  # flex_attention has no backward on CPU
+                expected = FlexAttention(masked)(*self.qkv)
+            export_and_check(DenseAttention(masked), self.qkv)
+            program = predispatch.export(DenseAttention(masked), self.qkv).module()
+            torch.testing.assert_close(program(*self.qkv), expected)

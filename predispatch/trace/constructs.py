@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from predispatch import _torch_internals as ti
-from predispatch.errors import DataDependentError, PredispatchError, UnsupportedConstructError, user_frame
+from predispatch.errors import DataDependentError, PredispatchError, UnsupportedConstructError, is_user_file, user_frame
 
 #: The torch.func files a transform's call passes through (torch/_functorch/...).
 _FUNCTORCH_FILES = ("apis.py", "eager_transforms.py", "vmap.py")
@@ -168,6 +168,15 @@ TORCH_CHECKS = (
 )
 
 
+def _caller_line(frames: list[tuple[FrameType, int]]) -> str | None:
+    """`file:line (source)` of the innermost user frame among `frames` (the call into torch)."""
+    summaries = traceback.StackSummary.extract(iter(frames))
+    for summary in reversed(summaries):
+        if _torch_relative(summary.filename) is None and is_user_file(summary.filename):
+            return f"{summary.filename}:{summary.lineno} ({(summary.line or '').strip()})"
+    return None
+
+
 def torch_check_error(exc: BaseException, where: str | None) -> DataDependentError | None:
     """Our error for a data-dependent check inside torch's own code: the fix of `TORCH_CHECKS`
     for a known one, else where in torch the check is and what the user can still do."""
@@ -229,8 +238,30 @@ def _packed_sequence_refusal(exc: BaseException) -> UnsupportedConstructError | 
     return None
 
 
+def _flex_attention_refusal(exc: BaseException) -> UnsupportedConstructError | None:
+    """forward calls flex_attention (or builds a block mask): torch's Python around the HOP
+    builds block masks with `torch.vmap`, which the functional trace cannot capture yet (the
+    same limit as a torch.func transform in forward)."""
+    if _FUNCTIONAL_ON_ITS_OWN not in str(exc):
+        return None
+    flex = os.path.join("nn", "attention", "flex_attention.py")
+    frames = _frames(exc.__traceback__)
+    first = next((i for i, (frame, _) in enumerate(frames) if _torch_relative(frame.f_code.co_filename) == flex), None)
+    if first is None:
+        return None
+    return UnsupportedConstructError(
+        "forward calls torch.nn.attention.flex_attention (or create_block_mask), whose Python builds block "
+        "masks with torch.vmap; export does not capture torch.func transforms yet.",
+        where=_caller_line(frames[:first]),
+        fix="on CPU flex_attention computes the dense scores anyway: use F.scaled_dot_product_attention with a "
+        "boolean attn_mask made from your mask_mod by broadcasting (mask_mod(b, h, q_idx[:, None], kv_idx[None, :])), "
+        "adding a score_mod's bias to a float attn_mask; or export with torch.export.export(...).run_decompositions().",
+    )
+
+
 #: Constructs recognised in a failed trace, each giving our error (None: not this one).
 _REFUSALS: tuple[Callable[[BaseException], PredispatchError | None], ...] = (
+    _flex_attention_refusal,
     torch_func_refusal,
     _autograd_refusal,
     _packed_sequence_refusal,
