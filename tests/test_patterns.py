@@ -496,6 +496,17 @@ class TraceErrorFix(TestCase):
             predispatch.export(ToNumpy(), (torch.randn(2),))
         assert "metadata" not in str(info.value) and "x.t_()" not in str(info.value)
 
+    def test_metadata_fix_where_it_fits(self):
+        """A raw failure about an in-place change of shape keeps that fix."""
+
+        class GrowsView(nn.Module):
+            def forward(self, x):
+                return x[:2].resize_(5).sum()
+
+        with pytest.raises(predispatch.errors.TraceError) as info:
+            predispatch.export(GrowsView(), (torch.randn(4),))
+        assert info.value.fix.startswith("an in-place change of an input's shape, strides or storage")
+
 
 # --- our errors for constructs torch fails on (trace/constructs.py; issue 23, 10) ------------
 
