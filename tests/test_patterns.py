@@ -7,6 +7,8 @@ pinned refusal naming the construct.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from expecttest import TestCase
@@ -685,3 +687,80 @@ forward calls torch.nn.attention.flex_attention (or create_block_mask), whose Py
             export_and_check(DenseAttention(masked), self.qkv)
             program = predispatch.export(DenseAttention(masked), self.qkv).module()
             torch.testing.assert_close(program(*self.qkv), expected)
+
+
+# --- scatters into complex tensors (Note [Scatters into complex tensors]; issue 23, 8) --------
+
+
+class FourierLayer(nn.Module):
+    """A spectral convolution (Fourier neural operator): the first modes weighted, the rest zero."""
+
+    def __init__(self, channels: int = 3, modes: int = 3, select: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(channels, modes, dtype=torch.cfloat) / channels)
+        self.modes, self.select = modes, select
+
+    def forward(self, x):
+        x_ft = torch.fft.rfft(x)
+        out = torch.zeros(x.shape[0], x.shape[1], x.shape[-1] // 2 + 1, dtype=torch.cfloat)
+        if self.select:  # one mode, written through an index
+            out[..., 1] = x_ft[..., 1] * self.w[:, 0]
+        else:
+            out[..., : self.modes] = x_ft[..., : self.modes] * self.w
+        return torch.fft.irfft(out, n=x.shape[-1])
+
+
+class ComplexScatters(TestCase):
+    maxDiff = None
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+
+    def test_slice_assignment(self):
+        ep = check_gradients(FourierLayer(), (self.x,))
+        export_and_check(FourierLayer(), (self.x,))
+        torch.testing.assert_close(ep.module()(self.x), torch.export.export(FourierLayer(), (self.x,)).module()(self.x), rtol=0, atol=0)
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_w: "c64[3, 3]", x: "f32[2, 3, 8]"):
+        fft_rfft: "c64[2, 3, 5]" = torch.ops.aten.fft_rfft.default(x);  x = None
+        zeros: "c64[2, 3, 5]" = torch.ops.aten.zeros.default([2, 3, 5], dtype = torch.complex64, device = device(type='cpu'), pin_memory = False)
+        slice_1: "c64[2, 3, 3]" = torch.ops.aten.slice.Tensor(fft_rfft, 2, 0, 3);  fft_rfft = None
+        mul: "c64[2, 3, 3]" = torch.ops.aten.mul.Tensor(slice_1, p_w);  slice_1 = p_w = None
+        slice_2: "c64[2, 3, 3]" = torch.ops.aten.slice.Tensor(zeros, 2, 0, 3);  slice_2 = None
+        view_as_real: "f32[2, 3, 5, 2]" = torch.ops.aten.view_as_real.default(zeros);  zeros = None
+        view_as_real_1: "f32[2, 3, 3, 2]" = torch.ops.aten.view_as_real.default(mul);  mul = None
+        slice_scatter: "f32[2, 3, 5, 2]" = torch.ops.aten.slice_scatter.default(view_as_real, view_as_real_1, 2, 0, 3);  view_as_real = view_as_real_1 = None
+        view_as_complex: "c64[2, 3, 5]" = torch.ops.aten.view_as_complex.default(slice_scatter);  slice_scatter = None
+        fft_irfft: "f32[2, 3, 8]" = torch.ops.aten.fft_irfft.default(view_as_complex, 8);  view_as_complex = None
+        return (fft_irfft,)""")
+
+    def test_index_assignment(self):
+        ep = check_gradients(FourierLayer(select=True), (self.x,))
+        export_and_check(FourierLayer(select=True), (self.x,))
+        assert "select_scatter" in ep.graph_module.code and "view_as_real" in ep.graph_module.code
+
+    def test_table_not_taken_is_drift(self):
+        """Without the table a write under no_grad traces whole, which the program could not
+        differentiate once grad is on: the trace checks that the rewrite engaged."""
+
+        class NoGradWrite(nn.Module):
+            def forward(self, x):
+                out = torch.zeros(2, 3, 5, dtype=torch.cfloat)
+                with torch.no_grad():
+                    out[..., :2] = torch.fft.rfft(x)[..., :2]
+                return torch.fft.irfft(out, n=8)
+
+        export_and_check(NoGradWrite(), (self.x,))
+        with mock.patch("predispatch.trace.functional.trace_decompositions", dict):
+            with pytest.raises(predispatch.errors.TorchDriftError, match="slice_scatter"):
+                predispatch.export(NoGradWrite(), (self.x,))
+
+    def test_real_tensors_keep_the_plain_scatter(self):
+        class Real(nn.Module):
+            def forward(self, x):
+                out = torch.zeros(2, 3, 8)
+                out[..., :3] = x[..., :3] * 2
+                return out
+
+        ep = check_gradients(Real(), (self.x,))
+        assert "view_as_real" not in ep.graph_module.code and "slice_scatter" in ep.graph_module.code

@@ -114,7 +114,12 @@ class ProgramTrace:
     storage_mutated: tuple[int, ...] = ()
 
 
-def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn.Module) -> ProgramTrace:
+def trace_program(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    scope: torch.nn.Module,
+    decompositions: dict[OpOverload, Callable[..., Any]] | None = None,
+) -> ProgramTrace:
     """Capture `fn(*args)` once: a functional graph at the PreDispatch key (call under the fake mode).
 
     What `aot_export_module(pre_dispatch=True)` records in its capture pass, without its
@@ -122,7 +127,9 @@ def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn
     PreDispatch, only to learn which inputs are mutated): FunctionalTensorMode on the
     PreDispatch stack over make_fx's proxy tracer, and the mutations read off the
     FunctionalTensor inputs after the run, as AOTAutograd's own metadata analysis reads them.
-    `scope` names modules in each node's `nn_module_stack`.
+    `scope` names modules in each node's `nn_module_stack`.  `decompositions`: make_fx's table,
+    for ops the proxy tracer meets below functionalization (a function returning NotImplemented
+    leaves the call to the op).
     """
     mutated: list[int] = []
     metadata: list[int] = []
@@ -159,7 +166,7 @@ def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn
         # (`generate_code`); a GraphModule's code is a tenth of a 600-node export
         stack.enter_context(_use_lazy_graph_module(True))
         token = torch.empty(0)
-        gm = make_fx(functional, record_module_stack=True, pre_dispatch=True)(token, *args)
+        gm = make_fx(functional, decompositions, record_module_stack=True, pre_dispatch=True)(token, *args)
     return ProgramTrace(gm, tuple(mutated), tuple(metadata), tuple(storage))
 
 

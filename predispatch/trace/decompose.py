@@ -496,3 +496,21 @@ TRACE_DECOMPOSITIONS: dict[torch._ops.OpOverload, tuple[Callable[..., object], s
         "no complex autograd formula; functionalization makes it from a write into an index of a complex tensor",
     ),
 }
+
+
+#: The mechanism `TRACE_DECOMPOSITIONS` rely on, for drift errors.
+TRACE_DECOMPOSITIONS_MECHANISM = "the trace's decompositions (make_fx's decomposition_table, trace/decompose.py)"
+
+
+def trace_decompositions() -> dict[torch._ops.OpOverload, Callable[..., object]]:
+    """`TRACE_DECOMPOSITIONS` as make_fx takes them."""
+    return {op: fn for op, (fn, _) in TRACE_DECOMPOSITIONS.items()}
+
+
+def check_trace_decompositions(gm: torch.fx.GraphModule) -> None:
+    """Raise if a call `TRACE_DECOMPOSITIONS` rewrites reached the graph whole (Note [Drift is
+    loud]): a complex scatter there means make_fx did not take the table."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if node.target in TRACE_DECOMPOSITIONS and isinstance(value, torch.Tensor) and value.is_complex():
+            raise ti.drift(TRACE_DECOMPOSITIONS_MECHANISM, f"{node.target} on a complex tensor reached the graph whole")

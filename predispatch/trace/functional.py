@@ -37,7 +37,14 @@ from predispatch.trace.constructs import (
     refusing_encoder_fast_path,
     torch_check_error,
 )
-from predispatch.trace.decompose import FAST_INPLACE_META, REWRITES, DecompositionLog, DecompositionPolicy
+from predispatch.trace.decompose import (
+    FAST_INPLACE_META,
+    REWRITES,
+    DecompositionLog,
+    DecompositionPolicy,
+    check_trace_decompositions,
+    trace_decompositions,
+)
 from predispatch.trace.dedup import Dedup, share_repeated_blocks
 from predispatch.trace.grad_history import GradHistoryKeeper
 from predispatch.trace.hooks import backward_hooks
@@ -309,8 +316,11 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
         stack.enter_context(prepared.fake_mode)
         stack.enter_context(_counted())
         with _user_errors():
-            captured = ti.trace_program(program, (*prepared.fake_state, *prepared.fake_user_inputs), prepared.module)
+            captured = ti.trace_program(
+                program, (*prepared.fake_state, *prepared.fake_user_inputs), prepared.module, trace_decompositions()
+            )
     _check_engaged(program, captured.graph_module)
+    check_trace_decompositions(captured.graph_module)
     _check_metadata_mutations(prepared, captured, program.input_metadata_write)
     _check_repeated_inputs(prepared, captured.mutated)
     refuse_generators_made_in_forward(captured.graph_module, program.visible_generators)
