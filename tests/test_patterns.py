@@ -7,6 +7,7 @@ pinned refusal naming the construct.
 
 from __future__ import annotations
 
+import io
 from unittest import mock
 
 import pytest
@@ -764,3 +765,68 @@ class GraphModule(torch.nn.Module):
 
         ep = check_gradients(Real(), (self.x,))
         assert "view_as_real" not in ep.graph_module.code and "slice_scatter" in ep.graph_module.code
+
+
+# --- a buffer a kernel resizes (issue 23, 6) --------------------------------------------------
+
+
+def _qat_linear() -> nn.Module:
+    torch.manual_seed(0)
+    return torch.ao.nn.qat.Linear(4, 8, qconfig=torch.ao.quantization.get_default_qat_qconfig("fbgemm"))
+
+
+class QatLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = _qat_linear()
+
+    def forward(self, x):
+        return self.lin(x).square().mean()
+
+
+class ResizedBuffers(TestCase):
+    """`torch.ao.nn.qat.Linear`'s per-channel observer: the fused kernel grows min_val / max_val
+    from [0] and scale / zero_point from [1] to one per output channel on the first call."""
+
+    maxDiff = None
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+
+    def test_module_runs_as_eager(self):
+        ep = export_and_check(_qat_linear(), (self.x,))
+        _assert_same_runs(_run(predispatch.export(_qat_linear(), (self.x,)).module(), self.x), _run(_qat_linear(), self.x))
+        check_gradients(_qat_linear(), (self.x,))
+        plans = [s.target for s in ep.signature.mutations]
+        self.assertEqual(
+            plans,
+            [
+                "weight_fake_quant.scale",
+                "weight_fake_quant.zero_point",
+                "weight_fake_quant.activation_post_process.min_val",
+                "weight_fake_quant.activation_post_process.max_val",
+            ],
+        )
+
+    def test_saved_after_growing(self):
+        model = _qat_linear()
+        ep = predispatch.export(model, (self.x,))
+        eager = _qat_linear()
+        program = ep.module()
+        torch.testing.assert_close(program(self.x), eager(self.x), rtol=0, atol=0)  # the state grows
+        assert model.weight_fake_quant.scale.shape == (8,)
+        buffer = io.BytesIO()
+        predispatch.save(ep, buffer)
+        buffer.seek(0)
+        loaded = predispatch.load(buffer).module()
+        _assert_same_runs(_run(loaded, self.x), _run(eager, self.x))
+
+    def test_saved_before_growing(self):
+        ep = predispatch.export(_qat_linear(), (self.x,))
+        buffer = io.BytesIO()
+        predispatch.save(ep, buffer)
+        buffer.seek(0)
+        _assert_same_runs(_run(predispatch.load(buffer).module(), self.x), _run(_qat_linear(), self.x))
+
+    def test_joint(self):
+        from test_joint import check_joint
+
+        check_joint(QatLoss(), (self.x,))

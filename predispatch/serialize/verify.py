@@ -39,6 +39,7 @@ from torch import fx, nn
 
 from predispatch.errors import SerializationError
 from predispatch.runtime import names as naming
+from predispatch.runtime.writes import resized_by_kernel, resized_targets
 from predispatch.serialize.values import STORED_DEVICE_TYPES
 from predispatch.serialize.kernel_inputs import trusted_input_problems
 from predispatch.serialize.op_allowlist import decide
@@ -392,13 +393,14 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-def _same_metadata(value: Any, expected: torch.Tensor) -> str | None:
-    """Why a node's value cannot stand for `expected`, or None (dtype, rank, static sizes)."""
+def _same_metadata(value: Any, expected: torch.Tensor, resizable: bool = False) -> str | None:
+    """Why a node's value cannot stand for `expected`, or None (dtype, rank, static sizes; any
+    sizes for state a kernel resizes, Note [State a kernel resizes] in runtime/writes.py)."""
     if not isinstance(value, torch.Tensor):
         return f"its value is {_describe(value)}, not a tensor"
     if value.dtype != expected.dtype or value.dim() != expected.dim():
         return f"its value is {value.dtype}[{value.dim()} dims], its target {expected.dtype}[{expected.dim()} dims]"
-    sizes = [(a, b) for a, b in zip(value.shape, expected.shape) if type(a) is int and type(b) is int]
+    sizes = [(a, b) for a, b in zip(value.shape, expected.shape) if type(a) is int and type(b) is int and not resizable]
     if any(a != b for a, b in sizes):
         return f"its shape {list(value.shape)} differs from its target's {list(expected.shape)}"
     return None
@@ -417,7 +419,7 @@ def _state_mutation(ep: Program, node: Any, target: str) -> str | None:
     stored = {**ep.state_dict, **ep.constants}.get(target)
     if stored is None:
         return f"mutates {target!r}, which is not a parameter, buffer or constant of the program"
-    return _same_metadata(_val(node), stored)
+    return _same_metadata(_val(node), stored, resizable=resized_by_kernel(node))
 
 
 def _input_mutation(ep: Program, node: Any, target: str) -> str | None:
@@ -481,9 +483,10 @@ def _signature_problems(ep: Program) -> Iterator[Problem]:
     if set(ep.state_dict) != state or set(ep.constants) != constants:
         yield Problem("signature inputs", "the stored tensors differ from the signature's parameters, buffers and constants")
     stored = {**ep.state_dict, **ep.constants}
+    resized = resized_targets(ep.graph_module, sig)
     for node, spec in zip(placeholders, sig.inputs):
         if spec.target in stored and spec.kind != InputKind.USER_INPUT and node.name == spec.name:
-            why = _same_metadata(_val(node), stored[spec.target])
+            why = _same_metadata(_val(node), stored[spec.target], resizable=spec.target in resized)
             if why:
                 yield Problem(f"signature input {spec.name} ({spec.kind.name} {spec.target!r})", why)
     tensor_leaves = sum(leaf.is_tensor for leaf in sig.input_leaves)
