@@ -116,7 +116,8 @@ def resized_by_kernel(node: object) -> bool:
     """Whether `node` is state a kernel may have resized (Note [State a kernel resizes])."""
     if not (isinstance(node, fx.Node) and node.target is operator.getitem and isinstance(node.args[0], fx.Node)):
         return False
-    entry = RESIZING_KERNELS.get(node.args[0].target)  # type: ignore[arg-type]
+    kernel = node.args[0].target
+    entry = RESIZING_KERNELS.get(kernel) if isinstance(kernel, torch._ops.OpOverload) else None
     return entry is not None and node.args[1] in entry[0]
 
 
