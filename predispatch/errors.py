@@ -109,12 +109,13 @@ class SharedStorageError(PredispatchError):
 class UnsupportedConstructError(PredispatchError):
     """forward uses a construct export cannot capture as eager runs it; refused by name.
 
-    Cause: a torch.func transform (`vmap`, `grad`, `jacrev`, `jacfwd`, `vjp`, `hessian`) inside
-    forward, a TorchScript submodule (`torch.jit.script`), `nn.TransformerEncoder`'s
+    Cause: what a torch.func transform inside forward does that export cannot keep (a grad-mode
+    change in the transformed function, `as_strided`, a failure there), a TorchScript submodule (`torch.jit.script`), `nn.TransformerEncoder`'s
     nested-tensor fast path (eval mode with a `src_key_padding_mask`), whose output eager
     computes differently under `torch.no_grad()` than the traced program does,
-    `torch.autograd.grad` inside forward, or `pack_padded_sequence` (sizes from data).
-    Example: `return torch.func.vmap(self.head)(x)` in forward.
+    `torch.autograd.grad` inside forward, `pack_padded_sequence` (sizes from data), or a
+    flex_attention score_mod indexing a captured tensor.
+    Example: `with torch.no_grad():` inside a function given to `torch.func.vmap` in forward.
     Fix: the message says what to do for each construct (apply the transform to `ep.module()`,
     export the module before scripting it, build the encoder with `enable_nested_tensor=False`).
     """

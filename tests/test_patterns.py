@@ -7,6 +7,8 @@ pinned refusal naming the construct.
 
 from __future__ import annotations
 
+import copy
+import gc
 import io
 from unittest import mock
 
@@ -14,9 +16,11 @@ import pytest
 import torch
 from expecttest import TestCase
 from helpers import check_gradients, export_and_check, graph, stable_message
+from predispatch.passes import mutable_ops
 from torch import nn
 
 import predispatch
+from predispatch import _torch_internals as ti
 from predispatch.errors import SharedStorageError, UnsupportedConstructError
 
 
@@ -399,34 +403,6 @@ class GraphModule(torch.nn.Module):
 class Refusals(TestCase):
     maxDiff = None
 
-    def test_vmap_in_forward(self):
-        class PerRow(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.lin = nn.Linear(3, 3)
-
-            def forward(self, x):
-                return torch.func.vmap(lambda row: self.lin(row).sin())(x)
-
-        with pytest.raises(UnsupportedConstructError) as info:
-            predispatch.export(PerRow(), (torch.randn(2, 3),))
-        self.assertExpectedInline(stable_message(info.value), """\
-forward calls a torch.func transform (vmap, grad, grad_and_value, jacrev, jacfwd, vjp, hessian); export does not capture torch.func transforms yet.
-  at test_patterns.py:N (return torch.func.vmap(lambda row: self.lin(row).sin())(x))
-  fix: export the function the transform is applied to and apply torch.func to the program (torch.func.vmap(ep.module())(x) works); or write the batched computation with batched ops (a leading batch dimension, torch.bmm) instead of vmap.
-  see docs/errors.md#unsupportedconstructerror""")
-        assert "FunctionalTensor" in str(info.value.torch_error)
-
-    def test_other_transforms(self):
-        calls = {
-            "grad": lambda x: torch.func.grad(lambda r: r.sin().sum())(x),
-            "jacrev": lambda x: torch.func.jacrev(torch.sin)(x),
-            "vjp": lambda x: torch.func.vjp(torch.sin, x)[1](torch.ones_like(x))[0],
-        }
-        for call in calls.values():
-            with pytest.raises(UnsupportedConstructError, match="torch.func transform"):
-                predispatch.export(call, (torch.randn(2, 3),))
-
     def test_torchscript_submodule(self):
         class Scripted(nn.Module):
             def __init__(self):
@@ -635,59 +611,73 @@ a check inside torch's own code (nn/functional.py (gaussian_nll_loss)) reads a v
 
 
 class FlexAttention(nn.Module):
-    """flex_attention with a score_mod reading a parameter, or with a causal block mask built in forward."""
+    """flex_attention with a score_mod, with a causal block mask built in forward, or with a
+    score_mod reading a parameter by index."""
 
-    def __init__(self, masked: bool):
+    def __init__(self, kind: str):
         super().__init__()
-        self.masked = masked
+        self.kind = kind
         self.bias = nn.Parameter(torch.linspace(-1, 1, 2))
 
     def forward(self, q, k, v):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        if self.masked:
+        if self.kind == "block mask":
             mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, q.shape[2], k.shape[2], device="cpu")
             return flex_attention(q, k, v, block_mask=mask)
+        if self.kind == "score_mod":
+            return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score + (qi - ki) * 0.1)
         return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score + self.bias[h] * (qi - ki))
 
 
 class DenseAttention(nn.Module):
-    """The fix the flex_attention refusal gives: the same masks and biases, dense, through SDPA."""
+    """The fix the refusal gives: the same per-head bias, dense, through SDPA."""
 
-    def __init__(self, masked: bool):
+    def __init__(self):
         super().__init__()
-        self.masked = masked
         self.bias = nn.Parameter(torch.linspace(-1, 1, 2))
 
     def forward(self, q, k, v):
         qi, ki = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None, :]
-        if self.masked:
-            return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=qi >= ki)
         return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias[:, None, None] * (qi - ki))
 
 
-class FlexAttentionRefusal(TestCase):
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+class FlexAttentionInForward(TestCase):
+    """flex_attention has no backward on CPU: outputs only."""
+
     maxDiff = None
     qkv = tuple(torch.randn(1, 2, 128, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
 
-    def test_score_mod_and_block_mask_refused_by_name(self):
-        for masked in (False, True):
-            with pytest.raises(UnsupportedConstructError) as info:
-                predispatch.export(FlexAttention(masked), self.qkv)
-            assert "flex_attention" in str(info.value)
+    def test_score_mod_and_block_mask(self):
+        for kind in ("score_mod", "block mask"):
+            model = FlexAttention(kind)
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            ep = predispatch.export(model, self.qkv)
+            assert mutable_ops(ep.graph_module) == []
+            flex = ep.graph_module.graph.find_nodes(op="call_function", target=torch.ops.higher_order.flex_attention)
+            self.assertEqual(len(flex), 1)  # the HOP kept, its score_mod and mask_mod as subgraphs
+            torch.testing.assert_close(ep.module()(*self.qkv), FlexAttention(kind)(*self.qkv), rtol=0, atol=0)
+            assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+            # the file format has no flex_attention yet: save refuses it by name
+            with pytest.raises(predispatch.errors.SerializationError, match="flex_attention"):
+                predispatch.save(ep, io.BytesIO())
+
+    def test_score_mod_indexing_a_parameter_refused(self):
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(FlexAttention("indexed"), self.qkv)
         self.assertExpectedInline(stable_message(info.value), """\
-forward calls torch.nn.attention.flex_attention (or create_block_mask), whose Python builds block masks with torch.vmap; export does not capture torch.func transforms yet.
-  at test_patterns.py:N (mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, q.shape[2], k.shape[2], device="cpu"))
-  fix: on CPU flex_attention computes the dense scores anyway: use F.scaled_dot_product_attention with a boolean attn_mask made from your mask_mod by broadcasting (mask_mod(b, h, q_idx[:, None], kv_idx[None, :])), adding a score_mod's bias to a float attn_mask; or export with torch.export.export(...).run_decompositions().
+forward calls torch.nn.attention.flex_attention with a score_mod or mask_mod that indexes a tensor it captures (as self.bias[h]); torch traces that index inside the attention's subgraph through a wrapper export cannot trace yet.
+  at test_patterns.py:N (return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score + self.bias[h] * (qi - ki)))
+  fix: keep score_mod and mask_mod to arithmetic on the score and the indices (those export, block masks built in forward too); or put the captured values into a float attn_mask of F.scaled_dot_product_attention (on CPU flex_attention computes the dense scores anyway), e.g. attn_mask = bias[:, None, None] for a per-head bias.
   see docs/errors.md#unsupportedconstructerror""")
 
     def test_the_fix_exports_eagers_values(self):
-        for masked in (False, True):
-            with torch.no_grad():  # flex_attention has no backward on CPU
-                expected = FlexAttention(masked)(*self.qkv)
-            export_and_check(DenseAttention(masked), self.qkv)
-            program = predispatch.export(DenseAttention(masked), self.qkv).module()
-            torch.testing.assert_close(program(*self.qkv), expected)
+        with torch.no_grad():  # flex_attention has no backward on CPU
+            expected = FlexAttention("indexed")(*self.qkv)
+        export_and_check(DenseAttention(), self.qkv)
+        program = predispatch.export(DenseAttention(), self.qkv).module()
+        torch.testing.assert_close(program(*self.qkv), expected)
 
 
 # --- scatters into complex tensors (Note [Scatters into complex tensors]; issue 23, 8) --------
@@ -830,3 +820,230 @@ class ResizedBuffers(TestCase):
         from test_joint import check_joint
 
         check_joint(QatLoss(), (self.x,))
+
+
+# --- torch.func transforms in forward (Note [torch.func in forward]; issue 23, 4) -------------
+
+
+class PerRow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return torch.func.vmap(lambda row: self.lin(row).sin())(x) * 2
+
+
+class InputGradient(nn.Module):
+    """A force from an energy: the gradient of a scalar function of the input, differentiated again."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return torch.func.grad(lambda r: self.lin(r).tanh().sum())(x) + x
+
+
+class PerSampleGradients(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    def forward(self, x):
+        params = dict(self.net.named_parameters())
+
+        def loss(p, sample):
+            return torch.func.functional_call(self.net, p, (sample[None],)).pow(2).sum()
+
+        grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+        return sum(g.flatten(1).sum(1) for g in grads.values())
+
+
+class Ensemble(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.models = nn.ModuleList([nn.Linear(3, 2) for _ in range(4)])
+        self.base = [copy.deepcopy(self.models[0]).to("meta")]  # a list: not a submodule
+
+    def forward(self, x):
+        params, buffers = torch.func.stack_module_state(list(self.models))
+        return torch.func.vmap(lambda p, b: torch.func.functional_call(self.base[0], (p, b), (x,)))(params, buffers)
+
+
+class VectorJacobian(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        out, pull_back = torch.func.vjp(lambda r: self.lin(r).tanh(), x)
+        return pull_back(torch.ones_like(out))[0] * out
+
+
+class Transform(nn.Module):
+    """forward applies `transform(fn)` to the first row (a fixed function of the input)."""
+
+    def __init__(self, transform, fn=torch.sin):
+        super().__init__()
+        self.transform, self.fn = transform, fn
+
+    def forward(self, x):
+        return self.transform(self.fn)(x[0]) @ x.T
+
+
+class RandomRows(nn.Module):
+    def __init__(self, randomness: str):
+        super().__init__()
+        self.randomness = randomness
+
+    def forward(self, x):
+        rows = lambda row: nn.functional.dropout(row, 0.5, True) + torch.rand(3)  # noqa: E731
+        return torch.func.vmap(rows, randomness=self.randomness)(x)
+
+
+class _ChangesKeysWhenFreed:
+    """Stands for torch's objects in the frames an error goes through that change the thread's
+    dispatch keys when they are freed (a guard restoring what it saved)."""
+
+    held: list = []
+
+    def __del__(self):
+        include, exclude = ti.dispatch_keys()
+        guard = torch._C._ForceDispatchKeyGuard(include, exclude | torch._C.DispatchKeySet(torch._C.DispatchKey.Negative))
+        guard.__enter__()
+        self.held.append(guard)  # entered and never left; freed, it would set the keys it saved
+
+
+class TorchFuncTransforms(TestCase):
+    maxDiff = None
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+
+    def test_vmap(self):
+        ep = check_gradients(PerRow(), (self.x,))
+        export_and_check(PerRow(), (self.x,))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]", x: "f32[2, 3]"):
+        t: "f32[3, 3]" = torch.ops.aten.t.default(p_lin_weight);  p_lin_weight = None
+        unsqueeze: "f32[2, 1, 3]" = torch.ops.aten.unsqueeze.default(x, 1);  x = None
+        view: "f32[2, 3]" = torch.ops.aten.view.default(unsqueeze, [2, 3]);  unsqueeze = None
+        mm: "f32[2, 3]" = torch.ops.aten.mm.default(view, t);  view = t = None
+        _unsafe_view: "f32[2, 1, 3]" = torch.ops.aten._unsafe_view.default(mm, [2, 1, 3]);  mm = None
+        squeeze: "f32[2, 3]" = torch.ops.aten.squeeze.dims(_unsafe_view, [1]);  _unsafe_view = None
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(squeeze, p_lin_bias);  squeeze = p_lin_bias = None
+        sin: "f32[2, 3]" = torch.ops.aten.sin.default(add);  add = None
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None
+        return (mul,)""")
+
+    def test_grad_differentiated_again(self):
+        check_gradients(InputGradient(), (self.x,))
+
+    def test_per_sample_gradients(self):
+        check_gradients(PerSampleGradients(), (torch.randn(5, 3),))
+
+    def test_vjp_and_its_function(self):
+        check_gradients(VectorJacobian(), (self.x,))
+
+    def test_jacfwd(self):
+        check_gradients(Transform(torch.func.jacfwd), (self.x,))
+
+    def test_ensemble(self):
+        model = Ensemble()
+        ep = predispatch.export(model, (self.x,))
+        eager_x, program_x = self.x.clone().requires_grad_(), self.x.clone().requires_grad_()
+        expected, actual = Ensemble()(eager_x), ep.module()(program_x)
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+        expected.sum().backward(), actual.sum().backward()
+        torch.testing.assert_close(program_x.grad, eager_x.grad)  # bmm's backward: summed in another order
+
+    def test_randomness(self):
+        for randomness in ("different", "same"):
+            program = predispatch.export(RandomRows(randomness), (torch.randn(4, 3),)).module()
+            x = torch.randn(4, 3)
+            torch.manual_seed(3)
+            actual = program(x)
+            torch.manual_seed(3)
+            torch.testing.assert_close(actual, RandomRows(randomness)(x), rtol=0, atol=0)
+
+    def test_grad_mode_change_inside_refused(self):
+        class NoGradRows(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(3, 3)
+
+            def forward(self, x):
+                def row(r):
+                    with torch.no_grad():
+                        frozen = self.lin(r)
+                    return frozen + r
+
+                return torch.func.vmap(row)(x)
+
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(NoGradRows(), (self.x,))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward changes the grad mode (torch.no_grad(), inference_mode, set_grad_enabled) inside torch.func.vmap; export traces the transform below autograd, where the change leaves no trace, so the program would differentiate what eager does not.
+  at test_patterns.py:N (with torch.no_grad():)
+  fix: use .detach() on the values that must not be differentiated, or move the change out of the transformed function.
+  see docs/errors.md#unsupportedconstructerror""")
+
+    def test_jacrev_and_hessian(self):
+        check_gradients(Transform(torch.func.jacrev, torch.tanh), (self.x,))
+        check_gradients(Transform(torch.func.hessian, lambda r: r.sin().sum()), (self.x,))
+
+    def test_jacrev_through_a_layer_refused(self):
+        """jacrev's vmap over vjp here computes with as_strided, whose gradient through the
+        program came out doubled: refused rather than a wrong outer gradient."""
+
+        class LayerJacobian(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(3, 3)
+
+            def forward(self, x):
+                return torch.func.jacrev(lambda r: self.lin(r).tanh())(x[0])
+
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(LayerJacobian(), (self.x,))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward calls torch.func.vmap, and what it computes uses aten.as_strided.default, whose gradient depends on the memory layout of the tensor it is applied to; the program's gradient through it would differ from eager's.
+  at test_patterns.py:N (return torch.func.jacrev(lambda r: self.lin(r).tanh())(x[0]))
+  fix: export the function the transform is applied to and apply torch.func to the program (torch.func.vmap(ep.module())(x) works); or write the computation without the transform.
+  see docs/errors.md#unsupportedconstructerror""")
+
+    def test_failure_inside_is_named_and_leaves_the_thread_clean(self):
+        """A failure inside functorch's layers can leave the thread's dispatch keys changed (a
+        hessian traced on real tensors left every functorch key excluded, and every later trace
+        failed), now or when torch's frames the error holds are freed: the keys are as they were
+        when export returns, and stay so."""
+
+        class LeavesGuard(nn.Module):
+            def forward(self, x):
+                def row(r):
+                    keeper = _ChangesKeysWhenFreed()  # noqa: F841 - held by this frame, so by the error
+                    return r @ torch.ones(4)  # a size mismatch
+
+                return torch.func.vmap(row)(x)
+
+        def keys():
+            return tuple(map(str, ti.dispatch_keys()))
+
+        before = keys()
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(LeavesGuard(), (self.x,))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward calls torch.func.vmap, which export traces below autograd, and tracing it failed: RuntimeError: size mismatch, got input (2x3), vec (4)
+  at test_patterns.py:N (return torch.func.vmap(row)(x))
+  fix: export the function the transform is applied to and apply torch.func to the program (torch.func.vmap(ep.module())(x) works); or write the computation without the transform.
+  see docs/errors.md#unsupportedconstructerror""")
+        assert keys() == before
+        del info
+        gc.collect()
+        assert keys() == before
+        check_gradients(PerRow(), (self.x,))  # the next export in the thread works

@@ -128,6 +128,7 @@ from predispatch._torch_internals.tracing import (  # noqa: F401
     current_tracer,
     DATA_DEPENDENT_ERRORS,
     discarding_unbacked_symbols,
+    dispatch_keys,
     exporting_flags,
     forward_frames_only,
     generator_identity,
@@ -143,6 +144,7 @@ from predispatch._torch_internals.tracing import (  # noqa: F401
     trace_differentiated,
     trace_functional,
     trace_program,
+    traced_below_autograd,
     traced_node,
 )
 
@@ -196,6 +198,8 @@ __all__ = [
     "outside_trace",
     "trace_functional",
     "trace_program",
+    "traced_below_autograd",
+    "dispatch_keys",
     "trace_differentiated",
     "forward_frames_only",
     "ProgramTrace",

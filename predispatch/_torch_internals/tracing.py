@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import (
+    ProxyTorchDispatchMode,
     _AttrProxy,
     _ModuleStackTracer,
     get_proxy_mode,
@@ -35,7 +36,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from predispatch._torch_internals.codegen import torch_function_disabled
-from predispatch._torch_internals.functional import functional_value, MODULE_CALLS
+from predispatch._torch_internals.functional import functional_value, MODULE_CALLS, outside_trace
 from predispatch._torch_internals.mechanism import Hook, patched
 from predispatch._torch_versions import HAS
 
@@ -395,3 +396,45 @@ def backends_off() -> Iterator[None]:
     finally:
         torch._C._set_mkldnn_enabled(saved[0])
         torch._C._set_nnpack_enabled(saved[1])
+
+
+@contextlib.contextmanager
+def traced_below_autograd() -> Iterator[torch.fx.Graph]:
+    """Trace what runs inside into the running trace's graph, below autograd: the pre-dispatch
+    trace set aside (`outside_trace`), the same tracer's proxy mode and a FunctionalTensorMode on
+    the ordinary dispatch stack, as make_fx traces without pre_dispatch (and AOTAutograd traces
+    torch.func transforms).  Yields the graph the ops are recorded into."""
+    mode = get_proxy_mode()
+    if mode is None:
+        raise RuntimeError("traced_below_autograd() needs a running trace")
+    fake_mode = torch._guards.detect_fake_mode()
+    if fake_mode is None:
+        raise RuntimeError("traced_below_autograd() needs the trace's fake mode")
+    below = ProxyTorchDispatchMode(mode.tracer, mode.tracing_mode, pre_dispatch=False)
+    include, exclude = dispatch_keys()
+    try:
+        with outside_trace(), fake_mode, below, FunctionalTensorMode(pre_dispatch=False, export=True):
+            yield mode.tracer.graph
+    except BaseException as exc:
+        # torch's frames the error went through may hold dispatch-key guards that restore the keys
+        # they saved when they are freed, with the error, later: free them now, then put the keys back
+        traceback.clear_frames(exc.__traceback__)
+        _restore_dispatch_keys(include, exclude)
+        raise
+
+
+def dispatch_keys() -> tuple[torch._C.DispatchKeySet, torch._C.DispatchKeySet]:
+    """The thread's locally included and excluded dispatch keys."""
+    return torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+
+
+def _restore_dispatch_keys(include: torch._C.DispatchKeySet, exclude: torch._C.DispatchKeySet) -> None:
+    """Put the thread's included and excluded dispatch keys back as they were: a failure inside
+    a torch.func transform's C++ layers can leave them set (every functorch key excluded, which
+    breaks every later trace in the thread)."""
+    now_include, now_exclude = dispatch_keys()
+    for key in torch._C.DispatchKey.__members__.values():
+        if now_include.has(key) != include.has(key):
+            torch._C._dispatch_tls_set_dispatch_key_included(key, include.has(key))
+        if now_exclude.has(key) != exclude.has(key):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, exclude.has(key))

@@ -74,6 +74,31 @@ def _is_ints(value: Any, gm: fx.GraphModule) -> bool:
     return isinstance(value, (list, tuple)) and all(type(v) is int and v >= 0 for v in value)
 
 
+def _is_value_node(value: Any, gm: fx.GraphModule) -> bool:
+    return isinstance(value, fx.Node) and value.op != "get_attr"
+
+
+def _is_nodes(value: Any, gm: fx.GraphModule) -> bool:
+    return isinstance(value, (list, tuple)) and all(_is_value_node(v, gm) for v in value)
+
+
+def _is_block_mask(value: Any, gm: fx.GraphModule) -> bool:
+    """flex_attention's block mask: sizes, its tensors (or None), and the mask_mod subgraph last."""
+    return (
+        isinstance(value, tuple)
+        and len(value) > 0
+        and _is_subgraph(value[-1], gm)
+        and all(v is None or type(v) is int or _is_value_node(v, gm) for v in value[:-1])
+    )
+
+
+def _is_options(value: Any, gm: fx.GraphModule) -> bool:
+    """Kernel options: names to plain scalars."""
+    return isinstance(value, dict) and all(
+        type(k) is str and (v is None or type(v) in (bool, int, float, str)) for k, v in value.items()
+    )
+
+
 #: What an argument of a given kind may be.  A kind ending in `?` may also be None.
 ARGUMENT_KINDS: dict[str, Callable[[Any, fx.GraphModule], bool]] = {
     "subgraph": _is_subgraph,
@@ -86,6 +111,10 @@ ARGUMENT_KINDS: dict[str, Callable[[Any, fx.GraphModule], bool]] = {
     "op": lambda v, gm: isinstance(v, torch._ops.OpOverload),
     "predicate": lambda v, gm: type(v) is bool or (isinstance(v, fx.Node) and v.op != "get_attr"),
     "none": lambda v, gm: v is None,
+    "float": lambda v, gm: type(v) is float,
+    "nodes": _is_nodes,
+    "block_mask": _is_block_mask,
+    "options": _is_options,
 }
 
 
@@ -173,6 +202,9 @@ HOP_CONVENTIONS: dict[str, HopConvention] = {
     "cond": HopConvention(
         ("predicate", "subgraph", "subgraph"), ("node",), "torch.cond in the user's code: both branches kept, one runs",
         bodies=(1, 2), packed=True),
+    "flex_attention": HopConvention(
+        ("node", "node", "node", "subgraph", "block_mask", "float", "options", "nodes", "nodes"), (),
+        "torch.nn.attention.flex_attention: score_mod and mask_mod as subgraphs, the block mask's tensors as nodes"),
 }
 
 

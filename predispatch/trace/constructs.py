@@ -1,7 +1,7 @@
 """Constructs inside forward that export refuses by name, with the fix that fits each.
 
 Each was a raw torch error (or a program that differs from eager) before: the user got
-"Attempting to use FunctionalTensor on its own" for a `torch.func.vmap`, an AttributeError
+"Attempting to use FunctionalTensor on its own" for a torch.func transform, an AttributeError
 from our own code for a TorchScript submodule, and for `nn.TransformerEncoder` in eval with a
 padding mask a program whose padded positions differ from eager's `torch.no_grad()` output.
 """
@@ -33,16 +33,16 @@ def torch_func_refusal(exc: BaseException) -> UnsupportedConstructError | None:
 
     functorch's transforms wrap their inputs in their own tensor levels, under which the
     export's FunctionalTensorMode is not active: torch raises "Attempting to use
-    FunctionalTensor on its own".  Exporting them needs functorch's interpreters to run
-    under the functional pre-dispatch trace, which predispatch does not do yet."""
+    FunctionalTensor on its own".  The transforms trace/transforms.py traces below autograd
+    never get here; one that reaches functorch another way does."""
     if _FUNCTIONAL_ON_ITS_OWN not in str(exc):
         return None
     frames = traceback.extract_tb(exc.__traceback__)
     if not any("_functorch" in f.filename and os.path.basename(f.filename) in _FUNCTORCH_FILES for f in frames):
         return None
     return UnsupportedConstructError(
-        "forward calls a torch.func transform (vmap, grad, grad_and_value, jacrev, jacfwd, vjp, hessian); "
-        "export does not capture torch.func transforms yet.",
+        "forward calls a torch.func transform that export does not trace (vmap, grad, grad_and_value and vjp, "
+        "and the transforms made of them, are traced below autograd: Note [torch.func in forward]).",
         where=user_frame(exc.__traceback__),
         fix="export the function the transform is applied to and apply torch.func to the program "
         "(torch.func.vmap(ep.module())(x) works); or write the batched computation with batched ops "
@@ -239,9 +239,10 @@ def _packed_sequence_refusal(exc: BaseException) -> UnsupportedConstructError | 
 
 
 def _flex_attention_refusal(exc: BaseException) -> UnsupportedConstructError | None:
-    """forward calls flex_attention (or builds a block mask): torch's Python around the HOP
-    builds block masks with `torch.vmap`, which the functional trace cannot capture yet (the
-    same limit as a torch.func transform in forward)."""
+    """forward calls flex_attention with a score_mod or mask_mod that indexes a tensor it
+    captures (`self.bias[h]`): torch traces that index through its own wrapper
+    (`_trace_wrapped_higher_order_op`, an autograd.Function) inside the attention's subgraph,
+    where the functional trace does not reach."""
     if _FUNCTIONAL_ON_ITS_OWN not in str(exc):
         return None
     flex = os.path.join("nn", "attention", "flex_attention.py")
@@ -250,12 +251,14 @@ def _flex_attention_refusal(exc: BaseException) -> UnsupportedConstructError | N
     if first is None:
         return None
     return UnsupportedConstructError(
-        "forward calls torch.nn.attention.flex_attention (or create_block_mask), whose Python builds block "
-        "masks with torch.vmap; export does not capture torch.func transforms yet.",
+        "forward calls torch.nn.attention.flex_attention with a score_mod or mask_mod that indexes a tensor it "
+        "captures (as self.bias[h]); torch traces that index inside the attention's subgraph through a wrapper "
+        "export cannot trace yet.",
         where=_caller_line(frames[:first]),
-        fix="on CPU flex_attention computes the dense scores anyway: use F.scaled_dot_product_attention with a "
-        "boolean attn_mask made from your mask_mod by broadcasting (mask_mod(b, h, q_idx[:, None], kv_idx[None, :])), "
-        "adding a score_mod's bias to a float attn_mask; or export with torch.export.export(...).run_decompositions().",
+        fix="keep score_mod and mask_mod to arithmetic on the score and the indices (those export, block masks "
+        "built in forward too); or put the captured values into a float attn_mask of "
+        "F.scaled_dot_product_attention (on CPU flex_attention computes the dense scores anyway), e.g. "
+        "attn_mask = bias[:, None, None] for a per-head bias.",
     )
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
+from predispatch import _meta
 from predispatch import _torch_internals as ti
 from predispatch.errors import (
     DataDependentError,
@@ -49,6 +50,7 @@ from predispatch.trace.dedup import Dedup, share_repeated_blocks
 from predispatch.trace.grad_history import GradHistoryKeeper
 from predispatch.trace.hooks import backward_hooks
 from predispatch.trace.inference_mode import inference_mode_as_grad_mode
+from predispatch.trace.transforms import transforms_below_autograd
 from predispatch.trace.rng import refuse_generators_made_in_forward, refusing_rng_changes
 
 
@@ -306,6 +308,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
         stack.enter_context(torch.enable_grad())  # the ambient mode regions are relative to
         stack.enter_context(inference_mode_as_grad_mode())  # Note [inference_mode in forward]
         stack.enter_context(refusing_encoder_fast_path())
+        stack.enter_context(transforms_below_autograd())  # Note [torch.func in forward]
         stack.enter_context(ti.exporting_flags())
         stack.enter_context(_no_backend_heuristics())
         stack.enter_context(
@@ -342,7 +345,10 @@ def _check_engaged(program: _Program, gm: fx.GraphModule) -> None:
     ops reached the graph through FunctionalTensorMode, so its observer saw them; every grad-mode
     toggle forward made was recorded in the graph, so its region can be rebuilt."""
     assert program.observer is not None and program.keeper is not None  # set by the traced call
-    ops = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes)
+    ops = any(
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and _meta.BELOW_AUTOGRAD not in n.meta
+        for n in gm.graph.nodes
+    )
     if ops:
         program.observer.expect_calls("the graph holds ops traced through FunctionalTensorMode")
     keeper = program.keeper
