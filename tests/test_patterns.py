@@ -725,6 +725,23 @@ class GraphModule(torch.nn.Module):
         fft_irfft: "f32[2, 3, 8]" = torch.ops.aten.fft_irfft.default(view_as_complex, 8);  view_as_complex = None
         return (fft_irfft,)""")
 
+    def test_saved_and_joint(self):
+        buffer = io.BytesIO()
+        predispatch.save(predispatch.export(FourierLayer(), (self.x,)), buffer)
+        buffer.seek(0)
+        torch.testing.assert_close(predispatch.load(buffer).module()(self.x), FourierLayer()(self.x), rtol=0, atol=0)
+        from test_joint import check_joint
+
+        class SpectralLoss(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layer = FourierLayer()
+
+            def forward(self, x):
+                return self.layer(x).square().mean()
+
+        check_joint(SpectralLoss(), (self.x,))
+
     def test_index_assignment(self):
         ep = check_gradients(FourierLayer(select=True), (self.x,))
         export_and_check(FourierLayer(select=True), (self.x,))
