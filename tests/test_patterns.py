@@ -967,6 +967,20 @@ class GraphModule(torch.nn.Module):
     def test_vjp_and_its_function(self):
         check_gradients(VectorJacobian(), (self.x,))
 
+    def test_jvp(self):
+        """torch's pre-dispatch jvp recorded a zero tangent and kept FunctionalTensors as constants."""
+
+        class Tangent(nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.lin = nn.Linear(3, 3)
+
+            def forward(self, x):
+                return torch.func.jvp(lambda r: self.lin(r).tanh(), (x,), (torch.ones_like(x),))[1]
+
+        check_gradients(Tangent(), (self.x,))
+
     def test_jacfwd(self):
         check_gradients(Transform(torch.func.jacfwd), (self.x,))
 

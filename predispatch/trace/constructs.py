@@ -41,8 +41,8 @@ def torch_func_refusal(exc: BaseException) -> UnsupportedConstructError | None:
     if not any("_functorch" in f.filename and os.path.basename(f.filename) in _FUNCTORCH_FILES for f in frames):
         return None
     return UnsupportedConstructError(
-        "forward calls a torch.func transform that export does not trace (vmap, grad, grad_and_value and vjp, "
-        "and the transforms made of them, are traced below autograd: Note [torch.func in forward]).",
+        "forward calls a torch.func transform that export does not trace (vmap, grad, grad_and_value, vjp and "
+        "jvp, and the transforms made of them, are traced below autograd: Note [torch.func in forward]).",
         where=user_frame(exc.__traceback__),
         fix="export the function the transform is applied to and apply torch.func to the program "
         "(torch.func.vmap(ep.module())(x) works); or write the batched computation with batched ops "

@@ -28,11 +28,11 @@ a program that could differ from eager (`UnsupportedConstructError`):
   doubled), so the outer gradient would be wrong;
 - any failure inside the transform (jvp under vmap, as in jacfwd and hessian), with torch's
   error kept.
-`jvp` alone is captured at PreDispatch by torch's own wrappers (`torch._functorch.predispatch`)
-and is not handled here.
+(torch's own pre-dispatch wrappers for jvp, `torch._functorch.predispatch`, recorded a graph
+whose tangent was zeros, holding FunctionalTensors as constants: jvp is traced here too.)
 
 Entry points: the functions torch's transforms call at run time (`vmap_impl`, `grad_impl`,
-`grad_and_value_impl`, `_vjp_with_argnums`), looked up by name when called, so a transform the
+`grad_and_value_impl`, `_vjp_with_argnums`, `_jvp_with_argnums`), looked up by name when called, so a transform the
 user imported before export still reaches them.  The outermost call is traced; transforms
 nested inside it run as they are.  A torch without an entry point raises at export start
 (`ti.require`); one whose transform stops calling it leaves that transform to the old failure,
@@ -80,6 +80,7 @@ ENTRY_POINTS = (
     EntryPoint(torch._functorch.eager_transforms, "grad_impl", "grad"),
     EntryPoint(torch._functorch.eager_transforms, "grad_and_value_impl", "grad_and_value"),
     EntryPoint(torch._functorch.eager_transforms, "_vjp_with_argnums", "vjp (or jacrev)"),
+    EntryPoint(torch._functorch.eager_transforms, "_jvp_with_argnums", "jvp (or jacfwd)"),
 )
 
 #: Ops whose gradient reads their input's memory layout (Note [torch.func in forward]).
