@@ -576,6 +576,10 @@ forward uses torch.ao.quantization.FakeQuantize, whose forward branches on the v
 
     def test_distribution_validate_args(self):
         mu, x = torch.randn(3), torch.randn(3)
+        if hasattr(torch.distributions.distribution, "_all_true_or_runtime_assert"):
+            # torch 2.15: the check is a runtime assert when traced, and the program is eager's
+            check_gradients(NormalLogProb(), (mu, x))
+            return
         with pytest.raises(predispatch.errors.DataDependentError) as info:
             predispatch.export(NormalLogProb(), (mu, x))
         self.assertExpectedInline(stable_message(info.value), """\

@@ -113,7 +113,10 @@ RESIZING_KERNELS: dict[torch._ops.OpOverload, tuple[tuple[int, ...], str]] = {
 
 
 def resized_by_kernel(node: object) -> bool:
-    """Whether `node` is state a kernel may have resized (Note [State a kernel resizes])."""
+    """Whether `node` is state a kernel may have resized (Note [State a kernel resizes]), seen
+    through `aten.alias` (which torch 2.14+'s joint puts before its outputs)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target is torch.ops.aten.alias.default:
+        node = node.args[0]
     if not (isinstance(node, fx.Node) and node.target is operator.getitem and isinstance(node.args[0], fx.Node)):
         return False
     kernel = node.args[0].target
