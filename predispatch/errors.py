@@ -71,7 +71,8 @@ class DataDependentError(PredispatchError):
     `if x.sum() > 0:` or `int(x.max())` has no answer at trace time.
     Example: `if (x > 0).all(): ...`.
     Fix: make the branch static, compute both sides and pick with `torch.where`, or use
-    `torch.cond(pred, true_fn, false_fn, operands)`.
+    `torch.cond(pred, true_fn, false_fn, operands)`.  A check inside torch's own code
+    (`FakeQuantize`, a distribution's `validate_args`) gets the fix that fits it instead.
     """
 
     anchor = "datadependenterror"
@@ -81,11 +82,11 @@ class TraceError(PredispatchError):
     """torch could not trace the user's code; torch's error is kept as `err.torch_error`.
 
     Cause: an operation that functional pre-dispatch tracing does not support (for example a
-    metadata mutation such as `x.t_()` of an input, a mutation of an input that aliases
-    another input, or a buffer replaced in forward by a tensor of another shape).
-    metadata mutation such as `self.b.t_()` of a buffer, a storage swap `x.set_(y)`, or a
-    mutation of an input that aliases another input).
-    Fix: the message names the line; rewrite it functionally (`y = x.t()` instead of `x.t_()`).
+    metadata mutation such as `self.b.t_()` of a buffer, a storage swap `x.set_(y)`, a
+    mutation of a tensor passed at two places, or a buffer replaced in forward by a tensor of
+    another shape), or a raw torch failure.
+    Fix: the message names the line and gives the fix that fits the cause (`y = x.t()` instead
+    of `x.t_()` for a metadata change); a raw torch failure says where torch's error is.
     """
 
     anchor = "traceerror"
@@ -108,11 +109,13 @@ class SharedStorageError(PredispatchError):
 class UnsupportedConstructError(PredispatchError):
     """forward uses a construct export cannot capture as eager runs it; refused by name.
 
-    Cause: a torch.func transform (`vmap`, `grad`, `jacrev`, `jacfwd`, `vjp`, `hessian`) inside
-    forward, a TorchScript submodule (`torch.jit.script`), or `nn.TransformerEncoder`'s
+    Cause: what a torch.func transform inside forward does that export cannot keep (a grad-mode
+    change in the transformed function, `as_strided`, a failure there), a TorchScript submodule (`torch.jit.script`), `nn.TransformerEncoder`'s
     nested-tensor fast path (eval mode with a `src_key_padding_mask`), whose output eager
-    computes differently under `torch.no_grad()` than the traced program does.
-    Example: `return torch.func.vmap(self.head)(x)` in forward.
+    computes differently under `torch.no_grad()` than the traced program does,
+    `torch.autograd.grad` inside forward, `pack_padded_sequence` (sizes from data), or a
+    flex_attention score_mod indexing a captured tensor.
+    Example: `with torch.no_grad():` inside a function given to `torch.func.vmap` in forward.
     Fix: the message says what to do for each construct (apply the transform to `ep.module()`,
     export the module before scripting it, build the encoder with `enable_nested_tensor=False`).
     """
@@ -175,12 +178,13 @@ def user_frame(tb: TracebackType | None = None) -> str | None:
     """
     frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()[:-1]
     for frame in reversed(frames):
-        if _is_user_file(frame.filename):
+        if is_user_file(frame.filename):
             return f"{frame.filename}:{frame.lineno} ({frame.line.strip() if frame.line else ''})"
     return None
 
 
-def _is_user_file(filename: str) -> bool:
+def is_user_file(filename: str) -> bool:
+    """Whether `filename` is the user's: not torch, not predispatch, not the standard library."""
     import torch
 
     if filename.startswith("<"):

@@ -303,8 +303,8 @@ class GraphModule(torch.nn.Module):
         grad_output_carrier_fwd_0 = self.grad_output_carrier_fwd_0
         grad_output_carrier_bwd_0 = self.grad_output_carrier_bwd_0
         autograd_function_apply_1 = torch.ops.higher_order.autograd_function_apply(grad_output_carrier_fwd_0, grad_output_carrier_bwd_0, relu, zeros, non_differentiable_idx = [], saved_for_backward_idx = []);  grad_output_carrier_fwd_0 = grad_output_carrier_bwd_0 = relu = zeros = None
-        clone_1: "f32[5, 4]" = autograd_function_apply_1[0];  autograd_function_apply_1 = None
-        linear_1: "f32[5, 2]" = torch.ops.aten.linear.default(clone_1, p_out_weight, p_out_bias);  clone_1 = p_out_weight = p_out_bias = None
+        clone_2: "f32[5, 4]" = autograd_function_apply_1[0];  autograd_function_apply_1 = None
+        linear_1: "f32[5, 2]" = torch.ops.aten.linear.default(clone_2, p_out_weight, p_out_bias);  clone_2 = p_out_weight = p_out_bias = None
         return (linear_1,)
 
     class full_backward_hooks_fwd_0(torch.nn.Module):
@@ -458,11 +458,16 @@ class GraphModule(torch.nn.Module):
         self.assertIn("module 'out' (Linear) has a backward hook", message(info.value))
         self.assertIn("it was registered with the deprecated register_backward_hook.", message(info.value))
 
-    def test_probe_failure_names_the_module(self):
+    def test_forward_is_traced_once(self):
+        """Issue 23 (11): the module's forward runs once at export, traced, as every other
+        module's (it ran once more on stand-ins before, to learn its output); a forward reading a
+        value of the trace from outside its arguments, which the stand-ins could not give, exports."""
         outside = {}
+        calls = []
 
         class ReadsOutside(nn.Module):
             def forward(self, x):
+                calls.append(type(x).__name__)
                 return x * outside["scale"]  # a tensor of the trace that is no argument and no state
 
         class Sets(nn.Module):
@@ -477,14 +482,11 @@ class GraphModule(torch.nn.Module):
 
         net = Sets()
         net.inner.register_full_backward_hook(lambda m, gi, go: (gi[0] * go[0].mean(),))
-        with pytest.raises(errors.UnsupportedHookError) as info:
-            predispatch.export(net, (torch.randn(4, 3),))
-        self.assertIn(
-            "module 'inner' (ReadsOutside) has a full backward hook; export learns which outputs its grad_output "
-            "holds by running the module once more on stand-in tensors, which failed",
-            message(info.value),
-        )
-        self.assertIn("test_hooks.py:N (return x * outside", message(info.value))
+        ep = predispatch.export(net, (torch.randn(4, 3),))
+        self.assertEqual(calls, ["FunctionalTensor"])
+        check_gradients(net, (torch.randn(4, 3),))
+        self.assertEqual(len(net.inner._backward_hooks), 1)  # restored after export
+        self.assertIn("full_backward_hooks_bwd_0", ep.graph_module.code)
 
     def test_hook_with_side_effect_is_refused(self):
         seen = []

@@ -24,15 +24,15 @@ from predispatch import _torch_internals as ti
 from predispatch._torch_internals import tracing as ti_tracing
 
 
-def aot_trace_program(fn, args, scope) -> ti.ProgramTrace:
+def aot_trace_program(fn, args, scope, decompositions=None) -> ti.ProgramTrace:
     """`ti.trace_program`'s contract (inputs `(token, *args)`, outputs `(*new values of the
-    mutated args, *outputs)`), produced by AOTAutograd's two passes."""
+    mutated args, *outputs)`, make_fx's `decompositions`), produced by AOTAutograd's two passes."""
 
     class Program(nn.Module):
         def forward(self, *tensors):
             return fn(*tensors)
 
-    gm, sig = ti.aot_export_module(Program(), args, trace_joint=False, pre_dispatch=True)
+    gm, sig = ti.aot_export_module(Program(), args, trace_joint=False, pre_dispatch=True, decompositions=decompositions)
     graph = gm.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
     n_tokens = len(sig.input_tokens)

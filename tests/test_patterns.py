@@ -7,13 +7,20 @@ pinned refusal naming the construct.
 
 from __future__ import annotations
 
+import copy
+import gc
+import io
+from unittest import mock
+
 import pytest
 import torch
 from expecttest import TestCase
 from helpers import check_gradients, export_and_check, graph, stable_message
+from predispatch.passes import mutable_ops
 from torch import nn
 
 import predispatch
+from predispatch import _torch_internals as ti
 from predispatch.errors import SharedStorageError, UnsupportedConstructError
 
 
@@ -396,34 +403,6 @@ class GraphModule(torch.nn.Module):
 class Refusals(TestCase):
     maxDiff = None
 
-    def test_vmap_in_forward(self):
-        class PerRow(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.lin = nn.Linear(3, 3)
-
-            def forward(self, x):
-                return torch.func.vmap(lambda row: self.lin(row).sin())(x)
-
-        with pytest.raises(UnsupportedConstructError) as info:
-            predispatch.export(PerRow(), (torch.randn(2, 3),))
-        self.assertExpectedInline(stable_message(info.value), """\
-forward calls a torch.func transform (vmap, grad, grad_and_value, jacrev, jacfwd, vjp, hessian); export does not capture torch.func transforms yet.
-  at test_patterns.py:N (return torch.func.vmap(lambda row: self.lin(row).sin())(x))
-  fix: export the function the transform is applied to and apply torch.func to the program (torch.func.vmap(ep.module())(x) works); or write the batched computation with batched ops (a leading batch dimension, torch.bmm) instead of vmap.
-  see docs/errors.md#unsupportedconstructerror""")
-        assert "FunctionalTensor" in str(info.value.torch_error)
-
-    def test_other_transforms(self):
-        calls = {
-            "grad": lambda x: torch.func.grad(lambda r: r.sin().sum())(x),
-            "jacrev": lambda x: torch.func.jacrev(torch.sin)(x),
-            "vjp": lambda x: torch.func.vjp(torch.sin, x)[1](torch.ones_like(x))[0],
-        }
-        for call in calls.values():
-            with pytest.raises(UnsupportedConstructError, match="torch.func transform"):
-                predispatch.export(call, (torch.randn(2, 3),))
-
     def test_torchscript_submodule(self):
         class Scripted(nn.Module):
             def __init__(self):
@@ -495,3 +474,611 @@ class TraceErrorFix(TestCase):
         with pytest.raises(predispatch.errors.PredispatchError) as info:
             predispatch.export(ToNumpy(), (torch.randn(2),))
         assert "metadata" not in str(info.value) and "x.t_()" not in str(info.value)
+
+    def test_metadata_fix_where_it_fits(self):
+        """A raw failure about an in-place change of shape keeps that fix."""
+
+        class GrowsView(nn.Module):
+            def forward(self, x):
+                return x[:2].resize_(5).sum()
+
+        with pytest.raises(predispatch.errors.TraceError) as info:
+            predispatch.export(GrowsView(), (torch.randn(4),))
+        assert info.value.fix.startswith("an in-place change of an input's shape, strides or storage")
+
+
+# --- our errors for constructs torch fails on (trace/constructs.py; issue 23, 10) ------------
+
+
+class PackedGRU(nn.Module):
+    def __init__(self, pack: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.GRU(3, 4, batch_first=True)
+        self.pack = pack
+
+    def forward(self, x, lengths):
+        if not self.pack:  # the fix the refusal gives: the padded batch, masked
+            out, _ = self.rnn(x)
+            return out * (torch.arange(x.shape[1]) < lengths[:, None])[..., None]
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        return nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[0]
+
+
+class GradientPenalty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+
+    def forward(self, x):
+        energy = self.lin(x).pow(2).sum()
+        (force,) = torch.autograd.grad(energy, x, create_graph=True)
+        return force
+
+
+class QuantizedInput(nn.Module):
+    def __init__(self, fake_quantize: type = torch.ao.quantization.FakeQuantize):
+        super().__init__()
+        self.fq = fake_quantize()
+
+    def forward(self, x):
+        return self.fq(x) * 2
+
+
+class NormalLogProb(nn.Module):
+    def __init__(self, validate: bool = True):
+        super().__init__()
+        self.validate = validate
+
+    def forward(self, mu, x):
+        return torch.distributions.Normal(mu, mu.exp(), validate_args=self.validate).log_prob(x)
+
+
+class ConstructErrors(TestCase):
+    maxDiff = None
+
+    def test_pack_padded_sequence(self):
+        x, lengths = torch.randn(2, 5, 3), torch.tensor([5, 3])
+        for lengths_arg in (lengths, [5, 3]):  # sizes from a tensor or from a list: both fail in torch
+            module = PackedGRU()
+            with pytest.raises(UnsupportedConstructError) as info:
+                predispatch.export(module, (x, lengths_arg) if isinstance(lengths_arg, torch.Tensor) else (x, lengths))
+            assert "pack_padded_sequence" in str(info.value)
+        self.assertExpectedInline(stable_message(info.value), """\
+forward packs a padded batch (torch.nn.utils.rnn.pack_padded_sequence / PackedSequence): the packed batch sizes come from the lengths' values, which export cannot know (it traces shapes, not values).
+  at test_patterns.py:N (out, _ = self.rnn(packed))
+  fix: run the RNN on the padded batch without packing and mask the steps past each length (torch.arange(T) < lengths[:, None]); a unidirectional RNN's outputs at the valid steps are the packed run's, and its final state is the output at lengths - 1 (gather it).
+  see docs/errors.md#unsupportedconstructerror""")
+        # the fix works: the masked padded run exports and equals eager's packed run
+        export_and_check(PackedGRU(pack=False), (x, lengths), exact=False)
+        program = predispatch.export(PackedGRU(pack=False), (x, lengths)).module()
+        torch.testing.assert_close(program(x, lengths), PackedGRU()(x, lengths))
+
+    def test_autograd_grad_in_forward(self):
+        x = torch.randn(2, 3)
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(GradientPenalty(), (x,))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward calls torch.autograd.grad (or Tensor.backward); export traces forward above autograd, where forward's tensors have no autograd graph to differentiate.
+  at test_patterns.py:N ((force,) = torch.autograd.grad(energy, x, create_graph=True))
+  fix: export the function without the gradient and differentiate the program's output outside it (torch.autograd.grad(ep.module()(x).sum(), x) in your training step), or write the derivative out in forward.
+  see docs/errors.md#unsupportedconstructerror""")
+
+    def test_fake_quantize_check(self):
+        with pytest.raises(predispatch.errors.DataDependentError) as info:
+            predispatch.export(QuantizedInput(), (torch.randn(2, 3),))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward uses torch.ao.quantization.FakeQuantize, whose forward branches on the values of its observer_enabled and fake_quant_enabled buffers; export traces shapes, not values, so the check has no answer (it is inside torch's ao/quantization/fake_quantize.py (forward), where torch.cond cannot be applied).
+  at test_patterns.py:N (return self.fq(x) * 2)
+  fix: use FusedMovingAvgObsFakeQuantize (the fake quantizer of torch.ao.quantization.get_default_qat_qconfig), which reads those flags inside one op; or export the float model and quantize the program with PT2E (torch.ao.quantization.quantize_pt2e.prepare_qat_pt2e).
+  see docs/errors.md#datadependenterror""")
+
+    def test_distribution_validate_args(self):
+        mu, x = torch.randn(3), torch.randn(3)
+        if hasattr(torch.distributions.distribution, "_all_true_or_runtime_assert"):
+            # torch 2.15: the check is a runtime assert when traced, and the program is eager's
+            check_gradients(NormalLogProb(), (mu, x))
+            return
+        with pytest.raises(predispatch.errors.DataDependentError) as info:
+            predispatch.export(NormalLogProb(), (mu, x))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward uses a torch.distributions distribution with validate_args=True, which checks its parameters' (and log_prob's sample's) values; export traces shapes, not values, so the check has no answer (it is inside torch's distributions/distribution.py (__init__), where torch.cond cannot be applied).
+  at test_patterns.py:N (return torch.distributions.Normal(mu, mu.exp(), validate_args=self.validate).log_prob(x))
+  fix: build the distribution with validate_args=False (or call torch.distributions.Distribution.set_default_validate_args(False) before export), and check the values outside forward if you need to.
+  see docs/errors.md#datadependenterror""")
+        check_gradients(NormalLogProb(validate=False), (mu, x))  # the fix works
+
+    def test_other_torch_check_names_the_place(self):
+        """A data-dependent check inside torch that has no entry: where it is, not torch.cond."""
+
+        class GaussianLoss(nn.Module):
+            def forward(self, mean, target, var):
+                return nn.functional.gaussian_nll_loss(mean, target, var)  # checks var >= 0
+
+        with pytest.raises(predispatch.errors.DataDependentError) as info:
+            predispatch.export(GaussianLoss(), (torch.randn(3), torch.randn(3), torch.rand(3)))
+        self.assertExpectedInline(stable_message(info.value), """\
+a check inside torch's own code (nn/functional.py (gaussian_nll_loss)) reads a value inside a tensor, which export cannot know (it traces shapes, not values); torch.cond cannot be applied inside torch's code.
+  at test_patterns.py:N (return nn.functional.gaussian_nll_loss(mean, target, var)  # checks var >= 0)
+  fix: call that torch function with arguments that skip the check (see the named file), or outside forward on the program's inputs or outputs.
+  see docs/errors.md#datadependenterror""")
+
+    def test_users_own_branch_keeps_torch_cond(self):
+        class Branch(nn.Module):
+            def forward(self, x):
+                return x * 2 if x.sum() > 0 else x
+
+        with pytest.raises(predispatch.errors.DataDependentError) as info:
+            predispatch.export(Branch(), (torch.randn(3),))
+        assert "torch.cond" in info.value.fix
+
+
+class FlexAttention(nn.Module):
+    """flex_attention with a score_mod, with a causal block mask built in forward, or with a
+    score_mod reading a parameter by index."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.bias = nn.Parameter(torch.linspace(-1, 1, 2))
+
+    def forward(self, q, k, v):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        if self.kind == "block mask":
+            mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, q.shape[2], k.shape[2], device="cpu")
+            return flex_attention(q, k, v, block_mask=mask)
+        if self.kind == "score_mod":
+            return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score + (qi - ki) * 0.1)
+        return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score + self.bias[h] * (qi - ki))
+
+
+class DenseAttention(nn.Module):
+    """The fix the refusal gives: the same per-head bias, dense, through SDPA."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.linspace(-1, 1, 2))
+
+    def forward(self, q, k, v):
+        qi, ki = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None, :]
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias[:, None, None] * (qi - ki))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+class FlexAttentionInForward(TestCase):
+    """flex_attention has no backward on CPU: outputs only."""
+
+    maxDiff = None
+    qkv = tuple(torch.randn(1, 2, 128, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    def test_score_mod_and_block_mask(self):
+        for kind in ("score_mod", "block mask"):
+            model = FlexAttention(kind)
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            ep = predispatch.export(model, self.qkv)
+            assert mutable_ops(ep.graph_module) == []
+            flex = ep.graph_module.graph.find_nodes(op="call_function", target=torch.ops.higher_order.flex_attention)
+            self.assertEqual(len(flex), 1)  # the HOP kept, its score_mod and mask_mod as subgraphs
+            torch.testing.assert_close(ep.module()(*self.qkv), FlexAttention(kind)(*self.qkv), rtol=0, atol=0)
+            assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+            # the file format has no flex_attention yet: save refuses it by name
+            with pytest.raises(predispatch.errors.SerializationError, match="flex_attention"):
+                predispatch.save(ep, io.BytesIO())
+
+    def test_score_mod_indexing_a_parameter_refused(self):
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(FlexAttention("indexed"), self.qkv)
+        self.assertExpectedInline(stable_message(info.value), """\
+forward calls torch.nn.attention.flex_attention with a score_mod or mask_mod that indexes a tensor it captures (as self.bias[h]); torch traces that index inside the attention's subgraph through a wrapper export cannot trace yet.
+  at test_patterns.py:N (return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score + self.bias[h] * (qi - ki)))
+  fix: keep score_mod and mask_mod to arithmetic on the score and the indices (those export, block masks built in forward too); or put the captured values into a float attn_mask of F.scaled_dot_product_attention (on CPU flex_attention computes the dense scores anyway), e.g. attn_mask = bias[:, None, None] for a per-head bias.
+  see docs/errors.md#unsupportedconstructerror""")
+
+    def test_the_fix_exports_eagers_values(self):
+        with torch.no_grad():  # flex_attention has no backward on CPU
+            expected = FlexAttention("indexed")(*self.qkv)
+        export_and_check(DenseAttention(), self.qkv)
+        program = predispatch.export(DenseAttention(), self.qkv).module()
+        torch.testing.assert_close(program(*self.qkv), expected)
+
+
+# --- scatters into complex tensors (Note [Scatters into complex tensors]; issue 23, 8) --------
+
+
+class FourierLayer(nn.Module):
+    """A spectral convolution (Fourier neural operator): the first modes weighted, the rest zero."""
+
+    def __init__(self, channels: int = 3, modes: int = 3, select: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(channels, modes, dtype=torch.cfloat) / channels)
+        self.modes, self.select = modes, select
+
+    def forward(self, x):
+        x_ft = torch.fft.rfft(x)
+        out = torch.zeros(x.shape[0], x.shape[1], x.shape[-1] // 2 + 1, dtype=torch.cfloat)
+        if self.select:  # one mode, written through an index
+            out[..., 1] = x_ft[..., 1] * self.w[:, 0]
+        else:
+            out[..., : self.modes] = x_ft[..., : self.modes] * self.w
+        return torch.fft.irfft(out, n=x.shape[-1])
+
+
+class ComplexScatters(TestCase):
+    maxDiff = None
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+
+    def test_slice_assignment(self):
+        ep = check_gradients(FourierLayer(), (self.x,))
+        export_and_check(FourierLayer(), (self.x,))
+        torch.testing.assert_close(ep.module()(self.x), torch.export.export(FourierLayer(), (self.x,)).module()(self.x), rtol=0, atol=0)
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_w: "c64[3, 3]", x: "f32[2, 3, 8]"):
+        fft_rfft: "c64[2, 3, 5]" = torch.ops.aten.fft_rfft.default(x);  x = None
+        zeros: "c64[2, 3, 5]" = torch.ops.aten.zeros.default([2, 3, 5], dtype = torch.complex64, device = device(type='cpu'), pin_memory = False)
+        slice_1: "c64[2, 3, 3]" = torch.ops.aten.slice.Tensor(fft_rfft, 2, 0, 3);  fft_rfft = None
+        mul: "c64[2, 3, 3]" = torch.ops.aten.mul.Tensor(slice_1, p_w);  slice_1 = p_w = None
+        slice_2: "c64[2, 3, 3]" = torch.ops.aten.slice.Tensor(zeros, 2, 0, 3);  slice_2 = None
+        view_as_real: "f32[2, 3, 5, 2]" = torch.ops.aten.view_as_real.default(zeros);  zeros = None
+        view_as_real_1: "f32[2, 3, 3, 2]" = torch.ops.aten.view_as_real.default(mul);  mul = None
+        slice_scatter: "f32[2, 3, 5, 2]" = torch.ops.aten.slice_scatter.default(view_as_real, view_as_real_1, 2, 0, 3);  view_as_real = view_as_real_1 = None
+        view_as_complex: "c64[2, 3, 5]" = torch.ops.aten.view_as_complex.default(slice_scatter);  slice_scatter = None
+        fft_irfft: "f32[2, 3, 8]" = torch.ops.aten.fft_irfft.default(view_as_complex, 8);  view_as_complex = None
+        return (fft_irfft,)""")
+
+    def test_saved_and_joint(self):
+        buffer = io.BytesIO()
+        predispatch.save(predispatch.export(FourierLayer(), (self.x,)), buffer)
+        buffer.seek(0)
+        torch.testing.assert_close(predispatch.load(buffer).module()(self.x), FourierLayer()(self.x), rtol=0, atol=0)
+        from test_joint import check_joint
+
+        class SpectralLoss(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layer = FourierLayer()
+
+            def forward(self, x):
+                return self.layer(x).square().mean()
+
+        check_joint(SpectralLoss(), (self.x,))
+
+    def test_index_assignment(self):
+        ep = check_gradients(FourierLayer(select=True), (self.x,))
+        export_and_check(FourierLayer(select=True), (self.x,))
+        assert "select_scatter" in ep.graph_module.code and "view_as_real" in ep.graph_module.code
+
+    def test_table_not_taken_is_drift(self):
+        """Without the table a write under no_grad traces whole, which the program could not
+        differentiate once grad is on: the trace checks that the rewrite engaged."""
+
+        class NoGradWrite(nn.Module):
+            def forward(self, x):
+                out = torch.zeros(2, 3, 5, dtype=torch.cfloat)
+                with torch.no_grad():
+                    out[..., :2] = torch.fft.rfft(x)[..., :2]
+                return torch.fft.irfft(out, n=8)
+
+        export_and_check(NoGradWrite(), (self.x,))
+        with mock.patch("predispatch.trace.functional.trace_decompositions", dict):
+            with pytest.raises(predispatch.errors.TorchDriftError, match="slice_scatter"):
+                predispatch.export(NoGradWrite(), (self.x,))
+
+    def test_real_tensors_keep_the_plain_scatter(self):
+        class Real(nn.Module):
+            def forward(self, x):
+                out = torch.zeros(2, 3, 8)
+                out[..., :3] = x[..., :3] * 2
+                return out
+
+        ep = check_gradients(Real(), (self.x,))
+        assert "view_as_real" not in ep.graph_module.code and "slice_scatter" in ep.graph_module.code
+
+
+# --- a buffer a kernel resizes (issue 23, 6) --------------------------------------------------
+
+
+def _qat_linear() -> nn.Module:
+    torch.manual_seed(0)
+    return torch.ao.nn.qat.Linear(4, 8, qconfig=torch.ao.quantization.get_default_qat_qconfig("fbgemm"))
+
+
+class QatLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = _qat_linear()
+
+    def forward(self, x):
+        return self.lin(x).square().mean()
+
+
+class ResizedBuffers(TestCase):
+    """`torch.ao.nn.qat.Linear`'s per-channel observer: the fused kernel grows min_val / max_val
+    from [0] and scale / zero_point from [1] to one per output channel on the first call."""
+
+    maxDiff = None
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+
+    def test_module_runs_as_eager(self):
+        ep = export_and_check(_qat_linear(), (self.x,))
+        _assert_same_runs(_run(predispatch.export(_qat_linear(), (self.x,)).module(), self.x), _run(_qat_linear(), self.x))
+        check_gradients(_qat_linear(), (self.x,))
+        plans = [s.target for s in ep.signature.mutations]
+        self.assertEqual(
+            plans,
+            [
+                "weight_fake_quant.scale",
+                "weight_fake_quant.zero_point",
+                "weight_fake_quant.activation_post_process.min_val",
+                "weight_fake_quant.activation_post_process.max_val",
+            ],
+        )
+
+    def test_saved_after_growing(self):
+        model = _qat_linear()
+        ep = predispatch.export(model, (self.x,))
+        eager = _qat_linear()
+        program = ep.module()
+        torch.testing.assert_close(program(self.x), eager(self.x), rtol=0, atol=0)  # the state grows
+        assert model.weight_fake_quant.scale.shape == (8,)
+        buffer = io.BytesIO()
+        predispatch.save(ep, buffer)
+        buffer.seek(0)
+        loaded = predispatch.load(buffer).module()
+        _assert_same_runs(_run(loaded, self.x), _run(eager, self.x))
+
+    def test_saved_before_growing(self):
+        ep = predispatch.export(_qat_linear(), (self.x,))
+        buffer = io.BytesIO()
+        predispatch.save(ep, buffer)
+        buffer.seek(0)
+        _assert_same_runs(_run(predispatch.load(buffer).module(), self.x), _run(_qat_linear(), self.x))
+
+    def test_joint(self):
+        from test_joint import check_joint
+
+        check_joint(QatLoss(), (self.x,))
+
+
+# --- torch.func transforms in forward (Note [torch.func in forward]; issue 23, 4) -------------
+
+
+class PerRow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return torch.func.vmap(lambda row: self.lin(row).sin())(x) * 2
+
+
+class InputGradient(nn.Module):
+    """A force from an energy: the gradient of a scalar function of the input, differentiated again."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return torch.func.grad(lambda r: self.lin(r).tanh().sum())(x) + x
+
+
+class PerSampleGradients(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    def forward(self, x):
+        params = dict(self.net.named_parameters())
+
+        def loss(p, sample):
+            return torch.func.functional_call(self.net, p, (sample[None],)).pow(2).sum()
+
+        grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+        return sum(g.flatten(1).sum(1) for g in grads.values())
+
+
+class Ensemble(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.models = nn.ModuleList([nn.Linear(3, 2) for _ in range(4)])
+        self.base = [copy.deepcopy(self.models[0]).to("meta")]  # a list: not a submodule
+
+    def forward(self, x):
+        params, buffers = torch.func.stack_module_state(list(self.models))
+        return torch.func.vmap(lambda p, b: torch.func.functional_call(self.base[0], (p, b), (x,)))(params, buffers)
+
+
+class VectorJacobian(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        out, pull_back = torch.func.vjp(lambda r: self.lin(r).tanh(), x)
+        return pull_back(torch.ones_like(out))[0] * out
+
+
+class Transform(nn.Module):
+    """forward applies `transform(fn)` to the first row (a fixed function of the input)."""
+
+    def __init__(self, transform, fn=torch.sin):
+        super().__init__()
+        self.transform, self.fn = transform, fn
+
+    def forward(self, x):
+        return self.transform(self.fn)(x[0]) @ x.T
+
+
+class RandomRows(nn.Module):
+    def __init__(self, randomness: str):
+        super().__init__()
+        self.randomness = randomness
+
+    def forward(self, x):
+        rows = lambda row: nn.functional.dropout(row, 0.5, True) + torch.rand(3)  # noqa: E731
+        return torch.func.vmap(rows, randomness=self.randomness)(x)
+
+
+class _ChangesKeysWhenFreed:
+    """Stands for torch's objects in the frames an error goes through that change the thread's
+    dispatch keys when they are freed (a guard restoring what it saved)."""
+
+    held: list = []
+
+    def __del__(self):
+        include, exclude = ti.dispatch_keys()
+        guard = torch._C._ForceDispatchKeyGuard(include, exclude | torch._C.DispatchKeySet(torch._C.DispatchKey.Negative))
+        guard.__enter__()
+        self.held.append(guard)  # entered and never left; freed, it would set the keys it saved
+
+
+class TorchFuncTransforms(TestCase):
+    maxDiff = None
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+
+    def test_vmap(self):
+        ep = check_gradients(PerRow(), (self.x,))
+        export_and_check(PerRow(), (self.x,))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]", x: "f32[2, 3]"):
+        t: "f32[3, 3]" = torch.ops.aten.t.default(p_lin_weight);  p_lin_weight = None
+        unsqueeze: "f32[2, 1, 3]" = torch.ops.aten.unsqueeze.default(x, 1);  x = None
+        view: "f32[2, 3]" = torch.ops.aten.view.default(unsqueeze, [2, 3]);  unsqueeze = None
+        mm: "f32[2, 3]" = torch.ops.aten.mm.default(view, t);  view = t = None
+        _unsafe_view: "f32[2, 1, 3]" = torch.ops.aten._unsafe_view.default(mm, [2, 1, 3]);  mm = None
+        squeeze: "f32[2, 3]" = torch.ops.aten.squeeze.dims(_unsafe_view, [1]);  _unsafe_view = None
+        add: "f32[2, 3]" = torch.ops.aten.add.Tensor(squeeze, p_lin_bias);  squeeze = p_lin_bias = None
+        sin: "f32[2, 3]" = torch.ops.aten.sin.default(add);  add = None
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None
+        return (mul,)""")
+
+    def test_grad_differentiated_again(self):
+        check_gradients(InputGradient(), (self.x,))
+
+    def test_per_sample_gradients(self):
+        check_gradients(PerSampleGradients(), (torch.randn(5, 3),))
+
+    def test_vjp_and_its_function(self):
+        check_gradients(VectorJacobian(), (self.x,))
+
+    def test_jvp(self):
+        """torch's pre-dispatch jvp recorded a zero tangent and kept FunctionalTensors as constants."""
+
+        class Tangent(nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.lin = nn.Linear(3, 3)
+
+            def forward(self, x):
+                return torch.func.jvp(lambda r: self.lin(r).tanh(), (x,), (torch.ones_like(x),))[1]
+
+        check_gradients(Tangent(), (self.x,))
+
+    def test_jacfwd(self):
+        check_gradients(Transform(torch.func.jacfwd), (self.x,))
+
+    def test_ensemble(self):
+        model = Ensemble()
+        ep = predispatch.export(model, (self.x,))
+        eager_x, program_x = self.x.clone().requires_grad_(), self.x.clone().requires_grad_()
+        expected, actual = Ensemble()(eager_x), ep.module()(program_x)
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+        expected.sum().backward(), actual.sum().backward()
+        torch.testing.assert_close(program_x.grad, eager_x.grad)  # bmm's backward: summed in another order
+
+    def test_randomness(self):
+        for randomness in ("different", "same"):
+            program = predispatch.export(RandomRows(randomness), (torch.randn(4, 3),)).module()
+            x = torch.randn(4, 3)
+            torch.manual_seed(3)
+            actual = program(x)
+            torch.manual_seed(3)
+            torch.testing.assert_close(actual, RandomRows(randomness)(x), rtol=0, atol=0)
+
+    def test_grad_mode_change_inside_refused(self):
+        class NoGradRows(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(3, 3)
+
+            def forward(self, x):
+                def row(r):
+                    with torch.no_grad():
+                        frozen = self.lin(r)
+                    return frozen + r
+
+                return torch.func.vmap(row)(x)
+
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(NoGradRows(), (self.x,))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward changes the grad mode (torch.no_grad(), inference_mode, set_grad_enabled) inside torch.func.vmap; export traces the transform below autograd, where the change leaves no trace, so the program would differentiate what eager does not.
+  at test_patterns.py:N (with torch.no_grad():)
+  fix: use .detach() on the values that must not be differentiated, or move the change out of the transformed function.
+  see docs/errors.md#unsupportedconstructerror""")
+
+    def test_jacrev_and_hessian(self):
+        check_gradients(Transform(torch.func.jacrev, torch.tanh), (self.x,))
+        check_gradients(Transform(torch.func.hessian, lambda r: r.sin().sum()), (self.x,))
+
+    def test_jacrev_through_a_layer_refused(self):
+        """jacrev's vmap over vjp here computes with as_strided, whose gradient through the
+        program came out doubled: refused rather than a wrong outer gradient."""
+
+        class LayerJacobian(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(3, 3)
+
+            def forward(self, x):
+                return torch.func.jacrev(lambda r: self.lin(r).tanh())(x[0])
+
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(LayerJacobian(), (self.x,))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward calls torch.func.vmap, and what it computes uses aten.as_strided.default, whose gradient depends on the memory layout of the tensor it is applied to; the program's gradient through it would differ from eager's.
+  at test_patterns.py:N (return torch.func.jacrev(lambda r: self.lin(r).tanh())(x[0]))
+  fix: export the function the transform is applied to and apply torch.func to the program (torch.func.vmap(ep.module())(x) works); or write the computation without the transform.
+  see docs/errors.md#unsupportedconstructerror""")
+
+    def test_failure_inside_is_named_and_leaves_the_thread_clean(self):
+        """A failure inside functorch's layers can leave the thread's dispatch keys changed (a
+        hessian traced on real tensors left every functorch key excluded, and every later trace
+        failed), now or when torch's frames the error holds are freed: the keys are as they were
+        when export returns, and stay so."""
+
+        class LeavesGuard(nn.Module):
+            def forward(self, x):
+                def row(r):
+                    keeper = _ChangesKeysWhenFreed()  # noqa: F841 - held by this frame, so by the error
+                    return r @ torch.ones(4)  # a size mismatch
+
+                return torch.func.vmap(row)(x)
+
+        def keys():
+            return tuple(map(str, ti.dispatch_keys()))
+
+        before = keys()
+        with pytest.raises(UnsupportedConstructError) as info:
+            predispatch.export(LeavesGuard(), (self.x,))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward calls torch.func.vmap, which export traces below autograd, and tracing it failed: RuntimeError: size mismatch, got input (2x3), vec (4)
+  at test_patterns.py:N (return torch.func.vmap(row)(x))
+  fix: export the function the transform is applied to and apply torch.func to the program (torch.func.vmap(ep.module())(x) works); or write the computation without the transform.
+  see docs/errors.md#unsupportedconstructerror""")
+        assert keys() == before
+        del info
+        gc.collect()
+        assert keys() == before
+        check_gradients(PerRow(), (self.x,))  # the next export in the thread works

@@ -139,6 +139,7 @@ from predispatch._torch_internals.tracing import (  # noqa: F401
     current_tracer,
     DATA_DEPENDENT_ERRORS,
     discarding_unbacked_symbols,
+    dispatch_keys,
     exporting_flags,
     forward_frames_only,
     generator_identity,
@@ -154,6 +155,7 @@ from predispatch._torch_internals.tracing import (  # noqa: F401
     trace_differentiated,
     trace_functional,
     trace_program,
+    traced_below_autograd,
     traced_node,
 )
 
@@ -209,6 +211,8 @@ __all__ = [
     "outside_trace",
     "trace_functional",
     "trace_program",
+    "traced_below_autograd",
+    "dispatch_keys",
     "trace_differentiated",
     "forward_frames_only",
     "ProgramTrace",

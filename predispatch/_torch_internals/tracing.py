@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import (
+    ProxyTorchDispatchMode,
     _AttrProxy,
     _ModuleStackTracer,
     get_proxy_mode,
@@ -35,7 +36,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from predispatch._torch_internals.codegen import torch_function_disabled
-from predispatch._torch_internals.functional import functional_value, MODULE_CALLS
+from predispatch._torch_internals.functional import functional_value, MODULE_CALLS, outside_trace
 from predispatch._torch_internals.mechanism import Hook, patched
 from predispatch._torch_versions import HAS
 
@@ -114,7 +115,12 @@ class ProgramTrace:
     storage_mutated: tuple[int, ...] = ()
 
 
-def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn.Module) -> ProgramTrace:
+def trace_program(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    scope: torch.nn.Module,
+    decompositions: dict[OpOverload, Callable[..., Any]] | None = None,
+) -> ProgramTrace:
     """Capture `fn(*args)` once: a functional graph at the PreDispatch key (call under the fake mode).
 
     What `aot_export_module(pre_dispatch=True)` records in its capture pass, without its
@@ -122,7 +128,9 @@ def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn
     PreDispatch, only to learn which inputs are mutated): FunctionalTensorMode on the
     PreDispatch stack over make_fx's proxy tracer, and the mutations read off the
     FunctionalTensor inputs after the run, as AOTAutograd's own metadata analysis reads them.
-    `scope` names modules in each node's `nn_module_stack`.
+    `scope` names modules in each node's `nn_module_stack`.  `decompositions`: make_fx's table,
+    for ops the proxy tracer meets below functionalization (a function returning NotImplemented
+    leaves the call to the op).
     """
     mutated: list[int] = []
     metadata: list[int] = []
@@ -159,7 +167,7 @@ def trace_program(fn: Callable[..., Any], args: tuple[Any, ...], scope: torch.nn
         # (`generate_code`); a GraphModule's code is a tenth of a 600-node export
         stack.enter_context(_use_lazy_graph_module(True))
         token = torch.empty(0)
-        gm = make_fx(functional, record_module_stack=True, pre_dispatch=True)(token, *args)
+        gm = make_fx(functional, decompositions, record_module_stack=True, pre_dispatch=True)(token, *args)
     return ProgramTrace(gm, tuple(mutated), tuple(metadata), tuple(storage))
 
 
@@ -388,3 +396,45 @@ def backends_off() -> Iterator[None]:
     finally:
         torch._C._set_mkldnn_enabled(saved[0])
         torch._C._set_nnpack_enabled(saved[1])
+
+
+@contextlib.contextmanager
+def traced_below_autograd() -> Iterator[torch.fx.Graph]:
+    """Trace what runs inside into the running trace's graph, below autograd: the pre-dispatch
+    trace set aside (`outside_trace`), the same tracer's proxy mode and a FunctionalTensorMode on
+    the ordinary dispatch stack, as make_fx traces without pre_dispatch (and AOTAutograd traces
+    torch.func transforms).  Yields the graph the ops are recorded into."""
+    mode = get_proxy_mode()
+    if mode is None:
+        raise RuntimeError("traced_below_autograd() needs a running trace")
+    fake_mode = torch._guards.detect_fake_mode()
+    if fake_mode is None:
+        raise RuntimeError("traced_below_autograd() needs the trace's fake mode")
+    below = ProxyTorchDispatchMode(mode.tracer, mode.tracing_mode, pre_dispatch=False)
+    include, exclude = dispatch_keys()
+    try:
+        with outside_trace(), fake_mode, below, FunctionalTensorMode(pre_dispatch=False, export=True):
+            yield mode.tracer.graph
+    except BaseException as exc:
+        # torch's frames the error went through may hold dispatch-key guards that restore the keys
+        # they saved when they are freed, with the error, later: free them now, then put the keys back
+        traceback.clear_frames(exc.__traceback__)
+        _restore_dispatch_keys(include, exclude)
+        raise
+
+
+def dispatch_keys() -> tuple[torch._C.DispatchKeySet, torch._C.DispatchKeySet]:
+    """The thread's locally included and excluded dispatch keys."""
+    return torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+
+
+def _restore_dispatch_keys(include: torch._C.DispatchKeySet, exclude: torch._C.DispatchKeySet) -> None:
+    """Put the thread's included and excluded dispatch keys back as they were: a failure inside
+    a torch.func transform's C++ layers can leave them set (every functorch key excluded, which
+    breaks every later trace in the thread)."""
+    now_include, now_exclude = dispatch_keys()
+    for key in torch._C.DispatchKey.__members__.values():
+        if now_include.has(key) != include.has(key):
+            torch._C._dispatch_tls_set_dispatch_key_included(key, include.has(key))
+        if now_exclude.has(key) != exclude.has(key):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, exclude.has(key))

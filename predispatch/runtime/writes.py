@@ -38,6 +38,21 @@ has run, so a random draw in it has happened).
 
 The helpers take plain lists so any runner (today's `ProgramModule`, or a generated
 `GraphModule`) can call them.
+
+Note [State a kernel resizes]
+-----------------------------
+A few kernels resize the state they write, by what they find in it: the fused observer of
+`torch.ao.nn.qat.Linear`'s default fake quantizer (`_fused_moving_avg_obs_fq_helper`) grows a
+per-channel observer's `min_val` / `max_val` from [0] and the quantizer's `scale` /
+`zero_point` from [1] to one entry per channel on the first call with the observer on.  The
+functional twin the graph holds returns those values; its fake kernel gives them the inputs'
+shapes, so the graph's shapes are the exported ones and the values a call computes may be
+larger.  The graph records it by holding the kernel (`RESIZING_KERNELS`, read off the graph by
+`resized_by_kernel`): such a buffer mutation is written back as a metadata mutation
+(`as_strided_` to the value's shape, growing the storage as the kernel's `resize_` does, then
+the data), and the file checks accept any size for that buffer (serialize/verify.py), since its
+shape after a call is the kernel's choice.  The graph's other nodes run at the new sizes as they
+are, as eager's do.
 """
 
 from __future__ import annotations
@@ -86,6 +101,35 @@ class WritePlan:
     writes_data: bool = True
 
 
+#: Kernels that resize the state they write (Note [State a kernel resizes]): the functional op
+#: the graph holds -> (the output positions that carry resized state, why).
+RESIZING_KERNELS: dict[torch._ops.OpOverload, tuple[tuple[int, ...], str]] = {
+    torch.ops.aten._fused_moving_avg_obs_fq_helper_functional.default: (
+        (2, 3, 4, 5),
+        "the per-channel observer's running_min / running_max grow from [0], scale / zero_point from [1], "
+        "to one entry per channel (the kernel's resize_, with the observer on)",
+    ),
+}
+
+
+def resized_by_kernel(node: object) -> bool:
+    """Whether `node` is state a kernel may have resized (Note [State a kernel resizes]), seen
+    through `aten.alias` (which torch 2.14+'s joint puts before its outputs)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target is torch.ops.aten.alias.default:
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and node.target is operator.getitem and isinstance(node.args[0], fx.Node)):
+        return False
+    kernel = node.args[0].target
+    entry = RESIZING_KERNELS.get(kernel) if isinstance(kernel, torch._ops.OpOverload) else None
+    return entry is not None and node.args[1] in entry[0]
+
+
+def resized_targets(graph_module: fx.GraphModule, signature: ExportSignature) -> frozenset[str]:
+    """The state whose mutation a kernel may resize (Note [State a kernel resizes])."""
+    outputs = graph_module.graph.output_node().args[0]
+    return frozenset(spec.target for spec, node in zip(signature.mutations, outputs) if resized_by_kernel(node))
+
+
 def plan_writes(graph_module: fx.GraphModule, signature: ExportSignature) -> tuple[WritePlan, ...]:
     """One `WritePlan` per mutation output of the program, in output order."""
     paths = {s.name: s.target for s in signature.inputs_of(InputKind.USER_INPUT)}
@@ -94,7 +138,7 @@ def plan_writes(graph_module: fx.GraphModule, signature: ExportSignature) -> tup
     plans = []
     for spec, node in zip(signature.mutations, outputs):
         label = f"{_TARGET_NOUN[spec.kind]} {paths.get(spec.target, spec.target)!r}"
-        metadata = spec.kind is OutputKind.USER_INPUT_METADATA_MUTATION
+        metadata = spec.kind is OutputKind.USER_INPUT_METADATA_MUTATION or resized_by_kernel(node)
         writes_data = not (metadata and _is_view_of(node, placeholders.get(spec.target)))
         plans.append(WritePlan(label, _grad_mode_of(node), metadata, writes_data))
     return tuple(plans)

@@ -39,6 +39,7 @@ from torch import fx, nn
 
 from predispatch.errors import SerializationError
 from predispatch.runtime import names as naming
+from predispatch.runtime.writes import resized_by_kernel, resized_targets
 from predispatch.serialize.values import STORED_DEVICE_TYPES
 from predispatch.serialize.kernel_inputs import BodyCalls, body_calls, trusted_input_problems
 from predispatch.serialize.op_allowlist import decide
@@ -73,6 +74,31 @@ def _is_ints(value: Any, gm: fx.GraphModule) -> bool:
     return isinstance(value, (list, tuple)) and all(type(v) is int and v >= 0 for v in value)
 
 
+def _is_value_node(value: Any, gm: fx.GraphModule) -> bool:
+    return isinstance(value, fx.Node) and value.op != "get_attr"
+
+
+def _is_nodes(value: Any, gm: fx.GraphModule) -> bool:
+    return isinstance(value, (list, tuple)) and all(_is_value_node(v, gm) for v in value)
+
+
+def _is_block_mask(value: Any, gm: fx.GraphModule) -> bool:
+    """flex_attention's block mask: sizes, its tensors (or None), and the mask_mod subgraph last."""
+    return (
+        isinstance(value, tuple)
+        and len(value) > 0
+        and _is_subgraph(value[-1], gm)
+        and all(v is None or type(v) is int or _is_value_node(v, gm) for v in value[:-1])
+    )
+
+
+def _is_options(value: Any, gm: fx.GraphModule) -> bool:
+    """Kernel options: names to plain scalars."""
+    return isinstance(value, dict) and all(
+        type(k) is str and (v is None or type(v) in (bool, int, float, str)) for k, v in value.items()
+    )
+
+
 #: What an argument of a given kind may be.  A kind ending in `?` may also be None.
 ARGUMENT_KINDS: dict[str, Callable[[Any, fx.GraphModule], bool]] = {
     "subgraph": _is_subgraph,
@@ -85,6 +111,10 @@ ARGUMENT_KINDS: dict[str, Callable[[Any, fx.GraphModule], bool]] = {
     "op": lambda v, gm: isinstance(v, torch._ops.OpOverload),
     "predicate": lambda v, gm: type(v) is bool or (isinstance(v, fx.Node) and v.op != "get_attr"),
     "none": lambda v, gm: v is None,
+    "float": lambda v, gm: type(v) is float,
+    "nodes": _is_nodes,
+    "block_mask": _is_block_mask,
+    "options": _is_options,
 }
 
 
@@ -183,6 +213,9 @@ HOP_CONVENTIONS: dict[str, HopConvention] = {
     "map_impl": HopConvention(
         ("subgraph",), ("node",), "torch's map in the user's code: the body subgraph, run on each slice",
         bodies=(0,), packed=2),
+    "flex_attention": HopConvention(
+        ("node", "node", "node", "subgraph", "block_mask", "float", "options", "nodes", "nodes"), (),
+        "torch.nn.attention.flex_attention: score_mod and mask_mod as subgraphs, the block mask's tensors as nodes"),
 }
 
 
@@ -414,13 +447,14 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-def _same_metadata(value: Any, expected: torch.Tensor) -> str | None:
-    """Why a node's value cannot stand for `expected`, or None (dtype, rank, static sizes)."""
+def _same_metadata(value: Any, expected: torch.Tensor, resizable: bool = False) -> str | None:
+    """Why a node's value cannot stand for `expected`, or None (dtype, rank, static sizes; any
+    sizes for state a kernel resizes, Note [State a kernel resizes] in runtime/writes.py)."""
     if not isinstance(value, torch.Tensor):
         return f"its value is {_describe(value)}, not a tensor"
     if value.dtype != expected.dtype or value.dim() != expected.dim():
         return f"its value is {value.dtype}[{value.dim()} dims], its target {expected.dtype}[{expected.dim()} dims]"
-    sizes = [(a, b) for a, b in zip(value.shape, expected.shape) if type(a) is int and type(b) is int]
+    sizes = [(a, b) for a, b in zip(value.shape, expected.shape) if type(a) is int and type(b) is int and not resizable]
     if any(a != b for a, b in sizes):
         return f"its shape {list(value.shape)} differs from its target's {list(expected.shape)}"
     return None
@@ -439,7 +473,7 @@ def _state_mutation(ep: Program, node: Any, target: str) -> str | None:
     stored = {**ep.state_dict, **ep.constants}.get(target)
     if stored is None:
         return f"mutates {target!r}, which is not a parameter, buffer or constant of the program"
-    return _same_metadata(_val(node), stored)
+    return _same_metadata(_val(node), stored, resizable=resized_by_kernel(node))
 
 
 def _input_mutation(ep: Program, node: Any, target: str) -> str | None:
@@ -503,9 +537,10 @@ def _signature_problems(ep: Program) -> Iterator[Problem]:
     if set(ep.state_dict) != state or set(ep.constants) != constants:
         yield Problem("signature inputs", "the stored tensors differ from the signature's parameters, buffers and constants")
     stored = {**ep.state_dict, **ep.constants}
+    resized = resized_targets(ep.graph_module, sig)
     for node, spec in zip(placeholders, sig.inputs):
         if spec.target in stored and spec.kind != InputKind.USER_INPUT and node.name == spec.name:
-            why = _same_metadata(_val(node), stored[spec.target])
+            why = _same_metadata(_val(node), stored[spec.target], resizable=spec.target in resized)
             if why:
                 yield Problem(f"signature input {spec.name} ({spec.kind.name} {spec.target!r})", why)
     tensor_leaves = sum(leaf.is_tensor for leaf in sig.input_leaves)

@@ -1,7 +1,7 @@
 """Constructs inside forward that export refuses by name, with the fix that fits each.
 
 Each was a raw torch error (or a program that differs from eager) before: the user got
-"Attempting to use FunctionalTensor on its own" for a `torch.func.vmap`, an AttributeError
+"Attempting to use FunctionalTensor on its own" for a torch.func transform, an AttributeError
 from our own code for a TorchScript submodule, and for `nn.TransformerEncoder` in eval with a
 padding mask a program whose padded positions differ from eager's `torch.no_grad()` output.
 """
@@ -11,14 +11,17 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from predispatch import _torch_internals as ti
-from predispatch.errors import TraceError, UnsupportedConstructError, user_frame
+from predispatch.errors import DataDependentError, PredispatchError, TraceError, UnsupportedConstructError, is_user_file, user_frame
 
 #: The torch.func files a transform's call passes through (torch/_functorch/...).
 _FUNCTORCH_FILES = ("apis.py", "eager_transforms.py", "vmap.py")
@@ -30,16 +33,16 @@ def torch_func_refusal(exc: BaseException) -> UnsupportedConstructError | None:
 
     functorch's transforms wrap their inputs in their own tensor levels, under which the
     export's FunctionalTensorMode is not active: torch raises "Attempting to use
-    FunctionalTensor on its own".  Exporting them needs functorch's interpreters to run
-    under the functional pre-dispatch trace, which predispatch does not do yet."""
+    FunctionalTensor on its own".  The transforms trace/transforms.py traces below autograd
+    never get here; one that reaches functorch another way does."""
     if _FUNCTIONAL_ON_ITS_OWN not in str(exc):
         return None
     frames = traceback.extract_tb(exc.__traceback__)
     if not any("_functorch" in f.filename and os.path.basename(f.filename) in _FUNCTORCH_FILES for f in frames):
         return None
     return UnsupportedConstructError(
-        "forward calls a torch.func transform (vmap, grad, grad_and_value, jacrev, jacfwd, vjp, hessian); "
-        "export does not capture torch.func transforms yet.",
+        "forward calls a torch.func transform that export does not trace (vmap, grad, grad_and_value, vjp and "
+        "jvp, and the transforms made of them, are traced below autograd: Note [torch.func in forward]).",
         where=user_frame(exc.__traceback__),
         fix="export the function the transform is applied to and apply torch.func to the program "
         "(torch.func.vmap(ep.module())(x) works); or write the batched computation with batched ops "
@@ -166,3 +169,188 @@ def _property_error(cls: type, name: str, inner: AttributeError) -> TraceError:
     )
     error.torch_error = inner
     return error
+
+
+# --- constructs recognised in a failed trace's traceback ------------------------------------
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+#: Files of torch's tracing machinery (relative to torch's package): the frames between the
+#: user's (or torch's library) code and the failure, never where the construct is.
+_MACHINERY = (
+    "fx" + os.sep, "_subclasses" + os.sep, "_dynamo" + os.sep, "_library" + os.sep, "_prims" + os.sep,
+    "_refs" + os.sep, "_decomp" + os.sep, "_higher_order_ops" + os.sep, "_functorch" + os.sep,
+    "utils" + os.sep + "_stats.py", "utils" + os.sep + "_python_dispatch.py", "nn" + os.sep + "modules" + os.sep + "module.py",
+    "__init__.py", "_ops.py", "_compile.py", "_tensor.py", "_guards.py", "overrides.py", "_meta_registrations.py",
+)
+
+
+def _torch_relative(filename: str) -> str | None:
+    """`filename` relative to torch's package, or None outside it."""
+    path = os.path.abspath(filename)
+    return path[len(_TORCH_DIR):] if path.startswith(_TORCH_DIR) else None
+
+
+def _frames(tb: TracebackType | None) -> list[tuple[FrameType, int]]:
+    """The traceback's frames with their line numbers, outermost first."""
+    return list(traceback.walk_tb(tb))
+
+
+def _innermost_torch_library_frame(tb: TracebackType | None) -> tuple[str, FrameType, int] | None:
+    """The innermost frame of torch's library code (not its tracing machinery) deeper than the
+    user's innermost frame: where torch's own code, not the user's, did what failed."""
+    found = None
+    for frame, line in _frames(tb):
+        relative = _torch_relative(frame.f_code.co_filename)
+        if relative is None:
+            found = None  # the user's code (or predispatch's) is deeper than any torch frame so far
+        elif not relative.startswith(_MACHINERY):
+            found = (relative, frame, line)
+    return found
+
+
+@dataclass(frozen=True)
+class TorchCheck:
+    """A data-dependent check inside torch's own code that users meet, with the fix that fits it.
+
+    file: the file inside torch's package (`ao/quantization/fake_quantize.py`).
+    construct: what the user wrote that runs the check, as they know it.
+    fix: what the user can do (torch.cond cannot reach inside torch's code).
+    """
+
+    file: str
+    construct: str
+    fix: str
+
+
+#: Checks inside torch that read tensor values, which users meet in forward (issue 23, 10).
+TORCH_CHECKS = (
+    TorchCheck(
+        os.path.join("ao", "quantization", "fake_quantize.py"),
+        "torch.ao.quantization.FakeQuantize, whose forward branches on the values of its "
+        "observer_enabled and fake_quant_enabled buffers",
+        "use FusedMovingAvgObsFakeQuantize (the fake quantizer of torch.ao.quantization.get_default_qat_qconfig), "
+        "which reads those flags inside one op; or export the float model and quantize the program with "
+        "PT2E (torch.ao.quantization.quantize_pt2e.prepare_qat_pt2e).",
+    ),
+    TorchCheck(
+        os.path.join("distributions", "distribution.py"),
+        "a torch.distributions distribution with validate_args=True, which checks its parameters' "
+        "(and log_prob's sample's) values",
+        "build the distribution with validate_args=False (or call "
+        "torch.distributions.Distribution.set_default_validate_args(False) before export), and check "
+        "the values outside forward if you need to.",
+    ),
+)
+
+
+def _caller_line(frames: list[tuple[FrameType, int]]) -> str | None:
+    """`file:line (source)` of the innermost user frame among `frames` (the call into torch)."""
+    summaries = traceback.StackSummary.extract(iter(frames))
+    for summary in reversed(summaries):
+        if _torch_relative(summary.filename) is None and is_user_file(summary.filename):
+            return f"{summary.filename}:{summary.lineno} ({(summary.line or '').strip()})"
+    return None
+
+
+def torch_check_error(exc: BaseException, where: str | None) -> DataDependentError | None:
+    """Our error for a data-dependent check inside torch's own code: the fix of `TORCH_CHECKS`
+    for a known one, else where in torch the check is and what the user can still do."""
+    found = _innermost_torch_library_frame(exc.__traceback__)
+    if found is None:
+        return None
+    relative, frame, _ = found
+    inside = f"{relative.replace(os.sep, '/')} ({frame.f_code.co_name})"
+    for check in TORCH_CHECKS:
+        if relative == check.file:
+            return DataDependentError(
+                f"forward uses {check.construct}; export traces shapes, not values, so the check has no "
+                f"answer (it is inside torch's {inside}, where torch.cond cannot be applied).",
+                where=where,
+                fix=check.fix,
+            )
+    return DataDependentError(
+        f"a check inside torch's own code ({inside}) reads a value inside a tensor, which export cannot "
+        "know (it traces shapes, not values); torch.cond cannot be applied inside torch's code.",
+        where=where,
+        fix="call that torch function with arguments that skip the check (see the named file), or outside "
+        "forward on the program's inputs or outputs.",
+    )
+
+
+def _autograd_refusal(exc: BaseException) -> UnsupportedConstructError | None:
+    """forward called `torch.autograd.grad` or `.backward()`: the trace runs forward above
+    autograd, where forward's tensors have no autograd graph to differentiate."""
+    for frame, _ in reversed(_frames(exc.__traceback__)):
+        relative = _torch_relative(frame.f_code.co_filename)
+        if relative == os.path.join("autograd", "__init__.py") and frame.f_code.co_name in ("grad", "backward"):
+            return UnsupportedConstructError(
+                f"forward calls torch.autograd.{frame.f_code.co_name} (or Tensor.backward); export traces "
+                "forward above autograd, where forward's tensors have no autograd graph to differentiate.",
+                where=user_frame(exc.__traceback__),
+                fix="export the function without the gradient and differentiate the program's output outside "
+                "it (torch.autograd.grad(ep.module()(x).sum(), x) in your training step), or write the "
+                "derivative out in forward.",
+            )
+    return None
+
+
+def _packed_sequence_refusal(exc: BaseException) -> UnsupportedConstructError | None:
+    """forward packs a batch (`pack_padded_sequence`) or runs an RNN on a PackedSequence: the
+    packed sizes are computed from the lengths' values, which the trace does not have."""
+    rnn_utils = os.path.join("nn", "utils", "rnn.py")
+    for frame, _ in _frames(exc.__traceback__):
+        packing = _torch_relative(frame.f_code.co_filename) == rnn_utils
+        if packing or any(isinstance(v, PackedSequence) for v in frame.f_locals.values()):
+            return UnsupportedConstructError(
+                "forward packs a padded batch (torch.nn.utils.rnn.pack_padded_sequence / PackedSequence): the "
+                "packed batch sizes come from the lengths' values, which export cannot know (it traces "
+                "shapes, not values).",
+                where=user_frame(exc.__traceback__),
+                fix="run the RNN on the padded batch without packing and mask the steps past each length "
+                "(torch.arange(T) < lengths[:, None]); a unidirectional RNN's outputs at the valid steps are "
+                "the packed run's, and its final state is the output at lengths - 1 (gather it).",
+            )
+    return None
+
+
+def _flex_attention_refusal(exc: BaseException) -> UnsupportedConstructError | None:
+    """forward calls flex_attention with a score_mod or mask_mod that indexes a tensor it
+    captures (`self.bias[h]`): torch traces that index through its own wrapper
+    (`_trace_wrapped_higher_order_op`, an autograd.Function) inside the attention's subgraph,
+    where the functional trace does not reach."""
+    if _FUNCTIONAL_ON_ITS_OWN not in str(exc):
+        return None
+    flex = os.path.join("nn", "attention", "flex_attention.py")
+    frames = _frames(exc.__traceback__)
+    first = next((i for i, (frame, _) in enumerate(frames) if _torch_relative(frame.f_code.co_filename) == flex), None)
+    if first is None:
+        return None
+    return UnsupportedConstructError(
+        "forward calls torch.nn.attention.flex_attention with a score_mod or mask_mod that indexes a tensor it "
+        "captures (as self.bias[h]); torch traces that index inside the attention's subgraph through a wrapper "
+        "export cannot trace yet.",
+        where=_caller_line(frames[:first]),
+        fix="keep score_mod and mask_mod to arithmetic on the score and the indices (those export, block masks "
+        "built in forward too); or put the captured values into a float attn_mask of "
+        "F.scaled_dot_product_attention (on CPU flex_attention computes the dense scores anyway), e.g. "
+        "attn_mask = bias[:, None, None] for a per-head bias.",
+    )
+
+
+#: Constructs recognised in a failed trace, each giving our error (None: not this one).
+_REFUSALS: tuple[Callable[[BaseException], PredispatchError | None], ...] = (
+    _flex_attention_refusal,
+    torch_func_refusal,
+    _autograd_refusal,
+    _packed_sequence_refusal,
+)
+
+
+def construct_refusal(exc: BaseException) -> PredispatchError | None:
+    """Our error naming the construct a failed trace met, when `exc` shows a known one."""
+    for refusal in _REFUSALS:
+        error = refusal(exc)
+        if error is not None:
+            return error
+    return None

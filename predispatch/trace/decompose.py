@@ -441,3 +441,76 @@ CALL_DEPENDENT_ALIASING: dict[torch._ops.OpOverload, tuple[Callable[..., bool], 
     _aten.einsum.default: (_einsum_aliases, "one operand, no summed label: a permutation or diagonal"),
 }
 
+
+
+# Note [Scatters into complex tensors]
+# -------------------------------------
+# Functionalization turns a write into a view (`out[..., :k] = v`, a Fourier layer's modes) into
+# a scatter of the new values into the base: `slice_scatter` / `select_scatter`.  The trace runs
+# above autograd, so those ops meet their autograd kernels, which have no complex formula
+# ("slice_scatter does not support automatic differentiation for outputs with complex dtype"),
+# although eager's `copy_` into the view has one; the program, run eagerly, would meet the same
+# kernels.  So for complex tensors the trace records the scatter on the real view of both
+# tensors, which autograd differentiates as it does `copy_` (the gradient of the written part is
+# the slice of the output's gradient, the rest is the base's):
+#
+#     view_as_complex(slice_scatter(view_as_real(base), view_as_real(src), dim, start, end, step))
+#
+# `view_as_real` appends the (real, imaginary) dimension last, so `dim` is taken as non-negative.
+# Every complex call is rewritten, not only those requiring grad at export: the program's inputs
+# may require grad when it runs.  Other dtypes take the op itself.
+
+
+def _complex_slice_scatter(
+    self: torch.Tensor, src: torch.Tensor, dim: int = 0, start: object = None, end: object = None, step: int = 1
+) -> object:
+    """`slice_scatter` on complex tensors through their real views (Note [Scatters into complex tensors])."""
+    if not self.is_complex():
+        return NotImplemented
+    real = _aten.slice_scatter.default(
+        _aten.view_as_real.default(self), _aten.view_as_real.default(src), dim % self.dim(), start, end, step
+    )
+    return _aten.view_as_complex.default(real)
+
+
+def _complex_select_scatter(self: torch.Tensor, src: torch.Tensor, dim: int, index: int) -> object:
+    """`select_scatter` on complex tensors through their real views (Note [Scatters into complex tensors])."""
+    if not self.is_complex():
+        return NotImplemented
+    real = _aten.select_scatter.default(
+        _aten.view_as_real.default(self), _aten.view_as_real.default(src), dim % self.dim(), index
+    )
+    return _aten.view_as_complex.default(real)
+
+
+#: Ops the trace records otherwise where torch's path fails, each with its reason; they run in
+#: make_fx's tracer (below functionalization, which makes them) and return NotImplemented for
+#: the calls torch's path handles.
+TRACE_DECOMPOSITIONS: dict[torch._ops.OpOverload, tuple[Callable[..., object], str]] = {
+    _aten.slice_scatter.default: (
+        _complex_slice_scatter,
+        "no complex autograd formula; functionalization makes it from a write into a slice of a complex tensor",
+    ),
+    _aten.select_scatter.default: (
+        _complex_select_scatter,
+        "no complex autograd formula; functionalization makes it from a write into an index of a complex tensor",
+    ),
+}
+
+
+#: The mechanism `TRACE_DECOMPOSITIONS` rely on, for drift errors.
+TRACE_DECOMPOSITIONS_MECHANISM = "the trace's decompositions (make_fx's decomposition_table, trace/decompose.py)"
+
+
+def trace_decompositions() -> dict[torch._ops.OpOverload, Callable[..., object]]:
+    """`TRACE_DECOMPOSITIONS` as make_fx takes them."""
+    return {op: fn for op, (fn, _) in TRACE_DECOMPOSITIONS.items()}
+
+
+def check_trace_decompositions(gm: torch.fx.GraphModule) -> None:
+    """Raise if a call `TRACE_DECOMPOSITIONS` rewrites reached the graph whole (Note [Drift is
+    loud]): a complex scatter there means make_fx did not take the table."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if node.target in TRACE_DECOMPOSITIONS and isinstance(value, torch.Tensor) and value.is_complex():
+            raise ti.drift(TRACE_DECOMPOSITIONS_MECHANISM, f"{node.target} on a complex tensor reached the graph whole")

@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
+from predispatch import _meta
 from predispatch import _torch_internals as ti
 from predispatch.errors import (
     DataDependentError,
@@ -33,16 +34,25 @@ from predispatch.signature import InputKind, Leaf
 from predispatch.trace.autograd_function import capture_autograd_functions
 from predispatch.trace.collectives import COLLECTIVE_REWRITES
 from predispatch.trace.constructs import (
+    construct_refusal,
     naming_property_errors,
     refuse_script_modules,
     refusing_encoder_fast_path,
-    torch_func_refusal,
+    torch_check_error,
 )
-from predispatch.trace.decompose import FAST_INPLACE_META, REWRITES, DecompositionLog, DecompositionPolicy
+from predispatch.trace.decompose import (
+    FAST_INPLACE_META,
+    REWRITES,
+    DecompositionLog,
+    DecompositionPolicy,
+    check_trace_decompositions,
+    trace_decompositions,
+)
 from predispatch.trace.dedup import Dedup, share_repeated_blocks
 from predispatch.trace.grad_history import GradHistoryKeeper
 from predispatch.trace.hooks import backward_hooks
 from predispatch.trace.inference_mode import inference_mode_as_grad_mode
+from predispatch.trace.transforms import transforms_below_autograd
 from predispatch.trace.rng import refuse_generators_made_in_forward, refusing_rng_changes
 
 
@@ -301,6 +311,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
         stack.enter_context(inference_mode_as_grad_mode())  # Note [inference_mode in forward]
         stack.enter_context(refusing_encoder_fast_path())
         stack.enter_context(naming_property_errors())
+        stack.enter_context(transforms_below_autograd())  # Note [torch.func in forward]
         stack.enter_context(ti.exporting_flags())
         stack.enter_context(_no_backend_heuristics())
         stack.enter_context(
@@ -312,8 +323,11 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
         stack.enter_context(prepared.fake_mode)
         stack.enter_context(_counted())
         with _user_errors():
-            captured = ti.trace_program(program, (*prepared.fake_state, *prepared.fake_user_inputs), prepared.module)
+            captured = ti.trace_program(
+                program, (*prepared.fake_state, *prepared.fake_user_inputs), prepared.module, trace_decompositions()
+            )
     _check_engaged(program, captured.graph_module)
+    check_trace_decompositions(captured.graph_module)
     _check_metadata_mutations(prepared, captured, program.input_metadata_write)
     _check_repeated_inputs(prepared, captured.mutated)
     refuse_generators_made_in_forward(captured.graph_module, program.visible_generators)
@@ -335,7 +349,10 @@ def _check_engaged(program: _Program, gm: fx.GraphModule) -> None:
     ops reached the graph through FunctionalTensorMode, so its observer saw them; every grad-mode
     toggle forward made was recorded in the graph, so its region can be rebuilt."""
     assert program.observer is not None and program.keeper is not None  # set by the traced call
-    ops = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes)
+    ops = any(
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and _meta.BELOW_AUTOGRAD not in n.meta
+        for n in gm.graph.nodes
+    )
     if ops:
         program.observer.expect_calls("the graph holds ops traced through FunctionalTensorMode")
     keeper = program.keeper
@@ -541,9 +558,13 @@ def _user_errors():
                 ),
                 exc,
             ) from None
+        refusal = construct_refusal(exc)
+        if refusal is not None:
+            raise from_torch(refusal, exc) from None
         if _is_data_dependent(exc):
             raise from_torch(
-                DataDependentError(
+                torch_check_error(exc, where)
+                or DataDependentError(
                     "Python code branches on, or converts, a value inside a tensor, which export "
                     "cannot know (it traces shapes, not values).",
                     where=where,
@@ -551,9 +572,6 @@ def _user_errors():
                 ),
                 exc,
             ) from None
-        refusal = torch_func_refusal(exc)
-        if refusal is not None:
-            raise from_torch(refusal, exc) from None
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise from_torch(
             TraceError(f"tracing failed: {type(exc).__name__}: {first_line}", where=where, fix=_trace_error_fix(exc)),

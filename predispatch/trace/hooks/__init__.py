@@ -39,16 +39,15 @@ hook and where it was defined (refusal.py, capture.py): the deprecated `register
 global backward hooks, hooks with Python side effects, hooks that cannot be traced (they return
 a wrong number of gradients, which eager refuses in backward, or call something that is not a
 torch operation), and hooks reading a tensor that is neither a gradient nor the module's own;
-and, for a full backward hook, a module whose forward cannot run on stand-ins, or, when the
-hook reads grad_output, whose output shape depends on tensor values (probe.py).
+and, for a full backward hook that reads grad_output, a module whose output shape depends on
+tensor values (full.py).
 
 The modules, each leaning only on those listed before it:
     inspection.py  what a hook's code shows without running it; hook names for errors
     layout.py      arguments and output as eager's BackwardHook lays them out
     state.py       the module tensors a hook Function takes (Note [Hooks reading module state])
     capture.py     what one export's module-hook capture shares; calling the hooks' Functions
-    probe.py       a module's output layout, learnt before its forward runs
-    full.py        full backward hooks (Note [Carrying grad_output])
+    full.py        full backward hooks (Note [Carrying grad_output], Note [One trace of a hooked module])
     refusal.py     module hooks that cannot be captured, refused when the module is called
     module.py      setting a module's backward hooks aside; backward pre-hooks
     tensor.py      `Tensor.register_hook`

@@ -26,26 +26,16 @@ class Capture:
     """What the module-hook captures of one export share.
 
     names: each module's path in the exported module, for errors.
-    probing: True while `probe_outputs` (probe.py) runs a module again; every capture hook then
-        stands aside, so the probe captures nothing and leaves nothing behind.
     handed: the module tensors hook Functions took, checked unchanged when the forward pass ends.
     """
 
     names: dict[int, str]
-    probing: bool = False
     handed: list[Handed] = field(default_factory=list)
 
     def describe(self, module: nn.Module) -> str:
         """`module 'encoder.lin' (Linear)`, for errors."""
         return f"module {self.names.get(id(module), type(module).__name__)!r} ({type(module).__name__})"
 
-    @contextlib.contextmanager
-    def probe(self) -> Iterator[None]:
-        self.probing = True
-        try:
-            yield
-        finally:
-            self.probing = False
 
 
 #: How a hook's read of a tensor from outside shows in a failed capture: a tensor of the outer
@@ -55,12 +45,16 @@ _READS_OUTSIDE = ("reads a tensor that is not one of its arguments", "Please con
 
 
 @contextlib.contextmanager
-def applying(module: nn.Module, hooks: list[Any], kind: str, state: State, capture: Capture) -> Iterator[None]:
+def applying(
+    module: nn.Module, hooks: list[Any], kind: str, state: State, capture: Capture, counts: tuple[int | None, ...] | None = None
+) -> Iterator[None]:
     """Around the call of a hook Function: a failure to capture it becomes an error about the
     user's hooks (the Function and its file are ours, the code that failed is theirs), and the
-    module tensors it takes are recorded for `check_state_unchanged`."""
+    module tensors it takes are recorded for `check_state_unchanged`, with their mutation
+    `counts` when it took them (now, unless given: a full backward hook's Function takes them as
+    they were before the forward, Note [One trace of a hooked module] in full.py)."""
     named = f"{capture.describe(module)} has a {kind} ({describe(hooks)})"
-    counts = tuple(map(ti.mutation_count, state.tensors))
+    counts = tuple(map(ti.mutation_count, state.tensors)) if counts is None else counts
     try:
         yield
     except AutogradFunctionError as exc:

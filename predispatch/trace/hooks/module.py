@@ -69,7 +69,7 @@ def _warn_unhooked_output(capture: Capture) -> Callable:
     """A forward hook giving eager's warning for an output its backward hooks never see."""
 
     def forward_hook(module: nn.Module, args: tuple, output: Any) -> None:
-        if not capture.probing and not isinstance(output, (torch.Tensor, tuple)):
+        if not isinstance(output, (torch.Tensor, tuple)):
             warnings.warn(
                 "For backward hooks to be called, module output should be a Tensor or a tuple of Tensors"
                 f" but received {type(output)}",
@@ -84,8 +84,6 @@ def _output_gradient_hooks(hooks: list[Any], capture: Capture) -> Callable:
     (`Layout`), through the backward pre-`hooks`."""
 
     def forward_hook(module: nn.Module, args: Any, output: Any) -> Any:
-        if capture.probing:
-            return None
         outputs = Layout.of(output)
         if not outputs.hooked:  # eager calls no backward hook of the module then
             return None
