@@ -98,9 +98,9 @@ def refusing_rng_changes(module: nn.Module) -> Iterator[frozenset[int]]:
     """
     ti.import_dynamo()  # it rewraps torch.manual_seed on import: before the patch, not inside it
     generators = _visible_generators(module)
-    before = [(g, g.get_state()) for g in generators]
     record = _Changes(threading.get_ident())
-    patched = _patch_changers(record)
+    patched = _patch_changers(record)  # first: another thread's reseed from now on is recorded
+    before = [(g, g.get_state()) for g in generators]
     changed: list[tuple[torch.Generator, torch.Tensor]] | None = None
     try:
         yield frozenset(ti.generator_identity(g) for g in generators)
