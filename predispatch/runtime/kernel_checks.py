@@ -1,22 +1,32 @@
-"""Backward kernels that trust their gradient's shape, checked before each call in `ep.module()`.
+"""Backward kernels that trust their arguments' shapes, checked before each call.
 
-Note [Kernels that trust their gradient's shape]
-------------------------------------------------
-A backward kernel also takes the gradient of its forward's output, and some read it as if it
-had that output's shape without checking (`GRAD_SHAPES`): `native_layer_norm_backward` given a
-one-element `grad_out` reads past it for every element of its input.  Unlike a saved statistic,
-a gradient comes from whatever the backward computed before, so no graph-local proof exists;
-`ep.module()` checks its shape before each call of such a kernel (`grad_shape_problem`, the
-`check_kernel_gradient` node `guard_kernel_gradients` puts before it) and raises `SerializationError` instead of running it.
+Note [Kernels that trust their arguments' shapes]
+-------------------------------------------------
+A backward kernel also takes the gradient of its forward's output and values its forward saved,
+and some read them as if they had the shape of another argument without checking
+(`SHAPE_RULES`): `native_layer_norm_backward` given a one-element `grad_out` reads past it for
+every element of its input.  Unlike a saved statistic (serialize/kernel_inputs.py's
+`FORWARD_PROOFS`), a gradient comes from whatever the backward computed before, so no
+graph-local proof exists; `ep.module()` checks each such argument's shape before each call
+(`shape_problem`, the `check_kernel_shapes` node `guard_kernel_shapes` puts before it) and
+raises `SerializationError` instead of running it.  `to_torch()` keeps the check in torch's
+own terms (`pin_kernel_shapes`): the kernel reads each such argument through an `aten.view` of
+the shape it must have, which raises unless the element count matches, sized by literals or
+`sym_size.int` nodes, as torch.export writes sizes.
+
 They were found by running every allowed backward kernel autograd calls on torch's OpInfo
-samples with a gradient shrunk to ones and grown to twice its sizes (serialize/kernel_inputs.py's `probe_gradients`,
-`python -m predispatch.serialize.kernel_inputs --probe`): a kernel that neither raises nor broadcasts is
-listed here, or in `GRAD_SHAPE_SAFE` with why its reads stay inside the tensors it is given.
+samples with each tensor argument shrunk to one element and grown to twice its sizes, and each
+int list shrunk to ones and grown, one argument at a time in worker processes
+(serialize/kernel_inputs.py's `probe_arguments`, `python -m predispatch.serialize.kernel_inputs
+--probe`): an argument a kernel takes without raising or broadcasting is checked here, proved
+from its forward, refused in files, or listed in `SHAPE_SAFE` with why its reads stay inside
+the tensors the kernel is given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,75 +36,139 @@ from torch import fx
 from predispatch.errors import SerializationError, user_frame
 
 __all__ = [
-    "GRAD_SHAPES", "GRAD_SHAPE_SAFE", "GradShape", "check_kernel_gradient", "grad_shape_problem", "guard_kernel_gradients",
-    "packet_of", "trusts_gradient_shape",
+    "SHAPE_RULES", "SHAPE_SAFE", "ShapeRule", "Shapes", "check_kernel_shapes", "guard_kernel_shapes",
+    "packet_of", "pin_kernel_shapes", "shape_problem", "trusts_shapes",
 ]
 
 
 @dataclass(frozen=True)
-class GradShape:
-    """A backward kernel that reads its gradient argument as its forward output's shape.
+class ShapeRule:
+    """An argument a kernel reads as having a shape it does not check.
 
-    grad: the gradient argument's name.
-    expected: the shape it must have, from the call's other arguments (by schema name).
+    argument: the argument's name.
+    expected: the shape it must have, from a `Shapes` view of the call's arguments (the same
+        function builds the run-time check and, on graph values, `to_torch()`'s).
+    reads: the other arguments `expected` reads (an argument the rule pins is decided too).
     reason: what the kernel reads.
     """
 
-    grad: str
-    expected: Callable[[dict], tuple[int, ...]]
+    argument: str
+    expected: Callable[[Shapes], list]
+    reads: tuple[str, ...]
     reason: str
 
 
-def _like(argument: str) -> Callable[[dict], tuple[int, ...]]:
-    return lambda bound: tuple(bound[argument].shape)
+class Shapes:
+    """A call's arguments as a rule reads them: real values at run time (`ep.module()`)."""
+
+    def __init__(self, bound: dict):
+        self.bound = bound
+
+    def size(self, name: str, start: int = 0, stop: int | None = None) -> list:
+        """Sizes `start:stop` of tensor argument `name`."""
+        return list(self.bound[name].shape)[start:stop]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.bound[name]
 
 
-def _grid_sample_output(bound: dict) -> tuple[int, ...]:
-    """(N, C, *grid's spatial sizes): the shape grid_sampler_2d gave its output."""
-    return (*bound["input"].shape[:2], *bound["grid"].shape[1:-1])
+def _like(*pieces: tuple[str, int, int | None]) -> Callable[[Shapes], list]:
+    """The concatenation of pieces `(argument, start, stop)` of other arguments' shapes."""
+    return lambda shapes: [n for name, start, stop in pieces for n in shapes.size(name, start, stop)]
 
 
-#: Kernels given a gradient whose shape they do not check (Note [Kernels that trust their
-#: gradient's shape]), by packet.
-GRAD_SHAPES: Mapping[str, GradShape] = {
-    "aten.native_layer_norm_backward": GradShape("grad_out", _like("input"), "reads grad_out for every element of input"),
-    "aten.native_batch_norm_backward": GradShape("grad_out", _like("input"), "reads grad_out for every element of input"),
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward": GradShape(
-        "grad_out", _like("out"), "reads grad_out for every element of out"),
-    "aten.grid_sampler_2d_backward": GradShape(
-        "grad_output", _grid_sample_output, "reads grad_output for every sampled point of every channel"),
-    "aten._ctc_loss_backward": GradShape("grad", _like("neg_log_likelihood"), "reads grad for every sample of the batch"),
+def _pairs(shapes: Shapes) -> list:
+    """pdist's output: one distance per pair of self's rows."""
+    rows = shapes.size("self", 0, 1)[0]
+    return [rows * (rows - 1) // 2]
+
+
+def _unfold_windows(shapes: Shapes) -> list:
+    """unfold's output: dim replaced by its window count, the window appended."""
+    sizes, dim, size, step = list(shapes["input_sizes"]), shapes["dim"], shapes["size"], shapes["step"]
+    dim = dim + len(sizes) if dim < 0 else dim
+    return [*sizes[:dim], (sizes[dim] - size) // step + 1, *sizes[dim + 1:], size]
+
+
+def _rule(argument: str, expected: Callable[[Shapes], list], reads: tuple[str, ...], reason: str) -> ShapeRule:
+    return ShapeRule(argument, expected, reads, reason)
+
+
+_EVERY = "reads {} for every element of {}"
+_GRID = "reads grad_output for every sampled point of every channel"
+_ADAPTIVE = "walks self's batch and channels and reads grad_output and writes its result for each"
+_CDIST = "reads {} for every pair of x1's and x2's rows"
+
+#: Kernels given arguments whose shapes they do not check (Note [Kernels that trust their
+#: arguments' shapes]), by packet.
+SHAPE_RULES: Mapping[str, tuple[ShapeRule, ...]] = {
+    "aten.native_layer_norm_backward": (_rule("grad_out", _like(("input", 0, None)), ("input",), _EVERY.format("grad_out", "input")),),
+    "aten.native_batch_norm_backward": (_rule("grad_out", _like(("input", 0, None)), ("input",), _EVERY.format("grad_out", "input")),),
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward": (
+        _rule("grad_out", _like(("out", 0, None)), ("out",), _EVERY.format("grad_out", "out")),),
+    "aten.grid_sampler_2d_backward": (_rule("grad_output", _like(("input", 0, 2), ("grid", 1, -1)), ("input", "grid"), _GRID),),
+    "aten.grid_sampler_3d_backward": (_rule("grad_output", _like(("input", 0, 2), ("grid", 1, -1)), ("input", "grid"), _GRID),),
+    "aten._ctc_loss_backward": (
+        _rule("grad", _like(("neg_log_likelihood", 0, None)), ("neg_log_likelihood",), "reads grad for every sample of the batch"),),
+    "aten._log_softmax_backward_data": (
+        _rule("output", _like(("grad_output", 0, None)), ("grad_output",), _EVERY.format("output", "grad_output")),),
+    "aten._cdist_backward": (
+        _rule("grad", _like(("x1", 0, -1), ("x2", -2, -1)), ("x1", "x2"), _CDIST.format("grad")),
+        _rule("cdist", _like(("x1", 0, -1), ("x2", -2, -1)), ("x1", "x2"), _CDIST.format("cdist")),
+    ),
+    "aten._pdist_backward": (
+        _rule("grad", _pairs, ("self",), "reads grad for every pair of self's rows"),
+        _rule("pdist", _pairs, ("self",), "reads pdist for every pair of self's rows"),
+    ),
+    "aten._adaptive_avg_pool2d_backward": (
+        _rule("grad_output", _like(("self", 0, -2), ("grad_output", -2, None)), ("self",), _ADAPTIVE),),
+    "aten._adaptive_avg_pool3d_backward": (
+        _rule("grad_output", _like(("self", 0, -3), ("grad_output", -3, None)), ("self",), _ADAPTIVE),),
+    "aten.unfold_backward": (
+        _rule("grad_in", _unfold_windows, ("input_sizes",), "reads grad_in for every window input_sizes, dim, size and step make"),),
 }
 
-#: Kernels the probe finds accepting a gradient of another shape, whose reads still stay inside
-#: the tensors they are given, with why.
-GRAD_SHAPE_SAFE: Mapping[str, str] = {
-    "aten._log_softmax_backward_data": "walks grad_output's own shape (its result has that shape); output is read inside it",
-    "aten.embedding_dense_backward": "views grad_output as (indices, -1): a size that does not divide raises, the row width follows grad",
-    "aten._cdist_backward": "reads grad inside the (x1 rows, x2 rows) block its inputs define; a larger grad is read in part",
+_ELEMENTWISE = "an elementwise TensorIterator kernel: operands broadcast or raise; {} only scales the result"
+
+#: (packet, argument)s the probe finds accepting another shape, whose reads still stay inside
+#: the tensors the kernel is given, with why.
+SHAPE_SAFE: Mapping[tuple[str, str], str] = {
+    ("aten._log_softmax_backward_data", "grad_output"): "walks grad_output's own shape (its result has it); output is checked to have it",
+    ("aten.embedding_dense_backward", "grad_output"): "views grad_output as (indices, -1): a size that does not divide raises, the row width follows grad",
+    ("aten.mse_loss_backward", "self"): _ELEMENTWISE.format("the mean's element count"),
+    ("aten.smooth_l1_loss_backward", "self"): _ELEMENTWISE.format("the mean's element count"),
+    ("aten.soft_margin_loss_backward", "self"): _ELEMENTWISE.format("the mean's element count"),
+    ("aten.rrelu_with_noise_backward", "self"): "composite: elementwise ops (leaky_relu_backward, mul) that broadcast or raise",
+    ("aten.masked_scatter_backward", "sizes"): "composite: masked_select of grad, zero-padded and viewed as sizes by checked ops",
+    ("aten.avg_pool2d_backward", "kernel_size"): ("grad_output's shape is checked against the output size these sizes give, "
+                                                  "each window clipped to the input"),
 }
 
 
-def trusts_gradient_shape(target: Any) -> bool:
-    """Whether `target` is a call of a `GRAD_SHAPES` kernel (checked before each call)."""
-    return packet_of(target) in GRAD_SHAPES
+def trusts_shapes(target: Any) -> bool:
+    """Whether `target` is a call of a `SHAPE_RULES` kernel (checked before each call)."""
+    return packet_of(target) in SHAPE_RULES
 
 
-def grad_shape_problem(target: Any, args: tuple, kwargs: dict) -> str | None:
-    """Why a call of `target` (a `GRAD_SHAPES` kernel) must not run on these arguments, or None."""
-    check = GRAD_SHAPES.get(packet_of(target) or "")
-    if check is None:
-        return None
+def shape_problem(target: Any, args: tuple, kwargs: dict) -> str | None:
+    """Why a call of `target` (a `SHAPE_RULES` kernel) must not run on these arguments, or None."""
     bound = _bound_values(target, args, kwargs)
-    grad, expected = bound[check.grad], check.expected(bound)
-    if tuple(grad.shape) == expected:
-        return None
-    return (f"{target} is given {check.grad} of shape {tuple(grad.shape)} where its forward's output has shape "
-            f"{expected}: the kernel {check.reason} without checking")
+    shapes = Shapes(bound)
+    for rule in SHAPE_RULES.get(packet_of(target) or "", ()):
+        value = bound.get(rule.argument)
+        if value is None:
+            continue
+        expected = tuple(rule.expected(shapes))
+        if tuple(value.shape) != expected:
+            return (f"{target} is given {rule.argument} of shape {tuple(value.shape)} where it must have shape "
+                    f"{expected}: the kernel {rule.reason} without checking")
+    return None
 
 
 def _bound_values(target: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    values = dict(zip((a.name for a in target._schema.arguments), args))
+    """A call's arguments by schema name, defaults filled in."""
+    values = {a.name: a.default_value for a in target._schema.arguments if a.has_default_value()}
+    values.update(zip((a.name for a in target._schema.arguments), args))
     values.update(kwargs)
     return values
 
@@ -109,27 +183,123 @@ def packet_of(target: Any) -> str | None:
 
 
 
-def guard_kernel_gradients(gm: fx.GraphModule) -> None:
-    """Before each call of a kernel that trusts its gradient's shape, a `check_kernel_gradient`
-    call on the same arguments."""
+def guard_kernel_shapes(gm: fx.GraphModule) -> None:
+    """Before each call of a kernel that trusts its arguments' shapes, a `check_kernel_shapes`
+    call on the same arguments (`ep.module()`)."""
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and trusts_gradient_shape(node.target):
+        if node.op == "call_function" and trusts_shapes(node.target):
             with gm.graph.inserting_before(node):
-                gm.graph.call_function(check_kernel_gradient, (str(node.target), *node.args), dict(node.kwargs))
+                gm.graph.call_function(check_kernel_shapes, (str(node.target), *node.args), dict(node.kwargs))
 
 
 @fx.node.has_side_effect  # kept by FX's dead-code elimination: it guards the kernel after it
-def check_kernel_gradient(kernel: str, *args: Any, **kwargs: Any) -> None:
-    """Refuse, before it runs, a call of a kernel that reads its gradient as its forward
-    output's shape without checking (Note [Kernels that trust their gradient's shape] in
-    serialize/kernel_inputs.py); `kernel` is the call's target, `args`/`kwargs` its arguments.
-    Only a crafted file's program can fail it: export's own backwards are fed eager's gradients."""
+def check_kernel_shapes(kernel: str, *args: Any, **kwargs: Any) -> None:
+    """Refuse, before it runs, a call of a kernel that reads an argument as another's shape
+    without checking (Note [Kernels that trust their arguments' shapes]); `kernel` is the
+    call's target, `args`/`kwargs` its arguments.  Only a crafted file's program can fail it:
+    export's own backwards are fed eager's values."""
     namespace, name, overload = kernel.split(".")
-    problem = grad_shape_problem(getattr(getattr(getattr(torch.ops, namespace), name), overload), args, kwargs)
+    problem = shape_problem(getattr(getattr(getattr(torch.ops, namespace), name), overload), args, kwargs)
     if problem is not None:
         raise SerializationError(
-            f"refused to run a kernel: {problem}, so it would read memory outside the gradient. Only an edited "
+            f"refused to run a kernel: {problem}, so it would read memory outside that argument. Only an edited "
             "file holds such a program; eager autograd never runs one.",
             where=user_frame(),
             fix="load programs only from files predispatch.save wrote; this one was edited (see docs/format.md#threat-model).",
         )
+
+
+def pin_kernel_shapes(graph: fx.Graph) -> int:
+    """Before each call of a `SHAPE_RULES` kernel in `graph` (torch's ExportedProgram graph,
+    `to_torch()`), its arguments as torch's own `aten.view`s of the shapes they must have: each
+    argument a rule's shape comes from viewed as the shape its node meta gives (a file's meta
+    may lie), then each checked argument viewed as the rule's shape.  `view` raises unless the
+    element count matches, so the kernel only ever gets arguments of the shapes it reads; an
+    honest program's arguments already have them (the views change no value).  Static sizes
+    are literals, symbolic ones `sym_size.int` nodes and `operator` arithmetic, as torch.export
+    writes them: torch's verifier, `run_decompositions` and `torch.export.save` keep them.
+    (torch's `_assert_tensor_metadata` cannot: its fake kernel compares a `torch.Size` with the
+    list it is given and refuses every size; and an unused check node of int-valued
+    `sym_size`s does not serialize.)  Returns how many kernel calls it guarded."""
+    guarded = 0
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and trusts_shapes(node.target)):
+            continue
+        shapes = _GraphShapes(graph, node)
+        with graph.inserting_before(node):
+            for rule in SHAPE_RULES[packet_of(node.target)]:
+                if isinstance(shapes.bound.get(rule.argument), fx.Node):
+                    shapes.pin(rule.argument, [_node_of(n) for n in rule.expected(shapes)])
+            _fill_values(graph)
+        guarded += 1
+    return guarded
+
+
+class _GraphShapes(Shapes):
+    """A kernel call's arguments as graph values (`to_torch()`): a size is the int its node meta
+    gives, or an FX proxy of its `sym_size.int` node when symbolic, so a rule's arithmetic
+    becomes `operator` nodes; each argument read is first pinned to its meta's shape."""
+
+    def __init__(self, graph: fx.Graph, kernel: fx.Node):
+        super().__init__(_bound_values(kernel.target, kernel.args, dict(kernel.kwargs)))
+        self.graph, self.kernel, self.tracer = graph, kernel, fx.proxy.GraphAppendingTracer(graph)
+        self.sizes: dict[str, list] = {}
+
+    def size(self, name: str, start: int = 0, stop: int | None = None) -> list:
+        if name not in self.sizes:
+            tensor = self.bound[name]
+            value = tensor.meta.get("val") if isinstance(tensor, fx.Node) else None
+            if not isinstance(value, torch.Tensor):
+                raise SerializationError(f"{self.kernel.name}'s {name} has no tensor value in its node meta: "
+                                         "its shape cannot be checked", fix="convert programs export or load made")
+            sizes = [n if type(n) is int else _call(self.graph, torch.ops.aten.sym_size.int, tensor, d)
+                     for d, n in enumerate(value.shape)]
+            self.pin(name, sizes)
+            self.sizes[name] = [fx.Proxy(n, self.tracer) if isinstance(n, fx.Node) else n for n in sizes]
+        return self.sizes[name][start:stop]
+
+    def __getitem__(self, name: str) -> Any:
+        value = self.bound[name]
+        if isinstance(value, (list, tuple)):
+            return [fx.Proxy(v, self.tracer) if isinstance(v, fx.Node) else v for v in value]
+        return fx.Proxy(value, self.tracer) if isinstance(value, fx.Node) else value
+
+    def pin(self, name: str, sizes: list) -> None:
+        """The kernel reads argument `name` through `aten.view(name, sizes)`."""
+        argument = self.bound[name]
+        view = _call(self.graph, torch.ops.aten.view.default, argument, sizes)
+        value = argument.meta.get("val")
+        try:
+            view.meta["val"] = value.view([n.meta["val"] if isinstance(n, fx.Node) else n for n in sizes])
+        except RuntimeError as exc:  # the program's own meta says the kernel would read outside it
+            raise SerializationError(
+                f"refused to convert a kernel call: {self.kernel.target} ({self.kernel.name}) is given {name} of shape "
+                f"{tuple(value.shape)}, which it would read as {[getattr(n, 'name', n) for n in sizes]} ({exc}). Only an "
+                "edited file holds such a program; eager autograd never runs one.",
+                fix="load programs only from files predispatch.save wrote; this one was edited (see docs/format.md#threat-model).",
+            ) from None
+        self.kernel.replace_input_with(argument, view)
+        self.bound = _bound_values(self.kernel.target, self.kernel.args, dict(self.kernel.kwargs))
+
+
+def _node_of(value: Any) -> Any:
+    return value.node if isinstance(value, fx.Proxy) else value
+
+
+def _fill_values(graph: fx.Graph) -> None:
+    """Node meta values for the `operator` nodes a rule's arithmetic made through proxies."""
+    for node in graph.nodes:
+        if node.op == "call_function" and "val" not in node.meta and node.target in _ARITHMETIC:
+            values = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+            node.meta["val"] = None if any(v is None for v in values) else node.target(*values)
+
+
+_ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.floordiv)
+
+
+def _call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
+    """A call node with the value its node meta would hold (torch's verifier and passes read it)."""
+    node = graph.call_function(target, args)
+    if target is torch.ops.aten.sym_size.int:
+        node.meta["val"] = args[0].meta["val"].shape[args[1]]
+    return node
