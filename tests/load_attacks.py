@@ -606,7 +606,7 @@ def kernel_program() -> bytes:
 
 class ShapeKernels(torch.nn.Module):
     """A joint program of this holds the other backward kernels that read an argument as
-    another's shape (runtime/kernel_checks.py's SHAPE_RULES), and a one-element parameter
+    another's shape (passes/kernel_shapes.py's SHAPE_RULES), and a one-element parameter
     (`p_tiny`) an attack feeds them instead."""
 
     def __init__(self):
@@ -646,8 +646,8 @@ def _fed_tiny(target: str, argument: str) -> Callable[[dict], None]:
 def shape_kernel_attacks(data: bytes) -> Iterator[Attack]:
     """Each SHAPE_RULES argument of the kernels ShapeKernels' joint holds, fed one element:
     refused by `ep.module()` before the kernel runs (and by `to_torch()`'s module: `run_attack`)."""
-    for target, argument in (("aten._log_softmax_backward_data.default", "output"), ("aten._cdist_backward.default", "grad"),
-                             ("aten._cdist_backward.default", "cdist"), ("aten._pdist_backward.default", "grad"),
+    for target, argument in (("aten._log_softmax_backward_data.default", "output"), ("aten._cdist_backward.default", _op("aten._cdist_backward.default")._schema.arguments[0].name),
+                             ("aten._cdist_backward.default", "cdist"), ("aten._pdist_backward.default", _op("aten._pdist_backward.default")._schema.arguments[0].name),
                              ("aten._pdist_backward.default", "pdist"), ("aten._adaptive_avg_pool2d_backward.default", "grad_output"),
                              ("aten.unfold_backward.default", "grad_in"), ("aten.grid_sampler_3d_backward.default", "grad_output")):
         yield Attack("kernels", f"{target} reading a one-element {argument} (checked at the call)",

@@ -356,7 +356,7 @@ def test_every_backward_kernel_argument_that_is_read_unchecked_is_decided():
     import subprocess
     import sys
 
-    from predispatch.runtime import kernel_checks
+    from predispatch.passes import kernel_shapes
     from predispatch.serialize import kernel_inputs
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -368,17 +368,17 @@ def test_every_backward_kernel_argument_that_is_read_unchecked_is_decided():
     verdicts = json.loads(result.stdout)
     assert len(verdicts) > 50 and sum(map(len, verdicts.values())) > 150  # the probe reached the kernels' arguments
     unchecked = {(packet, argument) for packet, found in verdicts.items() for argument, v in found.items() if v.startswith("UNCHECKED")}
-    assert sorted(unchecked - _decided_arguments(kernel_checks, kernel_inputs)) == []
+    assert sorted(unchecked - _decided_arguments(kernel_shapes, kernel_inputs)) == []
     assert {("aten.native_layer_norm_backward", "grad_out"), ("aten._log_softmax_backward_data", "output"),
             ("aten._pdist_backward", "self")} <= unchecked
 
 
-def _decided_arguments(kernel_checks, kernel_inputs) -> set[tuple[str, str]]:
+def _decided_arguments(kernel_shapes, kernel_inputs) -> set[tuple[str, str]]:
     """(packet, argument)s the tables decide: refused packets' every argument (their calls
     are refused), a shape rule's argument and those its shape comes from, a forward proof's
     trusted and same arguments, and those explained safe."""
-    decided = set(kernel_checks.SHAPE_SAFE)
-    for packet, rules in kernel_checks.SHAPE_RULES.items():
+    decided = set(kernel_shapes.SHAPE_SAFE)
+    for packet, rules in kernel_shapes.SHAPE_RULES.items():
         decided |= {(packet, name) for rule in rules for name in (rule.argument, *rule.reads)}
     for packet, proof in kernel_inputs.FORWARD_PROOFS.items():
         decided |= {(packet, name) for name in (*proof.outputs, *(b for b, _ in proof.same))}
@@ -393,7 +393,7 @@ def _shape_rule_calls() -> dict[str, tuple]:
     differentiates a small use of its forward."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from predispatch.runtime.kernel_checks import SHAPE_RULES, packet_of
+    from predispatch.passes.kernel_shapes import SHAPE_RULES, packet_of
 
     calls: dict[str, tuple] = {}
 
@@ -429,7 +429,7 @@ def test_kernels_given_an_argument_of_another_shape_are_refused_before_they_run(
     argument one element: the honest call passes, the other is refused naming the shapes.
     Before: the kernels ran and read past the argument (tests/load_attacks.py's kernel
     attacks show it through `ep.module()`)."""
-    from predispatch.runtime.kernel_checks import SHAPE_RULES, shape_problem
+    from predispatch.passes.kernel_shapes import SHAPE_RULES, shape_problem
 
     calls = _shape_rule_calls()
     assert set(calls) == set(SHAPE_RULES)
@@ -447,7 +447,7 @@ def torch_checks_refuse_every_rule() -> None:
     kernel read out of bounds): each `SHAPE_RULES` kernel's honest call as a graph with
     `pin_kernel_shapes`' views gives the kernel's result; with a checked argument of one
     element, or one more in each dimension, the graph raises before the kernel."""
-    from predispatch.runtime.kernel_checks import SHAPE_RULES, pin_kernel_shapes
+    from predispatch.passes.kernel_shapes import SHAPE_RULES, pin_kernel_shapes
 
     for packet, (op, args) in _shape_rule_calls().items():
         names = [a.name for a in op._schema.arguments]
@@ -474,14 +474,20 @@ def torch_checks_refuse_every_rule() -> None:
 def test_to_torch_graphs_check_every_rule_before_the_kernel():
     """`to_torch()`'s checks (`pin_kernel_shapes`: the kernel's arguments through `aten.view`s
     of the shapes they must have) on every `SHAPE_RULES` kernel, in a subprocess."""
-    import subprocess
-    import sys
+    _in_subprocess("torch_checks_refuse_every_rule", "every rule refused")
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    result = subprocess.run([sys.executable, "-W", "ignore", "-c", f"import sys; sys.path.insert(0, {here!r}); "
-                             "import test_verify; test_verify.torch_checks_refuse_every_rule()"],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
-    assert result.returncode == 0 and "every rule refused" in result.stdout, result.stderr[-3000:]
+
+def test_every_shape_rule_names_arguments_of_its_kernel():
+    """A rule naming an argument the schema lacks would check nothing (torch 2.15 renamed
+    `_cdist_backward`'s `grad` to `grad_output`): every name a rule reads is in its kernel's
+    schema, on every overload."""
+    from predispatch.passes.kernel_shapes import SHAPE_RULES
+
+    for packet, rules in SHAPE_RULES.items():
+        packet_ops = getattr(torch.ops.aten, packet.split(".")[1])
+        for overload in packet_ops.overloads():
+            names = {a.name for a in getattr(packet_ops, overload)._schema.arguments}
+            assert {n for rule in rules for n in (rule.argument, *rule.reads)} <= names, (packet, overload)
 
 
 def crafted_program_through_torch() -> None:
@@ -493,11 +499,11 @@ def crafted_program_through_torch() -> None:
 
     def edit(p):
         record = next(n for n in load_attacks.module_of(p)["nodes"] if n.get("target") == "aten._cdist_backward.default")
-        record["args"][0] = {"node": "p_points"}
+        record["args"][0] = {"node": "p_points"}  # the gradient: `grad` (`grad_output` from torch 2.15)
 
     loaded = predispatch.load(io.BytesIO(load_attacks.edited(load_attacks.shape_kernel_program(), edit)))
     with pytest.raises(SerializationError, match=r"refused to convert a kernel call: aten._cdist_backward.default \(_cdist_backward\) "
-                       r"is given grad of shape \(4, 3\), which it would read as \[4, 4\]"):
+                       r"is given grad(_output)? of shape \(4, 3\), which it would read as \[4, 4\]"):
         loaded.to_torch()
 
     print("refused through torch")
@@ -507,14 +513,20 @@ def test_a_crafted_program_converted_to_torch_still_refuses_its_kernel():
     """The check survives `to_torch()`: converting the crafted program is refused by name
     (before: it converted, and torch's `module()` ran `_cdist_backward` on a smaller gradient,
     reading past it).  In a subprocess."""
+    _in_subprocess("crafted_program_through_torch", "refused through torch")
+
+
+def _in_subprocess(function: str, done: str) -> None:
+    """Run this module's `function` in a fresh interpreter (a kernel that reads out of bounds
+    crashes it, not the test run); it prints `done` when all its assertions held."""
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
     result = subprocess.run([sys.executable, "-W", "ignore", "-c", f"import sys; sys.path.insert(0, {here!r}); "
-                             "import test_verify; test_verify.crafted_program_through_torch()"],
+                             f"import test_verify; test_verify.{function}()"],
                             capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
-    assert result.returncode == 0 and "refused through torch" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 0 and done in result.stdout, result.stderr[-3000:]
 
 
 def test_an_honest_joint_with_checked_kernels_converts_and_gives_eagers_gradients():
@@ -524,7 +536,7 @@ def test_an_honest_joint_with_checked_kernels_converts_and_gives_eagers_gradient
     and `torch.export.save`/`load` keep the checks."""
     import load_attacks
 
-    from predispatch.runtime.kernel_checks import trusts_shapes
+    from predispatch.passes.kernel_shapes import trusts_shapes
 
     torch.manual_seed(0)
     model = load_attacks.ShapeKernels()

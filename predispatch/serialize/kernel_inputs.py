@@ -30,8 +30,9 @@ not check them (or that only an internal caller uses).  Each is one of:
 `verify.py` asks `trusted_input_problems(node)` for every call of these packets in a stored
 program.  docs/format.md's threat model lists both tables.
 
-Backward kernels that trust their gradient's shape are checked at run time instead
-(runtime/kernel_checks.py, Note [Kernels that trust their arguments' shapes]); `probe_arguments`
+Backward kernels that read a gradient or saved value as another argument's shape are checked
+at run time instead
+(passes/kernel_shapes.py, Note [Kernels that trust their arguments' shapes]); `probe_arguments`
 finds them.
 """
 
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from predispatch.runtime.kernel_checks import packet_of
+from predispatch.passes.kernel_shapes import packet_of
 from predispatch.trace.dedup.backward import VIEWS
 
 __all__ = [
@@ -408,7 +409,7 @@ def probe_arguments() -> dict[str, dict[str, str]]:
     """For each allowed backward packet autograd calls on OpInfo samples, per tensor or
     int-list argument: `raises` (shrunk or grown, the call raises), `broadcasts` (a one-element
     tensor gives the expanded tensor's result, a larger one raises) or `UNCHECKED` (neither, or
-    the call crashed: decided in runtime/kernel_checks.py's `SHAPE_RULES` or `SHAPE_SAFE`, in
+    the call crashed: decided in passes/kernel_shapes.py's `SHAPE_RULES` or `SHAPE_SAFE`, in
     `FORWARD_PROOFS` or `REFUSED_IN_FILES`).  Slow (every OpInfo's backward); each argument is
     probed in worker processes that may crash (`_probe_in_workers`)."""
     from predispatch._torch_internals import load_op_db

@@ -72,7 +72,7 @@ from predispatch.frontend.inputs import unique_identifier
 from predispatch.passes.lift_constants import TORCH_HOPS, attribute, hop_body, lift_from_subgraph
 from predispatch.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, OutputKind, OutputSpec, Program
 from predispatch.passes import inlined_copy
-from predispatch.runtime.kernel_checks import pin_kernel_shapes
+from predispatch.passes.kernel_shapes import pin_kernel_shapes
 from predispatch.transforms.flatten_function_outputs import flatten_function_outputs
 from predispatch.transforms.recompose_for_torch import clone_saved_statistics, recompose_for_torch
 
@@ -165,7 +165,7 @@ def _convert(ep: Program) -> torch.export.ExportedProgram:
 def _guard_kernel_shapes(builder: _TorchGraph) -> None:
     """torch's `module()` runs the graph itself, without `ep.module()`'s `check_kernel_shapes`:
     the same rules as `aten.view`s of the kernels' arguments, in the root graph and every
-    subgraph (Note [Kernels that trust their arguments' shapes] in runtime/kernel_checks.py)."""
+    subgraph (Note [Kernels that trust their arguments' shapes] in passes/kernel_shapes.py)."""
     pin_kernel_shapes(builder.graph)
     for value in builder.root.values():
         for gm in value.modules() if isinstance(value, torch.nn.Module) else ():
