@@ -562,3 +562,37 @@ def test_an_honest_joint_with_checked_kernels_converts_and_gives_eagers_gradient
         expected, actual = kernels.module()(*load_attacks.KERNEL_ARGS), kernels.to_torch().module()(*load_attacks.KERNEL_ARGS)
     for e, a in zip(torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(actual)):
         assert torch.equal(e, a)
+
+
+class _DynamicKernels(nn.Module):
+    """Layer norm, pdist and log-softmax backwards whose checked shapes follow a dynamic batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.points = nn.LayerNorm(8), nn.Parameter(torch.randn(3, 8))
+
+    def forward(self, x):
+        return self.norm(x).sum() + torch.pdist(self.points * x.sum()).sum() + torch.log_softmax(x * self.points.sum(), -1).sum()
+
+
+def test_to_torch_checks_follow_symbolic_sizes():
+    """With a dynamic batch, the views before the checked kernels are sized by `sym_size.int`
+    nodes: the converted program gives the joint's outputs bitwise at two batch sizes, and
+    keeps working through `run_decompositions` and `torch.export.save`/`load`."""
+    torch.manual_seed(0)
+    batch = torch.export.Dim("batch", min=2, max=64)
+    jp = predispatch.export(_DynamicKernels(), (torch.randn(4, 8),), dynamic_shapes={"x": {0: batch}}).joint(loss="")
+    converted = jp.to_torch()
+    views = [n for n in converted.graph.nodes if n.target is torch.ops.aten.view.default and any(isinstance(a, fx.Node) for a in n.args[1])]
+    assert views  # sized by the batch's symbol
+    for n in (4, 7):
+        x = torch.randn(n, 8)
+        for e, a in zip(torch.utils._pytree.tree_leaves(jp.module()(x)), torch.utils._pytree.tree_leaves(converted.module()(x))):
+            assert torch.equal(e, a)
+    x = torch.randn(5, 8)
+    expected = jp.module()(x)[0]
+    assert torch.equal(converted.run_decompositions({}).module()(x)[0], expected)
+    buffer = io.BytesIO()
+    torch.export.save(converted, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.export.load(buffer).module()(x)[0], expected)

@@ -16,7 +16,7 @@ the shape it must have, which raises unless the element count matches, sized by 
 
 They were found by running every allowed backward kernel autograd calls on torch's OpInfo
 samples with each tensor argument shrunk to one element and grown to twice its sizes, and each
-int list shrunk to ones and grown, one argument at a time in worker processes
+int list shrunk to ones and grown, one argument at a time, each in a forked child process
 (serialize/kernel_inputs.py's `probe_arguments`, `python -m predispatch.serialize.kernel_inputs
 --probe`): an argument a kernel takes without raising or broadcasting is checked here, proved
 from its forward, refused in files, or listed in `SHAPE_SAFE` with why its reads stay inside
@@ -25,8 +25,8 @@ the tensors the kernel is given.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,12 +206,12 @@ def pin_kernel_shapes(graph: fx.Graph) -> int:
     for node in list(graph.nodes):
         if not (node.op == "call_function" and trusts_shapes(node.target)):
             continue
-        shapes = _GraphShapes(graph, node)
+        shapes, before = _GraphShapes(graph, node), node.prev
         with graph.inserting_before(node):
             for rule in SHAPE_RULES[packet_of(node.target)]:
                 if isinstance(_argument(node.target, rule, shapes.bound), fx.Node):
                     shapes.pin(rule.argument, [_node_of(n) for n in rule.expected(shapes)])
-            _fill_values(graph)
+        _fill_values(before, node)
         guarded += 1
     return guarded
 
@@ -230,11 +230,8 @@ class _GraphShapes(Shapes):
         if name not in self.sizes:
             tensor = self.bound[name]
             value = tensor.meta.get("val") if isinstance(tensor, fx.Node) else None
-            if not isinstance(value, torch.Tensor):
-                raise SerializationError(f"{self.kernel.name}'s {name} has no tensor value in its node meta: "
-                                         "its shape cannot be checked", fix="convert programs export or load made")
-            sizes = [n if type(n) is int else _call(self.graph, torch.ops.aten.sym_size.int, tensor, d)
-                     for d, n in enumerate(value.shape)]
+            shape = value.shape if isinstance(value, torch.Tensor) else ()  # none: `pin` refuses it
+            sizes = [n if type(n) is int else _call(self.graph, torch.ops.aten.sym_size.int, tensor, d) for d, n in enumerate(shape)]
             self.pin(name, sizes)
             self.sizes[name] = [fx.Proxy(n, self.tracer) if isinstance(n, fx.Node) else n for n in sizes]
         return self.sizes[name][start:stop]
@@ -248,8 +245,11 @@ class _GraphShapes(Shapes):
     def pin(self, name: str, sizes: list) -> None:
         """The kernel reads argument `name` through `aten.view(name, sizes)`."""
         argument = self.bound[name]
-        view = _call(self.graph, torch.ops.aten.view.default, argument, sizes)
         value = argument.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            raise SerializationError(f"{self.kernel.name}'s {name} has no tensor value in its node meta: "
+                                     "its shape cannot be checked", fix="convert programs export or load made")
+        view = _call(self.graph, torch.ops.aten.view.default, argument, sizes)
         try:
             view.meta["val"] = value.view([n.meta["val"] if isinstance(n, fx.Node) else n for n in sizes])
         except RuntimeError as exc:  # the program's own meta says the kernel would read outside it
@@ -267,9 +267,12 @@ def _node_of(value: Any) -> Any:
     return value.node if isinstance(value, fx.Proxy) else value
 
 
-def _fill_values(graph: fx.Graph) -> None:
-    """Node meta values for the `operator` nodes a rule's arithmetic made through proxies."""
-    for node in graph.nodes:
+def _fill_values(before: fx.Node, kernel: fx.Node) -> None:
+    """Node meta values for the `operator` nodes a rule's arithmetic made through proxies
+    (between `before` and `kernel`, where `pin_kernel_shapes` put its nodes)."""
+    node = before
+    while node.next is not kernel:
+        node = node.next
         if node.op == "call_function" and "val" not in node.meta and node.target in _ARITHMETIC:
             values = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
             node.meta["val"] = None if any(v is None for v in values) else node.target(*values)
