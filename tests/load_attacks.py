@@ -143,7 +143,7 @@ def base_programs() -> dict[str, bytes]:
     from test_serialize import export_case, saved
 
     bases = {name: saved(export_case(name)[0]) for name in ("autograd_functions", "buffer_mutation", "graph_tensors", "kwargs")}
-    return {**bases, "kernels": kernel_program()}
+    return {**bases, "kernels": kernel_program(), "shape_kernels": shape_kernel_program()}
 
 
 # --------------------------------------------------------------------------- attack classes
@@ -604,6 +604,57 @@ def kernel_program() -> bytes:
     return buffer.getvalue()
 
 
+class ShapeKernels(torch.nn.Module):
+    """A joint program of this holds the other backward kernels that read an argument as
+    another's shape (passes/kernel_shapes.py's SHAPE_RULES), and a one-element parameter
+    (`p_tiny`) an attack feeds them instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 3, 8))
+        self.points = torch.nn.Parameter(torch.randn(4, 3))
+        self.image = torch.nn.Parameter(torch.randn(1, 2, 5, 5))
+        self.volume = torch.nn.Parameter(torch.randn(1, 2, 3, 3, 3))
+        self.tiny = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, grid):
+        terms = (torch.log_softmax(self.w, -1), torch.cdist(self.points, self.points * 2), torch.pdist(self.points),
+                 torch.nn.functional.adaptive_avg_pool2d(self.image, 2), self.w.unfold(2, 3, 2),
+                 torch.nn.functional.grid_sample(self.volume, grid, align_corners=False), self.tiny)
+        return sum(t.sum() for t in terms)
+
+
+SHAPE_KERNEL_ARGS = (torch.rand(1, 2, 2, 2, 3) * 2 - 1,)
+
+
+def shape_kernel_program() -> bytes:
+    torch.manual_seed(0)
+    buffer = io.BytesIO()
+    predispatch.save(predispatch.export(ShapeKernels(), SHAPE_KERNEL_ARGS).joint(loss=""), buffer)
+    return buffer.getvalue()
+
+
+def _fed_tiny(target: str, argument: str) -> Callable[[dict], None]:
+    """Feed `p_tiny` (one element) to `argument` of the first call of `target`."""
+    def edit(p):
+        record = next(n for n in module_of(p)["nodes"] if n.get("target") == target)
+        names = [a.name for a in _op(target)._schema.arguments]
+        record["args"][names.index(argument)] = {"node": "p_tiny"}
+    return edit
+
+
+def shape_kernel_attacks(data: bytes) -> Iterator[Attack]:
+    """Each SHAPE_RULES argument of the kernels ShapeKernels' joint holds, fed one element:
+    refused by `ep.module()` before the kernel runs (and by `to_torch()`'s module: `run_attack`)."""
+    for target, argument in (("aten._log_softmax_backward_data.default", "output"), ("aten._cdist_backward.default", _op("aten._cdist_backward.default")._schema.arguments[0].name),
+                             ("aten._cdist_backward.default", "cdist"), ("aten._pdist_backward.default", _op("aten._pdist_backward.default")._schema.arguments[0].name),
+                             ("aten._pdist_backward.default", "pdist"), ("aten._adaptive_avg_pool2d_backward.default", "grad_output"),
+                             ("aten.unfold_backward.default", "grad_in"), ("aten.grid_sampler_3d_backward.default", "grad_output")):
+        yield Attack("kernels", f"{target} reading a one-element {argument} (checked at the call)",
+                     edited(data, _fed_tiny(target, argument)),
+                     (f"{target} is given {argument} of shape (1,) where it must have shape",), args=SHAPE_KERNEL_ARGS)
+
+
 def _hostile_indices(p, name: str, like: str, at: str) -> None:
     """Insert `name`, int64 indices of 2**40 shaped like node `like`, before node `at`."""
     nodes = module_of(p)["nodes"]
@@ -635,11 +686,11 @@ def kernel_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Atta
                  ("node native_layer_norm_backward", "its mean, rstd must come from a aten.native_layer_norm call"), args=args)
     yield Attack("kernels", "layer norm backward reading a four-element grad_out as (1, 3, 4) (checked at the call)",
                  edited(data, feed("native_layer_norm_backward", 0, {"node": "p_norm_weight"})),
-                 ("aten.native_layer_norm_backward.default is given grad_out of shape (4,) where its forward's output has shape (1, 3, 4)",
-                  "so it would read memory outside the gradient"), args=args)
+                 ("aten.native_layer_norm_backward.default is given grad_out of shape (4,) where it must have shape (1, 3, 4)",
+                  "so it would read memory outside that argument"), args=args)
     yield Attack("kernels", "batch norm backward reading a one-element grad_out as (2, 1, 4, 4) (checked at the call)",
                  edited(data, feed("native_batch_norm_backward", 0, {"node": "p_bn_weight"})),
-                 ("aten.native_batch_norm_backward.default is given grad_out of shape (1,) where its forward's output has shape (2, 1, 4, 4)",), args=args)
+                 ("aten.native_batch_norm_backward.default is given grad_out of shape (1,) where it must have shape (2, 1, 4, 4)",), args=args)
     yield Attack("kernels", "layer norm backward with another normalized shape", edited(data, feed("native_layer_norm_backward", 2, [1])),
                  ("node native_layer_norm_backward", "on other normalized_shape"), args=args)
     yield Attack("kernels", "group norm backward with statistics of layer norm", edited(data, feed("native_group_norm_backward", 2, {"node": "getitem_11"})),
@@ -655,6 +706,7 @@ def kernel_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Atta
 
     yield Attack("kernels", "embedding backward with indices of 2**40", edited(data, hostile_embedding),
                  ("node embedding_dense_backward", "must come from a aten.embedding call"), args=args)
+    yield from shape_kernel_attacks(bases["shape_kernels"])
     yield Attack("kernels", "sobol draw from a one-row state (heap corruption)", edited(bases["autograd_functions"], lambda p: call(
         p, "add_2", "aten._sobol_engine_draw.default", [{"node": "x"}, 100000, {"node": "x"}, 1000, 0, {"dtype": "float32"}])),
         ("node add_2", "which a file may not call (trusts_inputs:"))
@@ -698,6 +750,7 @@ def global_registrations() -> tuple:
 
 def run_attack(attack: Attack) -> dict:
     before = global_registrations()
+    to_torch = None
     try:
         loaded = predispatch.load(io.BytesIO(attack.data))
     except SerializationError as exc:
@@ -706,15 +759,32 @@ def run_attack(attack: Attack) -> dict:
         outcome, message = "other", f"{type(exc).__name__}: {exc}"
     else:
         outcome, message = "loaded", ""
+        to_torch = None
         if attack.run_after:
             try:  # a kernel that trusts its gradient's shape is checked at the call, before it runs
                 with torch.no_grad():
                     loaded.module()(*(attack.args or (torch.randn(4, 3),)))
             except SerializationError as exc:
                 outcome, message = "refused", str(exc)
+                if attack.klass == "kernels":
+                    to_torch = _through_torch(loaded, attack.args)
     changed = global_registrations() != before
     return {"class": attack.klass, "case": attack.name, "outcome": outcome, "message": message,
-            "missing": [e for e in attack.expect if e not in message], "registered": changed}
+            "missing": [e for e in attack.expect if e not in message], "registered": changed, "to_torch": to_torch}
+
+
+def _through_torch(loaded, args: tuple) -> str:
+    """A kernel attack `ep.module()` refused, run through `to_torch()`'s torch module:
+    `refused` when the views `to_torch()` puts before the kernel raise (a crash kills the subprocess)."""
+    try:
+        converted = loaded.to_torch().module()
+        with torch.no_grad():
+            converted(*args)
+    except SerializationError as exc:  # the program's own meta shows the kernel would read outside an argument
+        return "refused" if "refused to convert a kernel call" in str(exc) else f"other: {exc}"
+    except RuntimeError as exc:  # a view before the kernel
+        return "refused" if "is invalid for input of size" in str(exc) else f"other: {exc}"
+    return "ran"
 
 
 BOMB_SIZE = 256 << 20

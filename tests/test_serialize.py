@@ -771,8 +771,10 @@ def test_structural_attacks_are_refused():
     )
     counts = {klass: sum(r["class"] == klass for r in done) for klass in ATTACK_CLASSES}
     assert all(counts.values()) and set(counts) == {r["class"] for r in done}, counts
-    wrong = [r for r in done if r["outcome"] != "refused" or r["missing"] or r["registered"]]
+    wrong = [r for r in done if r["outcome"] != "refused" or r["missing"] or r["registered"] or r["to_torch"] not in (None, "refused")]
     assert wrong == [], wrong
+    through_torch = [r for r in done if r["to_torch"] == "refused"]  # the kernels checked at the call, through to_torch() too
+    assert len(through_torch) >= 10, through_torch
 
 
 def test_a_refused_compression_bomb_costs_no_memory(tmp_path):

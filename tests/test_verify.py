@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import os
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch import fx, nn
 
 import predispatch
 from predispatch import _torch_internals as ti
-from predispatch.errors import NonFunctionalGraphError
+from predispatch.errors import NonFunctionalGraphError, SerializationError
 from predispatch.serialize import op_allowlist
 from predispatch.serialize.graph import HIGHER_ORDER_OPS
 from predispatch.serialize.op_allowlist import decide
@@ -343,17 +344,19 @@ def test_a_backward_body_fed_another_calls_statistics_is_refused():
 
 
 @pytest.mark.slow
-def test_every_backward_kernel_that_reads_an_unchecked_gradient_is_decided():
-    """The gradient probe (Note [Kernels that trust their gradient's shape]), in a subprocess
-    (a kernel reading out of bounds may crash): every allowed backward kernel autograd calls on
-    the OpInfo samples that takes a shrunk or grown gradient without raising or broadcasting is
-    checked at each call (`GRAD_SHAPES`), explained (`GRAD_SHAPE_SAFE`) or refused in files."""
+def test_every_backward_kernel_argument_that_is_read_unchecked_is_decided():
+    """The argument probe (Note [Kernels that trust their arguments' shapes]), in a subprocess
+    (each argument in a child of its own: a kernel reading out of bounds may crash): every
+    tensor and int-list argument of every allowed backward kernel autograd calls on the OpInfo
+    samples that is taken shrunk or grown without raising or broadcasting is checked at each
+    call (`SHAPE_RULES`: the argument or one its shape comes from), proved from its forward
+    (`FORWARD_PROOFS`), refused in files, or explained (`SHAPE_SAFE`)."""
     import json
     import os
     import subprocess
     import sys
 
-    from predispatch.runtime import kernel_checks
+    from predispatch.passes import kernel_shapes
     from predispatch.serialize import kernel_inputs
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -363,44 +366,233 @@ def test_every_backward_kernel_that_reads_an_unchecked_gradient_is_decided():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     verdicts = json.loads(result.stdout)
-    assert len(verdicts) > 50  # the probe reached the backward kernels
-    unchecked = {packet for packet, found in verdicts.items() if "UNCHECKED" in found.values()}
-    decided = set(kernel_checks.GRAD_SHAPES) | set(kernel_checks.GRAD_SHAPE_SAFE) | set(kernel_inputs.REFUSED_IN_FILES)
-    assert sorted(unchecked - decided) == []
-    assert {"aten.native_layer_norm_backward", "aten.native_batch_norm_backward", "aten.grid_sampler_2d_backward"} <= unchecked
+    assert len(verdicts) > 50 and sum(map(len, verdicts.values())) > 150  # the probe reached the kernels' arguments
+    unchecked = {(packet, argument) for packet, found in verdicts.items() for argument, v in found.items() if v.startswith("UNCHECKED")}
+    assert sorted(unchecked - _decided_arguments(kernel_shapes, kernel_inputs)) == []
+    assert {("aten.native_layer_norm_backward", "grad_out"), ("aten._log_softmax_backward_data", "output"),
+            ("aten._pdist_backward", "self")} <= unchecked
 
 
-def test_kernels_given_a_gradient_of_another_shape_are_refused_before_they_run():
-    """`grad_shape_problem`, on each `GRAD_SHAPES` kernel's honest call and with a one-element
-    gradient: the honest call passes, the other is refused naming the shapes.  Before: the
-    kernels ran and read past the gradient (tests/load_attacks.py's kernel attacks show it
-    through `ep.module()`)."""
-    from predispatch.runtime.kernel_checks import GRAD_SHAPES, grad_shape_problem
+def _decided_arguments(kernel_shapes, kernel_inputs) -> set[tuple[str, str]]:
+    """(packet, argument)s the tables decide: refused packets' every argument (their calls
+    are refused), a shape rule's argument and those its shape comes from, a forward proof's
+    trusted and same arguments, and those explained safe."""
+    decided = set(kernel_shapes.SHAPE_SAFE)
+    for packet, rules in kernel_shapes.SHAPE_RULES.items():
+        decided |= {(packet, name) for rule in rules for name in (rule.argument, *rule.reads)}
+    for packet, proof in kernel_inputs.FORWARD_PROOFS.items():
+        decided |= {(packet, name) for name in (*proof.outputs, *(b for b, _ in proof.same))}
+    refused = {(packet, a.name) for packet in kernel_inputs.REFUSED_IN_FILES if hasattr(torch.ops.aten, packet.split(".")[1])
+               for o in getattr(torch.ops.aten, packet.split(".")[1]).overloads()
+               for a in getattr(getattr(torch.ops.aten, packet.split(".")[1]), o)._schema.arguments}
+    return decided | refused
 
-    aten = torch.ops.aten
-    x, w, b = torch.randn(2, 3, 8), torch.ones(8), torch.zeros(8)
-    out, mean, rstd = aten.native_layer_norm(x, [8], w, b, 1e-5)
-    image, grid = torch.randn(1, 2, 5, 5), torch.rand(1, 3, 3, 2) * 2 - 1
-    q = torch.randn(1, 2, 4, 8)
-    attention, logsumexp = aten._scaled_dot_product_flash_attention_for_cpu(q, q, q)[:2]
-    log_probs = torch.randn(6, 2, 4).log_softmax(2)
-    targets = torch.tensor([[1, 2, 3], [3, 2, 1]])
-    loss, alpha = aten._ctc_loss(log_probs, targets, [6, 6], [3, 3], 0, False)
-    bn, bn_mean, bn_invstd = aten.native_batch_norm(x, None, None, None, None, True, 0.1, 1e-5)
-    calls = {
-        "aten.native_layer_norm_backward": (aten.native_layer_norm_backward.default, (out, x, [8], mean, rstd, w, b, [True] * 3)),
-        "aten.native_batch_norm_backward": (aten.native_batch_norm_backward.default,
-                                            (bn, x, None, None, None, bn_mean, bn_invstd, True, 1e-5, [True] * 3)),
-        "aten._scaled_dot_product_flash_attention_for_cpu_backward": (
-            aten._scaled_dot_product_flash_attention_for_cpu_backward.default, (attention, q, q, q, attention, logsumexp, 0.0, False)),
-        "aten.grid_sampler_2d_backward": (aten.grid_sampler_2d_backward.default,
-                                          (torch.ones(1, 2, 3, 3), image, grid, 0, 0, False, [True, True])),
-        "aten._ctc_loss_backward": (aten._ctc_loss_backward.default,
-                                    (torch.ones(2), log_probs, targets, [6, 6], [3, 3], loss, alpha, 0, False)),
-    }
-    assert set(calls) == set(GRAD_SHAPES)
+
+def _shape_rule_calls() -> dict[str, tuple]:
+    """An honest call of each `SHAPE_RULES` kernel, recorded while eager autograd
+    differentiates a small use of its forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from predispatch.passes.kernel_shapes import SHAPE_RULES, packet_of
+
+    calls: dict[str, tuple] = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if packet_of(func) in SHAPE_RULES and packet_of(func) not in calls:
+                calls[packet_of(func)] = (func, torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), args))
+            return func(*args, **(kwargs or {}))
+
+    F = torch.nn.functional
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    image, volume = torch.randn(1, 2, 5, 5, requires_grad=True), torch.randn(1, 2, 3, 3, 3, requires_grad=True)
+    points, q = torch.randn(4, 3, requires_grad=True), torch.randn(1, 2, 4, 8, requires_grad=True)
+    log_probs = torch.randn(6, 2, 4).log_softmax(2).requires_grad_()
+    uses = [
+        lambda: F.layer_norm(x, [8]), lambda: F.batch_norm(image, None, None, training=True),
+        lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q)[0],
+        lambda: F.grid_sample(image, torch.rand(1, 3, 3, 2) * 2 - 1, align_corners=False),
+        lambda: F.grid_sample(volume, torch.rand(1, 2, 2, 2, 3) * 2 - 1, align_corners=False),
+        lambda: F.ctc_loss(log_probs, torch.tensor([[1, 2, 3], [3, 2, 1]]), [6, 6], [3, 3], reduction="none"),
+        lambda: torch.log_softmax(x, -1), lambda: torch.cdist(points, points * 2), lambda: torch.pdist(points),
+        lambda: F.adaptive_avg_pool2d(image, 2), lambda: F.adaptive_avg_pool3d(volume, 2), lambda: x.unfold(2, 3, 2),
+    ]
+    for use in uses:
+        out = use()
+        with Record():
+            out.backward(torch.randn_like(out))
+    return calls
+
+
+def test_kernels_given_an_argument_of_another_shape_are_refused_before_they_run():
+    """`shape_problem`, on each `SHAPE_RULES` kernel's honest call and with each checked
+    argument one element: the honest call passes, the other is refused naming the shapes.
+    Before: the kernels ran and read past the argument (tests/load_attacks.py's kernel
+    attacks show it through `ep.module()`)."""
+    from predispatch.passes.kernel_shapes import SHAPE_RULES, shape_problem
+
+    calls = _shape_rule_calls()
+    assert set(calls) == set(SHAPE_RULES)
     for packet, (op, args) in calls.items():
-        assert grad_shape_problem(op, args, {}) is None, packet
-        op(*args)  # the honest call runs
-        problem = grad_shape_problem(op, (torch.ones(1), *args[1:]), {})
-        assert problem is not None and problem.startswith(f"{op} is given {GRAD_SHAPES[packet].grad} of shape (1,)"), problem
+        assert shape_problem(op, args, {}) is None, packet
+        names = [a.name for a in op._schema.arguments]
+        for rule in SHAPE_RULES[packet]:
+            position = names.index(rule.argument)
+            problem = shape_problem(op, (*args[:position], torch.ones(1, dtype=args[position].dtype), *args[position + 1:]), {})
+            assert problem is not None and problem.startswith(f"{op} is given {rule.argument} of shape (1,) where it must have shape"), problem
+
+
+def torch_checks_refuse_every_rule() -> None:
+    """Run in a subprocess by the test below (a check that failed to fire would let the
+    kernel read out of bounds): each `SHAPE_RULES` kernel's honest call as a graph with
+    `pin_kernel_shapes`' views gives the kernel's result; with a checked argument of one
+    element, or one more in each dimension, the graph raises before the kernel."""
+    from predispatch.passes.kernel_shapes import SHAPE_RULES, pin_kernel_shapes
+
+    for packet, (op, args) in _shape_rule_calls().items():
+        names = [a.name for a in op._schema.arguments]
+        graph = fx.Graph()
+        values = [graph.placeholder(f"a{i}") if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+        for node, value in zip(values, args):
+            if isinstance(node, fx.Node):
+                node.meta["val"] = value
+        graph.output(graph.call_function(op, tuple(values)))
+        assert pin_kernel_shapes(graph) == 1
+        gm = fx.GraphModule(torch.nn.Module(), graph)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        for e, a in zip(torch.utils._pytree.tree_leaves(op(*args)), torch.utils._pytree.tree_leaves(gm(*tensors))):
+            assert e is None and a is None or torch.equal(e, a), packet
+        for rule in SHAPE_RULES[packet]:
+            checked = args[names.index(rule.argument)]
+            for bad in (torch.ones(1, dtype=checked.dtype), torch.ones([n + 1 for n in checked.shape], dtype=checked.dtype)):
+                fed = [bad if a is checked else a for a in tensors]
+                with pytest.raises(RuntimeError, match="is invalid for input of size"):
+                    gm(*fed)
+    print("every rule refused")
+
+
+def test_to_torch_graphs_check_every_rule_before_the_kernel():
+    """`to_torch()`'s checks (`pin_kernel_shapes`: the kernel's arguments through `aten.view`s
+    of the shapes they must have) on every `SHAPE_RULES` kernel, in a subprocess."""
+    _in_subprocess("torch_checks_refuse_every_rule", "every rule refused")
+
+
+def test_every_shape_rule_names_arguments_of_its_kernel():
+    """A rule naming an argument the schema lacks would check nothing (torch 2.15 renamed
+    `_cdist_backward`'s `grad` to `grad_output`): every name a rule reads is in its kernel's
+    schema, on every overload."""
+    from predispatch.passes.kernel_shapes import SHAPE_RULES
+
+    for packet, rules in SHAPE_RULES.items():
+        packet_ops = getattr(torch.ops.aten, packet.split(".")[1])
+        for overload in packet_ops.overloads():
+            names = {a.name for a in getattr(packet_ops, overload)._schema.arguments}
+            assert {n for rule in rules for n in (rule.argument, *rule.reads)} <= names, (packet, overload)
+
+
+def crafted_program_through_torch() -> None:
+    """Run in a subprocess by the test below: a file whose cdist backward is fed a (4, 3)
+    gradient where its forward gave (4, 4), loaded and converted with `to_torch()`: the
+    conversion refuses it by name (the program's own meta shows it; where the meta lies, the
+    view before the kernel raises at the call: `torch_checks_refuse_every_rule`)."""
+    import load_attacks
+
+    def edit(p):
+        record = next(n for n in load_attacks.module_of(p)["nodes"] if n.get("target") == "aten._cdist_backward.default")
+        record["args"][0] = {"node": "p_points"}  # the gradient: `grad` (`grad_output` from torch 2.15)
+
+    loaded = predispatch.load(io.BytesIO(load_attacks.edited(load_attacks.shape_kernel_program(), edit)))
+    with pytest.raises(SerializationError, match=r"refused to convert a kernel call: aten._cdist_backward.default \(_cdist_backward\) "
+                       r"is given grad(_output)? of shape \(4, 3\), which it would read as \[4, 4\]"):
+        loaded.to_torch()
+
+    print("refused through torch")
+
+
+def test_a_crafted_program_converted_to_torch_still_refuses_its_kernel():
+    """The check survives `to_torch()`: converting the crafted program is refused by name
+    (before: it converted, and torch's `module()` ran `_cdist_backward` on a smaller gradient,
+    reading past it).  In a subprocess."""
+    _in_subprocess("crafted_program_through_torch", "refused through torch")
+
+
+def _in_subprocess(function: str, done: str) -> None:
+    """Run this module's `function` in a fresh interpreter (a kernel that reads out of bounds
+    crashes it, not the test run); it prints `done` when all its assertions held."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", f"import sys; sys.path.insert(0, {here!r}); "
+                             f"import test_verify; test_verify.{function}()"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
+    assert result.returncode == 0 and done in result.stdout, result.stderr[-3000:]
+
+
+def test_an_honest_joint_with_checked_kernels_converts_and_gives_eagers_gradients():
+    """The joint of ShapeKernels and of Kernels (layer and batch norm, log-softmax, cdist,
+    pdist, adaptive pooling, unfold, 3-d grid sampling) through `to_torch()`: torch's verifier
+    accepts the checks, `module()` gives the program's outputs bitwise and eager's gradients,
+    and `torch.export.save`/`load` keep the checks."""
+    import load_attacks
+
+    from predispatch.passes.kernel_shapes import trusts_shapes
+
+    torch.manual_seed(0)
+    model = load_attacks.ShapeKernels()
+    args = load_attacks.SHAPE_KERNEL_ARGS
+    jp = predispatch.export(model, args).joint(loss="")
+    converted = jp.to_torch()
+    checks = [n for n in converted.graph.nodes if n.target is torch.ops.aten.view.default and any(trusts_shapes(u.target) for u in n.users)]
+    assert len(checks) >= 8
+    expected, actual = jp.module()(*args), converted.module()(*args)
+    for e, a in zip(torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(actual)):
+        assert torch.equal(e, a)
+    loss = model(*args)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    for name, g in zip(dict(model.named_parameters()), grads):
+        torch.testing.assert_close(actual[1][name], g)
+    buffer = io.BytesIO()
+    torch.export.save(converted, buffer)
+    buffer.seek(0)
+    again = torch.export.load(buffer)
+    assert sum(n.target is torch.ops.aten.view.default and any(trusts_shapes(u.target) for u in n.users) for n in again.graph.nodes) == len(checks)
+    kernels = predispatch.export(load_attacks.Kernels().train(), load_attacks.KERNEL_ARGS).joint(loss="")
+    with torch.no_grad():
+        expected, actual = kernels.module()(*load_attacks.KERNEL_ARGS), kernels.to_torch().module()(*load_attacks.KERNEL_ARGS)
+    for e, a in zip(torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(actual)):
+        assert torch.equal(e, a)
+
+
+class _DynamicKernels(nn.Module):
+    """Layer norm, pdist and log-softmax backwards whose checked shapes follow a dynamic batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.points = nn.LayerNorm(8), nn.Parameter(torch.randn(3, 8))
+
+    def forward(self, x):
+        return self.norm(x).sum() + torch.pdist(self.points * x.sum()).sum() + torch.log_softmax(x * self.points.sum(), -1).sum()
+
+
+def test_to_torch_checks_follow_symbolic_sizes():
+    """With a dynamic batch, the views before the checked kernels are sized by `sym_size.int`
+    nodes: the converted program gives the joint's outputs bitwise at two batch sizes, and
+    keeps working through `run_decompositions` and `torch.export.save`/`load`."""
+    torch.manual_seed(0)
+    batch = torch.export.Dim("batch", min=2, max=64)
+    jp = predispatch.export(_DynamicKernels(), (torch.randn(4, 8),), dynamic_shapes={"x": {0: batch}}).joint(loss="")
+    converted = jp.to_torch()
+    views = [n for n in converted.graph.nodes if n.target is torch.ops.aten.view.default and any(isinstance(a, fx.Node) for a in n.args[1])]
+    assert views  # sized by the batch's symbol
+    for n in (4, 7):
+        x = torch.randn(n, 8)
+        for e, a in zip(torch.utils._pytree.tree_leaves(jp.module()(x)), torch.utils._pytree.tree_leaves(converted.module()(x))):
+            assert torch.equal(e, a)
+    x = torch.randn(5, 8)
+    expected = jp.module()(x)[0]
+    assert torch.equal(converted.run_decompositions({}).module()(x)[0], expected)
+    buffer = io.BytesIO()
+    torch.export.save(converted, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.export.load(buffer).module()(x)[0], expected)

@@ -10,6 +10,10 @@ subgraphs.
 `lift_constants` lifts the tensors a region's body holds into operands of its HOP call, for
 `ep.module()` (runtime/unlift.py) and `to_torch()` (transforms/to_torch.py) alike.  The passes
 only `to_torch()` runs live beside it, in transforms/.
+
+`kernel_shapes` holds the shapes backward kernels read their arguments as, unchecked: the
+rules `ep.module()` checks before each call (runtime/kernel_checks.py) and `pin_kernel_shapes`,
+the pass that gives `to_torch()`'s graph the same check as `aten.view`s.
 """
 
 from predispatch.passes.check_functional import check_functional, mutable_ops, raw_toggles

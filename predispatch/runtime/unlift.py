@@ -40,7 +40,7 @@ from predispatch.runtime import runner
 from predispatch.runtime.names import argument_names
 from predispatch.runtime.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
 from predispatch.runtime.modes import set_exported_modes
-from predispatch.runtime.kernel_checks import guard_kernel_gradients
+from predispatch.runtime.kernel_checks import guard_kernel_shapes
 from predispatch.signature import InputKind, Program
 from predispatch.runtime.writes import WritePlan, plan_writes
 
@@ -64,7 +64,7 @@ def module_of(ep: Program) -> ProgramModule:
             if id(gm) not in bodies:  # a region body's constants are lifted with its caller's
                 _lift_region_constants(gm)
             _call_functions_through_runner(gm)
-            guard_kernel_gradients(gm)
+            guard_kernel_shapes(gm)
     graph._codegen = ti.PyTreeCodeGen(ti.PyTreeInfo(argument_names(sig.in_spec, sig.arg_names), sig.in_spec, sig.out_spec))
     module = ProgramModule(nn.Module(), fx.Graph())
     _install_state(module, ep)

@@ -30,8 +30,9 @@ not check them (or that only an internal caller uses).  Each is one of:
 `verify.py` asks `trusted_input_problems(node)` for every call of these packets in a stored
 program.  docs/format.md's threat model lists both tables.
 
-Backward kernels that trust their gradient's shape are checked at run time instead
-(runtime/kernel_checks.py, Note [Kernels that trust their gradient's shape]); `probe_gradients`
+Backward kernels that read a gradient or saved value as another argument's shape are checked
+at run time instead
+(passes/kernel_shapes.py, Note [Kernels that trust their arguments' shapes]); `probe_arguments`
 finds them.
 """
 
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from predispatch.runtime.kernel_checks import packet_of
+from predispatch.passes.kernel_shapes import packet_of
 from predispatch.trace.dedup.backward import VIEWS
 
 __all__ = [
@@ -54,7 +55,7 @@ __all__ = [
     "BodyCalls",
     "ForwardProof",
     "body_calls",
-    "probe_gradients",
+    "probe_arguments",
     "scan",
     "trusted_input_problems",
 ]
@@ -401,30 +402,42 @@ CHECKED_BY_TORCH: Mapping[str, str] = {
 }
 
 
-# --------------------------------------------------------------------------- gradients' shapes
+# --------------------------------------------------------------------------- arguments' shapes
 
 
-def probe_gradients() -> dict[str, dict[str, str]]:
-    """For each allowed backward packet autograd calls on OpInfo samples: per gradient argument,
-    `checked` (a shrunk gradient raises), `broadcasts` (it gives the expanded gradient's result)
-    or `UNCHECKED` (neither: listed in runtime/kernel_checks.py's `GRAD_SHAPES` or
-    `GRAD_SHAPE_SAFE`, or refused in files).  Slow (every OpInfo's
-    backward) and crash-prone: run it in a subprocess."""
+def probe_arguments() -> dict[str, dict[str, str]]:
+    """For each allowed backward packet autograd calls on OpInfo samples, per tensor or
+    int-list argument: `raises` (shrunk or grown, the call raises), `broadcasts` (a one-element
+    tensor gives the expanded tensor's result, a larger one raises) or `UNCHECKED` (neither, or
+    the call crashed: decided in passes/kernel_shapes.py's `SHAPE_RULES` or `SHAPE_SAFE`, in
+    `FORWARD_PROOFS` or `REFUSED_IN_FILES`).  Slow (every OpInfo's backward); each argument is
+    probed in worker processes that may crash (`_probe_in_workers`)."""
     from predispatch._torch_internals import load_op_db
     from predispatch.serialize.op_families import PACKETS
 
     allowed = {p for family in ("aten_functional", "trusts_inputs") for p in PACKETS.get(family, ())}
     calls = _backward_calls(load_op_db(), allowed)
-    return {packet: _probe_call(op, args, kwargs) for packet, (op, args, kwargs) in sorted(calls.items())}
+    verdicts: dict[str, dict[str, str]] = {packet: {} for packet in calls}
+    for (packet, argument), verdict in _probe_in_workers(calls).items():
+        verdicts[packet][argument] = verdict
+    return dict(sorted(verdicts.items()))
 
 
-def _gradient_positions(op: Any) -> list[int]:
-    return [i for i, a in enumerate(op._schema.arguments) if a.name.startswith("grad") and str(a.type) == "Tensor"]
+def _probed_positions(op: Any) -> list[int]:
+    """The tensor and int-list arguments the probe shrinks and grows, by position."""
+    return [i for i, a in enumerate(op._schema.arguments)
+            if str(a.type) in ("Tensor", "Optional[Tensor]", "List[int]", "List[SymInt]")]
+
+
+def _probeable(op: Any, args: tuple) -> int:
+    """How many of a call's arguments the probe can shrink (the call of most is kept)."""
+    return sum(1 for i in _probed_positions(op) if i < len(args) and (
+        isinstance(args[i], torch.Tensor) and args[i].numel() >= 2 or isinstance(args[i], (list, tuple)) and args[i]))
 
 
 def _backward_calls(op_db: list[Any], allowed: set[str]) -> dict[str, tuple[Any, tuple, dict]]:
-    """One real call of each allowed backward packet, recorded while autograd differentiates
-    each OpInfo's first samples."""
+    """One real call of each allowed backward packet (of those with the most arguments to
+    probe), recorded while autograd differentiates each OpInfo's first samples."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     calls: dict[str, tuple[Any, tuple, dict]] = {}
@@ -433,9 +446,10 @@ def _backward_calls(op_db: list[Any], allowed: set[str]) -> dict[str, tuple[Any,
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             packet = packet_of(func)
-            if packet in allowed and "backward" in packet and packet not in calls and _gradient_positions(func):
-                copied = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
-                calls[packet] = (func, *copied)
+            if packet in allowed and "backward" in packet and _probed_positions(func):
+                if packet not in calls or _probeable(func, args) > _probeable(*calls[packet][:2]):
+                    copied = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
+                    calls[packet] = (func, *copied)
             return func(*args, **kwargs)
 
     for info in op_db:
@@ -457,37 +471,74 @@ def _backward_calls(op_db: list[Any], allowed: set[str]) -> dict[str, tuple[Any,
     return calls
 
 
-def _probe_call(op: Any, args: tuple, kwargs: dict) -> dict[str, str]:
-    names = [a.name for a in op._schema.arguments]
-    verdicts = {}
-    for i in _gradient_positions(op):
-        if i >= len(args) or not isinstance(args[i], torch.Tensor) or args[i].numel() < 2:
-            continue
-        full = args[i]
-        small = torch.full([1] * full.dim(), 1.5, dtype=full.dtype)
+def _probe_in_workers(calls: dict[str, tuple[Any, tuple, dict]]) -> dict[tuple[str, str], str]:
+    """Probe every (packet, argument) in a forked child process of its own: a kernel that reads
+    or writes out of bounds may crash it, or corrupt its heap and crash it later; either way
+    only that child dies, and its item is `UNCHECKED (crashed)`.  Intra-op threads are off
+    (one thread: forking is safe)."""
+    torch.set_num_threads(1)
+    verdicts: dict[tuple[str, str], str] = {}
+    for packet, (op, args, kwargs) in sorted(calls.items()):
+        for position in _probed_positions(op):
+            if position < len(args):
+                verdicts[(packet, op._schema.arguments[position].name)] = _in_child(op, args, kwargs, position)
+    return {k: v for k, v in verdicts.items() if v != "n/a"}
 
-        def call(gradient: torch.Tensor) -> Any:
-            return op(*args[:i], gradient, *args[i + 1:], **kwargs)
 
+def _in_child(op: Any, args: tuple, kwargs: dict, position: int) -> str:
+    """`_probe_argument` in a forked child; `UNCHECKED (crashed)` if it dies."""
+    import os
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report the verdict, never return into the parent's code
+        os.close(read)
         try:
-            reference = call(small.expand(full.shape).contiguous())
-        except Exception:  # noqa: BLE001 - the sample's other arguments refuse a constant gradient
-            continue
-        try:
-            got = call(small)
-        except Exception:  # noqa: BLE001 - the kernel checks the gradient's shape
-            verdicts[names[i]] = "checked"
-            continue
-        if not _same_results(got, reference):
-            verdicts[names[i]] = "UNCHECKED"
-            continue
-        try:
-            call(torch.full([2 * n for n in full.shape], 1.5, dtype=full.dtype))
-        except Exception:  # noqa: BLE001 - a larger gradient is refused: broadcasting only
-            verdicts[names[i]] = "broadcasts"
-            continue
-        verdicts[names[i]] = "UNCHECKED"
-    return verdicts
+            os.write(write, _probe_argument(op, args, kwargs, position).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        verdict = pipe.read().decode()
+    _, status = os.waitpid(pid, 0)
+    return verdict if status == 0 and verdict else "UNCHECKED (crashed)"
+
+
+def _probe_argument(op: Any, args: tuple, kwargs: dict, i: int) -> str:
+    """`raises`, `broadcasts`, `UNCHECKED` or `n/a` (not probed: the sample's value is too
+    small, or the honest-shaped replacement itself raises) for argument `i` of this call."""
+    full = args[i]
+
+    def call(value: Any) -> Any:
+        return op(*args[:i], value, *args[i + 1:], **kwargs)
+
+    if isinstance(full, (list, tuple)) and all(type(n) is int for n in full) and full:
+        outcomes = [_raises(call, [1] * len(full)) if any(n > 1 for n in full) else True, _raises(call, [2 * n + 1 for n in full])]
+        return "raises" if all(outcomes) else "UNCHECKED"
+    if not isinstance(full, torch.Tensor) or full.numel() < 2:
+        return "n/a"
+    fill = 1.5 if full.is_floating_point() or full.is_complex() else 0
+    small = torch.full([1] * full.dim(), fill, dtype=full.dtype)
+    try:
+        reference = call(small.expand(full.shape).contiguous())
+    except Exception:  # noqa: BLE001 - the sample's other arguments refuse a constant value here
+        return "n/a"
+    try:
+        got = call(small)
+    except Exception:  # noqa: BLE001 - the kernel checks the argument's shape
+        return "raises"
+    if not _same_results(got, reference):
+        return "UNCHECKED"
+    grown = torch.full([2 * n for n in full.shape] or [2], fill, dtype=full.dtype)
+    return "broadcasts" if _raises(call, grown) else "UNCHECKED"
+
+
+def _raises(call: Callable[[Any], Any], value: Any) -> bool:
+    try:
+        call(value)
+    except Exception:  # noqa: BLE001 - any refusal counts
+        return True
+    return False
 
 
 def _same_results(a: Any, b: Any) -> bool:
@@ -502,7 +553,7 @@ if __name__ == "__main__":
     import sys
 
     if "--probe" in sys.argv:
-        print(json.dumps(probe_gradients(), indent=1))
+        print(json.dumps(probe_arguments(), indent=1))
         sys.exit()
     for packet, arguments in scan():
         decided = "refused" if packet in REFUSED_IN_FILES else "proved" if packet in FORWARD_PROOFS else CHECKED_BY_TORCH.get(packet, "UNDECIDED")

@@ -72,6 +72,7 @@ from predispatch.frontend.inputs import unique_identifier
 from predispatch.passes.lift_constants import TORCH_HOPS, attribute, hop_body, lift_from_subgraph
 from predispatch.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, OutputKind, OutputSpec, Program
 from predispatch.passes import inlined_copy
+from predispatch.passes.kernel_shapes import pin_kernel_shapes
 from predispatch.transforms.flatten_function_outputs import flatten_function_outputs
 from predispatch.transforms.recompose_for_torch import clone_saved_statistics, recompose_for_torch
 
@@ -144,6 +145,7 @@ def _convert(ep: Program) -> torch.export.ExportedProgram:
         ep = dataclasses.replace(ep, graph_module=flat)  # type: ignore[type-var]  # an ExportedProgram, a dataclass
     builder = _TorchGraph(ep)
     output_specs = recompose_for_torch(builder.graph, builder.input_specs, builder.output_specs)
+    _guard_kernel_shapes(builder)
     sig = ep.signature
     call = ModuleCallSignature(
         inputs=[], outputs=[], in_spec=sig.in_spec, out_spec=sig.out_spec, forward_arg_names=_forward_arg_names(ep)
@@ -158,6 +160,17 @@ def _convert(ep: Program) -> torch.export.ExportedProgram:
         constants=builder.constants,
         verifiers=[ti.TrainingIRVerifier],
     )
+
+
+def _guard_kernel_shapes(builder: _TorchGraph) -> None:
+    """torch's `module()` runs the graph itself, without `ep.module()`'s `check_kernel_shapes`:
+    the same rules as `aten.view`s of the kernels' arguments, in the root graph and every
+    subgraph (Note [Kernels that trust their arguments' shapes] in passes/kernel_shapes.py)."""
+    pin_kernel_shapes(builder.graph)
+    for value in builder.root.values():
+        for gm in value.modules() if isinstance(value, torch.nn.Module) else ():
+            if isinstance(gm, fx.GraphModule) and pin_kernel_shapes(gm.graph):
+                gm.recompile()
 
 
 def to_torch_forward_backward(ep: Program, loss_index: int = 0) -> torch.export.ExportedProgram:
