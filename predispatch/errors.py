@@ -43,7 +43,7 @@ class UnsupportedInputError(PredispatchError):
     Cause: `module_or_fn` is not an `nn.Module` or a callable, `args` is not a tuple, an input
     leaf is of a type that is neither a tensor nor a constant (None, bool, int, float, str), a
     kwargs key is not a string, an input is quantized, or the module's state holds inference
-    tensors (built under `torch.inference_mode()`).
+    tensors (built under `torch.inference_mode()`), or a lazy module's uninitialized parameters.
     Example: `export(model, x)` instead of `export(model, (x,))`.
     Fix: pass positional arguments as a tuple and keyword arguments as a dict.
     """

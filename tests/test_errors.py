@@ -208,6 +208,23 @@ parameter 'weight' is an inference tensor: the module was built or loaded under 
         x = torch.randn(2, 3)
         torch.testing.assert_close(predispatch.export(model, (x,)).module()(x), model(x), rtol=0, atol=0)
 
+    @pytest.mark.filterwarnings("ignore:Lazy modules are a new feature")
+    def test_lazy_module_before_its_first_call(self):
+        """Before: torch's raw ValueError "Attempted to use an uninitialized parameter in numel"."""
+        model = nn.Sequential(nn.LazyLinear(3), nn.ReLU())
+        with pytest.raises(errors.UnsupportedInputError) as info:
+            predispatch.export(model, (torch.randn(2, 4),))
+        self.assertExpectedInline(message(info.value), """\
+'0.weight' is an uninitialized parameter or buffer of a lazy module (nn.LazyLinear, nn.LazyConv2d, ...): its shape is only known after the module's first call, so there is nothing to trace yet.
+  at test_errors.py:N (predispatch.export(model, (torch.randn(2, 4),)))
+  fix: call the model once on an example batch before exporting (model(*args)), which initializes its lazy modules; then predispatch.export(model, args).
+  see docs/errors.md#unsupportedinputerror""")
+        assert torch.nn.parameter.is_lazy(model[0].weight)  # nothing changed
+        # the fix works
+        x = torch.randn(2, 4)
+        model(x)
+        torch.testing.assert_close(predispatch.export(model, (x,)).module()(x), model(x), rtol=0, atol=0)
+
     @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
     def test_quantized_input(self):
         q = torch.quantize_per_tensor(torch.randn(2, 3), 0.1, 0, torch.quint8)

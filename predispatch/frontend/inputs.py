@@ -103,6 +103,7 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     args, kwargs = _check_args(args, kwargs)
     register_dataclasses((args, kwargs))
     module, signature_of = as_module(module_or_fn, args, kwargs)
+    _refuse_lazy_state(module)
     leaves, in_spec = _named_leaves(signature_of, args, kwargs)
     state = with_storage_views(lift_state(module, beyond_tree(module)))
     _check_state(state)
@@ -329,6 +330,23 @@ def _check_tensor_input(label: str, tensor: torch.Tensor) -> None:
             fix="pass the float tensor (x.dequantize()) and quantize inside forward, or export the float "
             "model and quantize the program (torchao's PT2E flow).",
         )
+
+
+def _refuse_lazy_state(module: nn.Module) -> None:
+    """Refuse uninitialized parameters and buffers (`nn.LazyLinear` before its first call): they
+    have no shape yet, so there is nothing to trace; torch's own error reads as a bug inside
+    export ("Attempted to use an uninitialized parameter in numel")."""
+    named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        if torch.nn.parameter.is_lazy(tensor):
+            raise UnsupportedInputError(
+                f"{name!r} is an uninitialized parameter or buffer of a lazy module (nn.LazyLinear, "
+                "nn.LazyConv2d, ...): its shape is only known after the module's first call, so there is "
+                "nothing to trace yet.",
+                where=user_frame(),
+                fix="call the model once on an example batch before exporting (model(*args)), which "
+                "initializes its lazy modules; then predispatch.export(model, args).",
+            )
 
 
 def _check_state(state: tuple[LiftedTensor, ...]) -> None:
