@@ -39,7 +39,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -100,6 +100,8 @@ def refusing_rng_changes(module: nn.Module) -> Iterator[frozenset[int]]:
     generators = _visible_generators(module)
     record = _Changes(threading.get_ident())
     patched = _patch_changers(record)  # first: another thread's reseed from now on is recorded
+    if _other_thread_inside(original for _, _, original in patched):
+        record.by_other_threads = True  # a reseed begun before the patch may land after the snapshot
     before = [(g, g.get_state()) for g in generators]
     changed: list[tuple[torch.Generator, torch.Tensor]] | None = None
     try:
@@ -190,6 +192,31 @@ def _patch_changers(record: _Changes) -> list[tuple[Any, str, Any]]:
                 setattr(module, name, _refusing(f"{module_name}.{name}", effect, original, record))
                 patched.append((module, name, original))
     return patched
+
+
+def _other_thread_inside(functions: Iterable[Callable[..., Any]]) -> bool:
+    """Whether another thread is running one of `functions` now (any frame of its stack).
+
+    A call that began before the changers were patched goes to torch's original, unrecorded,
+    and can reseed after export read the states: a false "forward changed the generator".
+    CPython checks for a thread switch on entering a function, so a thread that looked the
+    original up and was switched out is already inside its frame, and shows here.
+    """
+    codes = set()
+    for function in functions:
+        layer: Any = function
+        while layer is not None:  # through functools.wraps layers (Dynamo rewraps manual_seed)
+            if (code := getattr(layer, "__code__", None)) is not None:
+                codes.add(code)
+            layer = getattr(layer, "__wrapped__", None)
+    me = threading.get_ident()
+    for ident, top in sys._current_frames().items():
+        frame: Any = top
+        while ident != me and frame is not None:
+            if frame.f_code in codes:
+                return True
+            frame = frame.f_back
+    return False
 
 
 def _import(module_name: str) -> Any:
