@@ -896,7 +896,7 @@ torch.export drops it without a word. predispatch captures a pure one: here a de
 hook on a ReLU, which passes back the positive part of the output gradient instead of masking it
 by the input's sign. It reads `grad_output`, computed where the module's output is
 differentiated, and returns `grad_input`, so a carrier tensor brings the one to the other in the
-program (Note [Carrying grad_output] in `predispatch/trace/hooks/full.py`). Gradients through the
+program (Note [Carrying grad_output] in `predispatch/custom_backward/hooks/full.py`). Gradients through the
 program equal eager's, and differ from the model's without the hook."""),
     code("""\
 class Deconv(nn.Module):

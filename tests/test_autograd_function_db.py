@@ -12,7 +12,7 @@ op, as tests/test_op_db.py does for op_db.  Each entry either
 
 These Functions are defined under `torch.testing`: the sweep is also the test that where a
 Function's class is defined does not decide whether it is captured (Note [Which Functions are
-captured] in predispatch/trace/autograd_function/capture.py).  The whole sweep runs by default
+captured] in predispatch/custom_backward/autograd_function/capture.py).  The whole sweep runs by default
 (about ten seconds):
 
     pytest tests/test_autograd_function_db.py

@@ -936,7 +936,7 @@ def test_lambdas_on_one_line_are_told_apart():
     """Of two lambdas on one line, the pure one is captured though the other prints (the columns
     its code covers pick it)."""
     pure, printing = (lambda g: g * 10), (lambda g: print(g))  # noqa: E731
-    from predispatch.trace.hooks.inspection import side_effect
+    from predispatch.custom_backward.hooks.inspection import side_effect
 
     assert side_effect(printing) == "calls print"
     assert side_effect(pure) is None

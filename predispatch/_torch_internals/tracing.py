@@ -70,7 +70,7 @@ def exporting_flags() -> Iterator[None]:
         compiler._is_compiling_flag, compiler._is_exporting_flag = old
 
 
-# --- custom autograd.Function capture (trace/autograd_function.py) ---------------------------
+# --- custom autograd.Function capture (custom_backward/autograd_function.py) ---------------------------
 
 def trace_functional(
     fn: Callable[..., Any], args: tuple[Any, ...], fake_mode: FakeTensorMode

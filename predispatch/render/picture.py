@@ -288,7 +288,7 @@ class _Builder:
         """SAVED edges from what a Function's forward saves to the backward's inputs that receive it.
 
         `autograd_function_apply`'s forward returns `((*outputs), (*saved))` and its backward
-        takes `(*output_grads, *saved)` (see predispatch/trace/autograd_function).
+        takes `(*output_grads, *saved)` (see predispatch/custom_backward/autograd_function).
         """
         (fwd, fwd_env), (bwd, bwd_env) = forward, backward
         result = fwd.graph.output_node().args[0]

@@ -31,7 +31,7 @@ from predispatch.frontend.dynamic import check_constraints
 from predispatch.frontend.inputs import CONSTANT_TYPES, hf_cache_fix, is_hf_cache, register_dataclasses
 from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.signature import InputKind, Leaf
-from predispatch.trace.autograd_function import capture_autograd_functions
+from predispatch.custom_backward.autograd_function import capture_autograd_functions
 from predispatch.trace.collectives import COLLECTIVE_REWRITES
 from predispatch.trace.constructs import (
     construct_refusal,
@@ -50,7 +50,7 @@ from predispatch.trace.decompose import (
 )
 from predispatch.trace.dedup import Dedup, share_repeated_blocks
 from predispatch.trace.grad_history import GradHistoryKeeper
-from predispatch.trace.hooks import backward_hooks
+from predispatch.custom_backward.hooks import backward_hooks
 from predispatch.trace.inference_mode import inference_mode_as_grad_mode
 from predispatch.trace.transforms import transforms_below_autograd
 from predispatch.trace.rng import refuse_generators_made_in_forward, refusing_rng_changes

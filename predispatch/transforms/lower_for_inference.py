@@ -18,7 +18,7 @@ tuple replaces the `getitem`s, and the values it saved for backward are no longe
 What is lost is the custom backward: differentiating the result differentiates the forward's
 ops (a straight-through estimator's gradient becomes 0).  That is why only
 `to_torch(for_inference=True)` runs this pass; see Note [Capturing autograd.Function] in
-predispatch/trace/autograd_function/__init__.py for what the HOP holds.
+predispatch/custom_backward/autograd_function/__init__.py for what the HOP holds.
 
 `drop_history`: `predispatch.keep_history(value, history)` (Note [Mutations inside grad
 regions]) becomes `aten.clone(value)`, its value; it only routes gradients, and inference

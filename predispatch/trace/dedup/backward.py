@@ -49,7 +49,7 @@ from torch import fx
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import JointError
-from predispatch.trace.trace_hop import Emitted, TraceTimeHop
+from predispatch.custom_backward.trace_hop import Emitted, TraceTimeHop
 
 __all__ = ["VIEWS", "SharedBodies", "drop_autograd_only", "forward_nodes", "static_calls"]
 

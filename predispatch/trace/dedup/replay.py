@@ -1,6 +1,6 @@
 """`block_call`: the trace-time HOP that replays a shared body as torch's `invoke_subgraph`.
 
-A `TraceTimeHop` (trace/trace_hop.py): graphs never hold it; in the graph each replayed call is
+A `TraceTimeHop` (custom_backward/trace_hop.py): graphs never hold it; in the graph each replayed call is
 
     invoke_subgraph(body, identifier, *operands)
 
@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from predispatch import _torch_internals as ti
-from predispatch.trace.trace_hop import Emitted, TraceTimeHop
+from predispatch.custom_backward.trace_hop import Emitted, TraceTimeHop
 
 
 @dataclass(frozen=True, eq=False)

@@ -60,7 +60,7 @@ from predispatch.frontend.reachable import is_filled
 from predispatch.trace.dedup.body import NotClosed, extract, find_region, first_difference, named
 from predispatch.trace.dedup.fold import CallSite, fold_traced_calls, node_module_stack
 from predispatch.trace.dedup.reads import _PLAIN, matches, recording_reads, snapshot
-from predispatch.trace.hooks.inspection import side_effect
+from predispatch.custom_backward.hooks.inspection import side_effect
 from predispatch.trace.dedup.replay import BODY_OUTPUT, PassThrough, SharedBody, replay_call
 
 #: Bodies with fewer ops than this are inlined, and so are the later calls of modules like

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from predispatch.trace.hooks.capture import Capture, applying, chain
-from predispatch.trace.hooks.full import full_backward_hooks
-from predispatch.trace.hooks.layout import Layout
-from predispatch.trace.hooks.refusal import refusal
-from predispatch.trace.hooks.state import State, check_state_unchanged
+from predispatch.custom_backward.hooks.capture import Capture, applying, chain
+from predispatch.custom_backward.hooks.full import full_backward_hooks
+from predispatch.custom_backward.hooks.layout import Layout
+from predispatch.custom_backward.hooks.refusal import refusal
+from predispatch.custom_backward.hooks.state import State, check_state_unchanged
 
 
 @contextlib.contextmanager

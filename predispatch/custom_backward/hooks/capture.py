@@ -17,8 +17,8 @@ from torch import nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import AutogradFunctionError, UnsupportedHookError, user_frame
-from predispatch.trace.hooks.inspection import describe
-from predispatch.trace.hooks.state import Handed, State
+from predispatch.custom_backward.hooks.inspection import describe
+from predispatch.custom_backward.hooks.state import Handed, State
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Capture:
 
 #: How a hook's read of a tensor from outside shows in a failed capture: a tensor of the outer
 #: trace is caught after tracing (`_check_reads_only_arguments` in
-#: trace/autograd_function/subgraphs.py), a real tensor (a global constant) by FakeTensorMode.
+#: custom_backward/autograd_function/subgraphs.py), a real tensor (a global constant) by FakeTensorMode.
 _READS_OUTSIDE = ("reads a tensor that is not one of its arguments", "Please convert all Tensors to FakeTensors")
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 from predispatch.errors import UnsupportedHookError, user_frame
-from predispatch.trace.hooks.inspection import describe, side_effect
+from predispatch.custom_backward.hooks.inspection import describe, side_effect
 
 
 def refusal(module: nn.Module) -> tuple[Any, str] | None:

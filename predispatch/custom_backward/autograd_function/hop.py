@@ -1,6 +1,6 @@
 """`function_call`: the trace-time HOP that puts a `CapturedCall` into the outer graph.
 
-A `TraceTimeHop` (trace/trace_hop.py): graphs never hold it; in the graph each call is torch's
+A `TraceTimeHop` (custom_backward/trace_hop.py): graphs never hold it; in the graph each call is torch's
 
     autograd_function_apply(fwd, bwd, *operands, non_differentiable_idx=..., saved_for_backward_idx=...)
 
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from predispatch import _torch_internals as ti
-from predispatch.trace.autograd_function.record import CapturedCall
-from predispatch.trace.trace_hop import Emitted, TraceTimeHop
+from predispatch.custom_backward.autograd_function.record import CapturedCall
+from predispatch.custom_backward.trace_hop import Emitted, TraceTimeHop
 
 
 def _emit(tracer: Any, call: CapturedCall) -> Emitted:

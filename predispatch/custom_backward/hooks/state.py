@@ -39,7 +39,7 @@ from torch import nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import UnsupportedHookError, user_frame
-from predispatch.trace.hooks.inspection import may_read_state
+from predispatch.custom_backward.hooks.inspection import may_read_state
 
 _POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
 

@@ -36,7 +36,7 @@ from predispatch.errors import AutogradFunctionError, DataDependentError, Predis
 from predispatch.frontend.inputs import CONSTANT_TYPES
 from predispatch.passes.name_placeholders import name_placeholders
 from predispatch.passes.wrap_regions import TOGGLES, wrap_regions
-from predispatch.trace.autograd_function.record import (
+from predispatch.custom_backward.autograd_function.record import (
     BackwardCtx,
     CapturedCall,
     ForwardCtx,

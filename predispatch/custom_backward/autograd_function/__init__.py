@@ -56,7 +56,7 @@ with `create_graph`'s mode; grad-mode toggles in user code (`torch.no_grad()` in
 subgraphs.  Autocast toggles do change values: they become `wrap_with_autocast` regions.
 """
 
-from predispatch.trace.autograd_function.capture import RUN_INSTEAD, capture_autograd_functions
-from predispatch.trace.autograd_function.record import CapturedCall
+from predispatch.custom_backward.autograd_function.capture import RUN_INSTEAD, capture_autograd_functions
+from predispatch.custom_backward.autograd_function.record import CapturedCall
 
 __all__ = ["RUN_INSTEAD", "CapturedCall", "capture_autograd_functions"]

@@ -1,7 +1,7 @@
 """`TraceTimeHop`: a higher-order op that exists only while export traces.
 
 predispatch puts a computation it has already recorded into the outer graph through such an op:
-a captured autograd.Function (`trace/autograd_function/hop.py`) and a replayed shared block
+a captured autograd.Function (`custom_backward/autograd_function/hop.py`) and a replayed shared block
 (`trace/dedup/replay.py`).  Graphs never hold it.  `hop(record, *operands)` is dispatched
 through the outer trace's levels:
 

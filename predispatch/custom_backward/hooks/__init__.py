@@ -6,7 +6,7 @@ never builds, so torch's own export drops them without a word.
 
 `Tensor.register_hook(hook)` on an intermediate is captured (tensor.py): the tensor is rebound
 to an identity `autograd.Function` whose backward is the hook, which the Function capture
-(trace/autograd_function/) turns into an `autograd_function_apply` node with the hook traced
+(custom_backward/autograd_function/) turns into an `autograd_function_apply` node with the hook traced
 as its backward subgraph.  Gradients through the program then pass through the hook exactly
 where eager's do.  Refused, because the program could not do what eager does:
 - a hook on a tensor some op already read (eager's hook also transforms the gradient flowing
@@ -62,10 +62,10 @@ from typing import Any
 from torch import nn
 
 from predispatch import _torch_internals as ti
-from predispatch.trace.hooks.inspection import side_effect
-from predispatch.trace.hooks.module import captured_module_hooks
-from predispatch.trace.hooks.refusal import check_global_hooks, refusing_module_hooks
-from predispatch.trace.hooks.tensor import captured_tensor_hooks
+from predispatch.custom_backward.hooks.inspection import side_effect
+from predispatch.custom_backward.hooks.module import captured_module_hooks
+from predispatch.custom_backward.hooks.refusal import check_global_hooks, refusing_module_hooks
+from predispatch.custom_backward.hooks.tensor import captured_tensor_hooks
 
 __all__ = ["backward_hooks", "side_effect"]
 

@@ -66,10 +66,10 @@ from torch import fx, nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import UnsupportedHookError, user_frame
-from predispatch.trace.hooks.capture import Capture, applying, chain
-from predispatch.trace.hooks.inspection import may_read_argument
-from predispatch.trace.hooks.layout import Layout
-from predispatch.trace.hooks.state import State
+from predispatch.custom_backward.hooks.capture import Capture, applying, chain
+from predispatch.custom_backward.hooks.inspection import may_read_argument
+from predispatch.custom_backward.hooks.layout import Layout
+from predispatch.custom_backward.hooks.state import State
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """`Tensor.register_hook` on an intermediate, captured as an identity Function.
 
 The tensor is rebound to an identity `autograd.Function` whose backward is the hook, which the
-Function capture (trace/autograd_function/) turns into an `autograd_function_apply` node with
+Function capture (custom_backward/autograd_function/) turns into an `autograd_function_apply` node with
 the hook traced as its backward subgraph, so gradients pass through the hook exactly where
 eager's do.  A rebinding reaches only the tensor's later uses, and a traced backward runs the
 hook's Python once, at export: hence the refusals in `_uncapturable`.
@@ -17,7 +17,7 @@ import torch
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import UnsupportedHookError, user_frame
-from predispatch.trace.hooks.inspection import describe, side_effect
+from predispatch.custom_backward.hooks.inspection import describe, side_effect
 
 
 @contextlib.contextmanager

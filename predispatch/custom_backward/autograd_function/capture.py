@@ -14,10 +14,10 @@ from torch.utils.checkpoint import CheckpointFunction
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import AutogradFunctionError, DistributedError, user_frame
-from predispatch.trace.autograd_function.hop import function_call
-from predispatch.trace.trace_hop import TraceTimeFunction
-from predispatch.trace.autograd_function.record import CapturedCall
-from predispatch.trace.autograd_function.subgraphs import CallSite, capture_call, has_setup_context
+from predispatch.custom_backward.autograd_function.hop import function_call
+from predispatch.custom_backward.trace_hop import TraceTimeFunction
+from predispatch.custom_backward.autograd_function.record import CapturedCall
+from predispatch.custom_backward.autograd_function.subgraphs import CallSite, capture_call, has_setup_context
 
 
 def _torch_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
