@@ -1,7 +1,8 @@
 """`export()`: one call per stage; the table of contents of the pipeline.
 
     prepare  (frontend/)  module or function + args -> PreparedInputs (named, lifted, fake)
-    trace    (trace/)     PreparedInputs -> TracedGraph (functional, pre-dispatch, one trace)
+    trace    (trace/)     PreparedInputs -> TracedGraph (functional, pre-dispatch, one trace);
+                          custom_backward/ captures Functions and backward hooks with their backwards
     build    (program/)   PreparedInputs + TracedGraph -> ExportedProgram (passes/, signature)
 
 After export, `ExportedProgram`'s methods (program/exported_program.py) delegate, one job a package:
