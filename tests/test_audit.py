@@ -6,6 +6,7 @@ shipped table; everything else reads the shipped table or audits small synthetic
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from predispatch.audit import AuditTable, Reason, Verdict, load_table, op_key, run_audit
-from predispatch.audit.__main__ import DOCS_PATH, table_differences
+from predispatch.audit.__main__ import DOCS_PATH, confirmed_differences, table_differences
 from predispatch.audit.auditor import audit_op
 from predispatch.audit.isolation import run_isolated
 from predispatch.audit.ops import cia_ops
@@ -38,8 +39,31 @@ def shipped() -> AuditTable:
 # --- the shipped table is current ---------------------------------------------------------
 
 
+_GRU = "aten._thnn_differentiable_gru_cell_backward.default"
+
+
+def _with_evidence(table: AuditTable, key: str, evidence: str) -> AuditTable:
+    entries = dict(table.entries)
+    entries[key] = dataclasses.replace(entries[key], evidence=evidence)
+    return dataclasses.replace(table, entries=entries)
+
+
+def test_a_difference_that_a_fresh_child_does_not_repeat_is_not_staleness(
+        shipped: AuditTable) -> None:
+    """CI once saw this op's error text change inside the full audit and nowhere else."""
+    fresh = _with_evidence(shipped, _GRU, "schema:f32 (C++ kernel) raised ran longer than 60 s")
+    assert table_differences(shipped, fresh)
+    assert confirmed_differences(shipped, fresh) == []
+
+
+def test_a_difference_that_repeats_is_staleness(shipped: AuditTable) -> None:
+    stale = _with_evidence(shipped, _GRU, "an older torch's error text")
+    (problem,) = confirmed_differences(stale, shipped)
+    assert problem.startswith(_GRU) and "an older torch's error text" in problem
+
+
 def test_shipped_table_matches_a_fresh_audit(fresh: AuditTable, shipped: AuditTable) -> None:
-    problems = table_differences(shipped, fresh)
+    problems = confirmed_differences(shipped, fresh)
     assert not problems, (
         "the shipped audit table is stale for the installed torch; regenerate it with "
         "`python -m predispatch.audit --write` and read the diff:\n" + "\n".join(problems)
