@@ -130,12 +130,15 @@ class ShapeRecord:
     guards: the conditions on symbols the trace discovered, as text; "runtime: ..." ones are
         checks on data-dependent values (`torch._check(n > 0)`) torch defers to run time.
     origins: for each symbol, the input dimension it was made for (`x.size()[0]`).
+    names: for each symbol a named `torch.export.Dim` made, that name (`batch`): `to_onnx`
+        gives it to ONNX's dynamic axes, and the program prints it.
     """
 
     input_shapes: tuple[tuple[int | str, ...], ...] = ()
     ranges: tuple[tuple[str, int, int | None], ...] = ()
     guards: tuple[str, ...] = ()
     origins: tuple[tuple[str, str], ...] = ()
+    names: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_dynamic(self) -> bool:
@@ -145,10 +148,11 @@ class ShapeRecord:
         lines = []
         if self.ranges:
             lines.append("Range constraints:")
-            origin = dict(self.origins)
+            origin, name = dict(self.origins), dict(self.names)
             for sym, lo, hi in self.ranges:
                 where = f"  ({origin[sym]})" if sym in origin else ""
-                lines.append(f"    {sym}: [{lo}, {'inf' if hi is None else hi}]{where}")
+                called = f" ({name[sym]})" if sym in name else ""
+                lines.append(f"    {sym}{called}: [{lo}, {'inf' if hi is None else hi}]{where}")
         if self.guards:
             lines.append("Shape guards:")
             lines.extend(f"    {g}" for g in self.guards)

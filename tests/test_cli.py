@@ -255,7 +255,7 @@ def test_dynamic_dimensions(capsys):
     code, out, _ = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[batch=3,4]", "--dim", "batch=2..16")
     assert code == ExitCode.OK
     assert re.search(r'x: "f32\[s\d+, 4\]"', out)
-    assert re.search(r"Range constraints:\n        s\d+: \[2, 16\]  \(x.size\(\)\[0\]\)", out)
+    assert re.search(r"Range constraints:\n        s\d+ \(batch\): \[2, 16\]  \(x.size\(\)\[0\]\)", out)
     code, _, err = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[batch=3,4]", "--dim", "rows=2..16")
     assert code == ExitCode.USAGE and "no input has a dimension named 'rows'" in err and "inputs: batch" in err
     code, _, err = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[b=3,4], f32[b=2]")
@@ -266,7 +266,7 @@ def test_dim_example_from_the_help_keeps_batch_one(capsys):
     """`--dim batch=1..64`, the help's own example: the range is 1 to 64, not torch's traced 2 to 64."""
     code, out, _ = run(capsys, "export", "test_cli:Tiny", "--inputs", "f32[batch=3,4]", "--dim", "batch=1..64")
     assert code == ExitCode.OK
-    assert re.search(r"s\d+: \[1, 64\]  \(x.size\(\)\[0\]\)", out)
+    assert re.search(r"s\d+ \(batch\): \[1, 64\]  \(x.size\(\)\[0\]\)", out)
 
 
 def test_export_failure_is_a_message_without_traceback(capsys):

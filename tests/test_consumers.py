@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 import warnings
 
 import pytest
@@ -302,6 +303,45 @@ def test_onnx_dynamic_batch(source):
         x = torch.randn(batch, 8)
         (actual,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
         assert_close(torch.from_numpy(actual), model(x), **tolerance("mlp"))
+
+
+class Pooled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return torch.cat([self.lin(x).sum(1), y], 0)
+
+
+def test_onnx_dim_names_without_giving_them_again(tmp_path):
+    """Issue 22 item 6: `ep.to_onnx()` names ONNX's dynamic axes after the user's Dims (an
+    expression too); torch.onnx.export of an ExportedProgram, torch.export's or ours through
+    `to_torch()`, names them after torch's symbols. onnxruntime runs other sizes as eager."""
+    import onnx
+    import onnxruntime
+    from torch.export import Dim
+
+    model, args = Pooled(), (torch.randn(3, 5, 8), torch.randn(3, 8))
+    batch = Dim("batch", min=2, max=64)
+    shapes = {"x": {0: batch, 1: Dim("seq")}, "y": {0: batch}}
+    ep = predispatch.export(model, args, dynamic_shapes=shapes)
+    path = tmp_path / "pooled.onnx"
+    onnx_program = ep.to_onnx(path)
+
+    def axes(proto):
+        return [[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in [*proto.graph.input, *proto.graph.output]]
+
+    assert axes(onnx.load(path)) == axes(onnx_program.model_proto) == [["batch", "seq", 8], ["batch", 8], ["2*batch", 8]]
+    torch_route = torch.onnx.export(torch.export.export(model, args, dynamic_shapes=shapes), args, dynamo=True, verbose=False)
+    ours_by_hand = torch.onnx.export(ep.to_torch(for_inference=True), args, dynamo=True, verbose=False)
+    for other in (torch_route, ours_by_hand):
+        assert all(re.fullmatch(r"s\d+", str(a)) for a in axes(other.model_proto)[0][:2])
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for b, q in ((2, 1), (9, 4), (64, 7)):
+        x, y = torch.randn(b, q, 8), torch.randn(b, 8)
+        (actual,) = session.run(None, {session.get_inputs()[0].name: x.numpy(), session.get_inputs()[1].name: y.numpy()})
+        assert_close(torch.from_numpy(actual), model(x, y), **tolerance("mlp"))
 
 
 # ---- training routes (docs/comparison.md#training-routes)

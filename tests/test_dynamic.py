@@ -38,9 +38,21 @@ class DynamicShapes(TestCase):
         shapes = {"x": {0: batch}, "y": {0: Dim("extra", max=32)}}
         return predispatch.export(Mixer(), (torch.randn(4, 8), torch.randn(3, 8)), dynamic_shapes=shapes)
 
+    def test_dim_names_are_kept(self):
+        """Each named Dim's symbol keeps the name (printed, and given to ONNX by `to_onnx`)."""
+        shapes = self.export_mixer().signature.shapes
+        origin = dict(shapes.origins)
+        assert {origin[sym]: name for sym, name in shapes.names} == {"x.size()[0]": "batch", "y.size()[0]": "extra"}
+
+    def test_one_dim_in_two_inputs_is_one_named_symbol(self):
+        batch = Dim("batch", min=2, max=64)
+        ep = predispatch.export(Mixer(), (torch.randn(4, 8), torch.randn(4, 8)), dynamic_shapes={"x": {0: batch}, "y": {0: batch}})
+        (symbol, _, _), = ep.signature.shapes.ranges
+        assert ep.signature.shapes.names == ((symbol, "batch"),)
+
     def test_graph_is_symbolic_and_ranges_are_printed(self):
         text = str(self.export_mixer())
-        assert "x: \"f32[s77, 8]\", y: \"f32[s17, 8]\"" in text and "s77: [2, 64]  (x.size()[0])" in text, text
+        assert "x: \"f32[s77, 8]\", y: \"f32[s17, 8]\"" in text and "s77 (batch): [2, 64]  (x.size()[0])" in text, text
         if not on_golden_torch():  # torch 2.15 places sym_size after linear
             return
         self.assertExpectedInline(text, """\
@@ -66,8 +78,8 @@ Graph signature:
         cat: USER_OUTPUT target='output[1]'
         expand: USER_OUTPUT target='output[2]'
     Range constraints:
-        s17: [0, 32]  (y.size()[0])
-        s77: [2, 64]  (x.size()[0])""")
+        s17 (extra): [0, 32]  (y.size()[0])
+        s77 (batch): [2, 64]  (x.size()[0])""")
 
     def test_runs_at_other_sizes_like_eager(self):
         ep = self.export_mixer()

@@ -563,6 +563,35 @@ def test_input_size_over_a_symbol_no_input_binds_is_refused():
     assert "uses ['s5'], which no input dimension gives a value" in load_error(rewrite(saved(ep), edit))
 
 
+def test_dim_names_round_trip():
+    """Issue 22 item 6: the user's Dim names are part of the program and survive save/load."""
+    from torch.export import Dim
+
+    batch = Dim("batch", min=2, max=64)
+    ep = predispatch.export(Concatenated(), (torch.randn(3, 4), torch.randn(6, 4)), dynamic_shapes=({0: batch}, {0: 2 * batch}))
+    (symbol, _, _), = ep.signature.shapes.ranges
+    assert ep.signature.shapes.names == ((symbol, "batch"),)  # the derived 2*batch has no name of its own
+    loaded = predispatch.load(io.BytesIO(saved(ep)))
+    assert loaded.signature.shapes == ep.signature.shapes and f"{symbol} (batch): [2, 64]" in str(loaded)
+
+
+@pytest.mark.parametrize("name, symbol", [
+    ("x; import os", None),  # not an identifier: a name reaches ONNX files and printing
+    ("batch", "s5"),  # names a symbol the program does not have
+    (7, None),
+])
+def test_malformed_dim_names_are_refused(name, symbol):
+    from torch.export import Dim
+
+    ep = predispatch.export(Concatenated(), (torch.randn(3, 4), torch.randn(6, 4)), dynamic_shapes=({0: Dim("batch")}, None))
+    (known, _, _), = ep.signature.shapes.ranges
+
+    def edit(program, manifest):
+        program["signature"]["shapes"]["names"]["tuple"][0]["tuple"] = [symbol or known, name]
+
+    assert "malformed shape record" in load_error(rewrite(saved(ep), edit))
+
+
 def _recompiles(monkeypatch) -> list:
     """Every `GraphModule.recompile` call from now on (FX recompiles descendants recursively)."""
     calls, original = [], torch.fx.GraphModule.recompile

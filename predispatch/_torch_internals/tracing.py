@@ -249,6 +249,21 @@ def _mutations(wrapped: list[Any], originals: Any) -> Iterator[tuple[bool, bool]
         yield _has_data_mutation(f_arg), _has_metadata_mutation(f_arg, arg, check_only_storage_mutation=False)
 
 
+def named_dims(module: torch.nn.Module, args: tuple, kwargs: dict,
+               dynamic_shapes: Any) -> list[tuple[int, int, str]]:
+    """`(id of the input tensor, dimension, Dim name)` for each dimension a named `Dim` marks.
+
+    torch's own reading of the spec (`_process_dynamic_shapes`), so names follow the same
+    binding rules as the ranges; derived dimensions (`2 * batch`) have no name of their own
+    and hints (`Dim.AUTO`) none at all.
+    """
+    from torch.export import dynamic_shapes as spec
+
+    combined = spec._combine_args(module, args, kwargs)
+    constraints = spec._process_dynamic_shapes(combined, dynamic_shapes)
+    return [(c.t_id, c.dim, c.name) for c in constraints if type(c) is spec._Constraint]
+
+
 def discarding_unbacked_symbols(fake_mode: FakeTensorMode):
     """Symbols for data-dependent values (`.item()`) created now are used and dropped inside
     a subgraph: the outer trace must not look for them among its own outputs."""

@@ -26,6 +26,7 @@ import torch
 from torch import fx, nn
 
 from predispatch import _torch_internals as ti
+from predispatch._torch_internals import pytree
 from predispatch.errors import DynamicShapeError, from_torch, user_frame
 from predispatch.signature import ShapeRecord
 
@@ -40,6 +41,7 @@ class DynamicInputs:
     equalities: Any
     original_signature: Any
     dynamic_shapes: Any
+    names: tuple[tuple[Any, str], ...] = ()  # (size symbol, the user's Dim name)
 
 
 def fake_dynamic_inputs(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> DynamicInputs:
@@ -57,7 +59,21 @@ def fake_dynamic_inputs(module: nn.Module, args: tuple, kwargs: dict, dynamic_sh
             exc,
         ) from None
     fake_mode, fake_args, fake_kwargs, equalities, signature, shapes = made
-    return DynamicInputs(fake_mode, tuple(fake_args), dict(fake_kwargs), equalities, signature, shapes)
+    names = _dim_names(module, args, kwargs, dynamic_shapes, (fake_args, fake_kwargs))
+    return DynamicInputs(fake_mode, tuple(fake_args), dict(fake_kwargs), equalities, signature, shapes, names)
+
+
+def _dim_names(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,
+               fakes: Any) -> tuple[tuple[Any, str], ...]:
+    """The symbol each named `Dim` became, with its name: the program keeps the user's names
+    (`batch`, not `s77`) for what reads them later, ONNX's dynamic axes first (`to_onnx`)."""
+    fake_of = {id(real): fake for real, fake in zip(pytree.tree_leaves((args, kwargs)), pytree.tree_leaves(fakes))}
+    names: dict[Any, str] = {}
+    for tensor_id, dim, name in ti.named_dims(module, args, kwargs, dynamic_shapes):
+        size = fake_of[tensor_id].shape[dim] if tensor_id in fake_of else None
+        if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+            names.setdefault(size.node.expr, name)
+    return tuple(names.items())
 
 
 def check_constraints(dynamic: DynamicInputs, gm: fx.GraphModule) -> None:
@@ -77,8 +93,10 @@ def check_constraints(dynamic: DynamicInputs, gm: fx.GraphModule) -> None:
         ) from None
 
 
-def shape_record(fake_mode: ti.FakeTensorMode, user_placeholders: list[fx.Node]) -> ShapeRecord:
-    """Read symbols, ranges and guards off the traced graph's user inputs and the ShapeEnv."""
+def shape_record(fake_mode: ti.FakeTensorMode, user_placeholders: list[fx.Node],
+                 dim_names: tuple[tuple[Any, str], ...] = ()) -> ShapeRecord:
+    """Read symbols, ranges and guards off the traced graph's user inputs and the ShapeEnv;
+    `dim_names` (from `DynamicInputs`) name the symbols the trace kept or merged them into."""
     shapes: list[tuple[int | str, ...]] = []
     symbols: dict[str, Any] = {}
     for node in user_placeholders:
@@ -91,7 +109,18 @@ def shape_record(fake_mode: ti.FakeTensorMode, user_placeholders: list[fx.Node])
     guards = tuple(str(g.expr) for g in env.guards) if symbols else ()
     guards += tuple(f"runtime: {a.expr}" for asserts in env.deferred_runtime_asserts.values() for a in asserts)
     origins = tuple((name, _origin(env, sym)) for name, sym in sorted(symbols.items()) if _origin(env, sym))
-    return ShapeRecord(tuple(shapes), ranges, guards, origins)
+    return ShapeRecord(tuple(shapes), ranges, guards, origins, _kept_names(env, symbols, dim_names))
+
+
+def _kept_names(env: Any, symbols: dict[str, Any], dim_names: tuple[tuple[Any, str], ...]) -> tuple[tuple[str, str], ...]:
+    """(symbol, Dim name) for the program's symbols: a symbol the trace replaced by another
+    (two `Dim`s found equal) names the one kept, first name first."""
+    kept: dict[str, str] = {}
+    for sym, name in dim_names:
+        now = str(env.replace(sym))
+        if now in symbols:
+            kept.setdefault(now, name)
+    return tuple(sorted(kept.items()))
 
 
 def _origin(env: Any, sym: Any) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -145,6 +146,14 @@ class ExportedProgram:
 
         return to_torch_forward_backward(self, loss_index)
 
+    def to_onnx(self, f: str | os.PathLike | None = None, **options: Any) -> Any:
+        """This program as ONNX (torch's `ONNXProgram`; saved to `f` when given), its dynamic
+        axes named after the user's `Dim`s; options: `input_names`, `output_names`,
+        `opset_version`, `optimize`, `external_data`.  See predispatch/transforms/to_onnx.py."""
+        from predispatch.transforms.to_onnx import to_onnx
+
+        return to_onnx(self, f, **options)
+
     def graph_code(self) -> str:
         """The graph as Python code, subgraphs nested, as `print(ep)` shows it (without the signature)."""
         return format_graph(self.graph_module)
@@ -191,7 +200,8 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
         traced.output_leaves,
         traced.grad_mode_on_exit,
         prepared.arg_names,
-        shape_record(prepared.fake_mode, gm.graph.find_nodes(op="placeholder")[len(prepared.state):]),
+        shape_record(prepared.fake_mode, gm.graph.find_nodes(op="placeholder")[len(prepared.state):],
+                     prepared.dynamic.names if prepared.dynamic else ()),
         () if isinstance(prepared.module, FunctionRoot) else training_flags(prepared.module),
         () if isinstance(prepared.module, FunctionRoot) else outside_tree(prepared.module, inputs),
         () if isinstance(prepared.module, FunctionRoot) else state_order(prepared.module, inputs),

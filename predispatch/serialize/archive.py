@@ -391,8 +391,16 @@ def _check_shape_types(shapes: ShapeRecord, where: str) -> None:
                     and (r[2] is None or type(r[2]) is int) for r in shapes.ranges)
     ok = ok and all(type(g) is str for g in shapes.guards)
     ok = ok and all(isinstance(o, tuple) and len(o) == 2 and all(type(x) is str for x in o) for o in shapes.origins)
+    symbols = {r[0] for r in shapes.ranges} if ok else set()
+    ok = ok and all(isinstance(n, tuple) and len(n) == 2 and n[0] in symbols and _is_dim_name(n[1])
+                    for n in shapes.names)
     if not ok:
         raise SerializationError(f"{where}: malformed shape record.")
+
+
+def _is_dim_name(name: object) -> bool:
+    """A `Dim` name as torch.export takes it: an identifier (it reaches ONNX files and printing)."""
+    return type(name) is str and name.isidentifier() and len(name) <= 200
 
 
 def _deep_tuple(value: Any) -> Any:
