@@ -450,6 +450,35 @@ class MetaModel(TestCase):
         exact(program(x), real(x))
 
 
+    def test_meta_model_with_meta_inputs_traces_on_meta(self):
+        """All on meta (shapes only, as for a 70B model): the state stays on meta with the
+        inputs; it used to move to CPU and meet the meta inputs in one op (a device mismatch)."""
+
+        class Attention(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.qkv = nn.Linear(8, 24)
+
+            def forward(self, x, mask):
+                q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4).unbind(0)
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+        with torch.device("meta"):
+            meta = Attention()
+        real = Attention()
+        meta_args = (torch.empty(1, 6, 8, device="meta"), torch.ones(6, 6, dtype=torch.bool, device="meta").tril())
+        real_args = (torch.randn(1, 6, 8), torch.ones(6, 6, dtype=torch.bool).tril())
+        ep = predispatch.export(meta, meta_args)
+        expected = predispatch.export(real, real_args)
+        self.assertEqual(str(ep).replace("meta", "cpu"), str(expected))
+        joint = ep.joint().graph_module.code  # SDPA's backward picks its kernel by device: not the CPU joint
+        self.assertIn("device(type='meta')", joint)
+        self.assertNotIn("cpu", joint)
+        self.assertEqual(ep.module()(*meta_args).device.type, "meta")
+        for name, p in meta.named_parameters():
+            self.assertTrue(p.is_meta and p.grad is None, name)
+
+
 class RepeatedInput(TestCase):
     """One tensor passed at two places (`model(ids, labels=ids)`): two independent inputs."""
 

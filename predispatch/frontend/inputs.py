@@ -475,8 +475,13 @@ def _is_persistent(module: nn.Module, fqn: str) -> bool:
 
 
 def _inputs_device(leaves: list[Any]) -> torch.device:
-    """Where the real computation happens: the first non-meta tensor input's device (CPU if none)."""
-    return next((x.device for x in leaves if isinstance(x, torch.Tensor) and not x.is_meta), torch.device("cpu"))
+    """Where the real computation happens: the first non-meta tensor input's device; meta when
+    every tensor input is meta (the user traces shapes only, all on meta, as torch.export does:
+    state moved to CPU would meet the meta inputs in one op); CPU when there is none."""
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if tensors and all(x.is_meta for x in tensors):
+        return torch.device("meta")
+    return next((x.device for x in tensors if not x.is_meta), torch.device("cpu"))
 
 
 def _fakify(
