@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from predispatch.errors import TorchDriftError
-
-if TYPE_CHECKING:
-    from predispatch.program import ExportedProgram
+from predispatch.signature import Program
+from predispatch.transforms.to_torch import to_torch
 
 __all__ = ["to_onnx"]
 
 
-def to_onnx(program: ExportedProgram, f: str | os.PathLike | None = None, *,
+def to_onnx(program: Program, f: str | os.PathLike | None = None, *,
             input_names: Sequence[str] | None = None, output_names: Sequence[str] | None = None,
             opset_version: int | None = None, optimize: bool = True, external_data: bool = True) -> Any:
     """`torch.onnx.export(program.to_torch(for_inference=True), dynamo=True, ...)` with the
@@ -33,7 +32,7 @@ def to_onnx(program: ExportedProgram, f: str | os.PathLike | None = None, *,
     `ONNXProgram`."""
     names = dict(program.signature.shapes.names)
     onnx_program = torch.onnx.export(
-        program.to_torch(for_inference=True), (), dynamo=True, verbose=False, input_names=input_names,
+        to_torch(program, for_inference=True), (), dynamo=True, verbose=False, input_names=input_names,
         output_names=output_names, opset_version=opset_version, optimize=optimize,
     )
     if names:
