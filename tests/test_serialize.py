@@ -83,6 +83,51 @@ class CustomFunctions(nn.Module):
         return SetupContextLinear.apply(y + z, self.weight) + ScaledMul.apply(x, y, 0.5)
 
 
+class CountedLoop(nn.Module):
+    """torch's while_loop with a tensor counter, both carries returned."""
+
+    def forward(self, x):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        return while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, y * 2 + i), (torch.tensor(0), x))
+
+
+class LoopWithParameter(nn.Module):
+    """A while_loop whose body calls a layer: the parameters are the loop's additional inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        _, y = while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, torch.tanh(self.fc(y))), (torch.tensor(0), x))
+        return y
+
+
+class DataTripCount(nn.Module):
+    """A while_loop that runs `n` times, `n` an input tensor: the trip count comes from data."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, x, n):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        start = torch.zeros((), dtype=torch.long)
+        _, y = while_loop(lambda i, y: i < n, lambda i, y: (i + 1, torch.tanh(y @ self.weight) + y), (start, x))
+        return y * 2
+
+
+WHILE_LOOPS = {
+    "counted": lambda: (CountedLoop(), (torch.randn(4, 8),), {}),
+    "parameter": lambda: (LoopWithParameter(), (torch.randn(4, 8),), {}),
+    "data_trip_count": lambda: (DataTripCount(), (torch.randn(4, 8), torch.tensor(4)), {}),
+}
+
+
 def _args_of(module_cls, make_args):
     return lambda: (module_cls(), make_args(), {})
 
@@ -102,6 +147,7 @@ CASES = {
     "odd_state": lambda: (OddState(), (torch.randn(2, 3),), {}),
     "autograd_functions": lambda: (CustomFunctions(), (torch.randn(4, 3),), {}),
     "constants": lambda: (KwargsAndConstants(), (torch.randn(3),), {"scale": 2.0, "mode": "b", "dtype": torch.float16}),
+    **{f"while_loop_{name}": make for name, make in WHILE_LOOPS.items()},
 }
 
 
@@ -914,6 +960,171 @@ def test_unbacked_size_is_refused_on_save(tmp_path):
     with pytest.raises(SerializationError, match=r"depends on data \(an unbacked size"):
         predispatch.save(ep, path)
     assert not path.exists()
+
+
+# --------------------------------------------------------------------------- while_loop
+
+
+def _trains_like_eager(module, eager, args) -> None:
+    """`module` gives `eager`'s outputs, input and parameter gradients, bitwise (float inputs
+    require grad; the trip count does not)."""
+    def fresh():
+        return tuple(a.detach().clone().requires_grad_(a.is_floating_point()) for a in args)
+
+    (m_args, e_args) = fresh(), fresh()
+    actual, expected = module(*m_args), eager(*e_args)
+    assert_same_tree(actual, expected)
+    for outs in (actual, expected):
+        torch.autograd.backward([t.float().sum() for t in pytree.tree_leaves(outs) if t.requires_grad])
+    assert_same_tree([a.grad for a in m_args], [a.grad for a in e_args])
+    assert_same_tree(dict(module.named_parameters()).keys(), dict(eager.named_parameters()).keys())
+    for (name, param), (_, mine) in zip(eager.named_parameters(), module.named_parameters()):
+        assert param.grad is not None, name
+        assert_same_tree(mine.grad, param.grad)
+
+
+@pytest.mark.parametrize("name", sorted(WHILE_LOOPS))
+def test_loaded_while_loop_trains_like_eager(name, tmp_path):
+    """A saved and loaded while_loop program gives eager's outputs and gradients bitwise, the
+    parameters inside the body included, and for a data-dependent trip count at counts other
+    than the one exported (none, one, more)."""
+    torch.manual_seed(0)
+    model, args, _ = WHILE_LOOPS[name]()
+    path = tmp_path / "loop.pd"
+    predispatch.save(predispatch.export(model, args), path)
+    module = predispatch.load(path).module()
+    _trains_like_eager(module, model, args)
+    if name == "data_trip_count":
+        for n in (0, 1, 7):
+            _trains_like_eager(module, model, (args[0], torch.tensor(n)))
+
+
+_WHILE_LOOP_IN_A_FRESH_PROCESS = """
+import sys, torch
+import predispatch
+module = predispatch.load(sys.argv[1]).module()
+results = []
+for n in (4, 0, 7):
+    x = torch.load(sys.argv[2]).clone().requires_grad_()
+    out = module(x, torch.tensor(n))
+    out.sum().backward()
+    results.append((out.detach(), x.grad, module.weight.grad.clone()))
+    module.weight.grad = None
+torch.save(results, sys.argv[3])
+"""
+
+
+def test_while_loop_loads_in_a_fresh_process(tmp_path):
+    """A process that never exported loads a while_loop program and trains it like eager,
+    bitwise, at several trip counts."""
+    torch.manual_seed(0)
+    model, (x, n), _ = WHILE_LOOPS["data_trip_count"]()
+    predispatch.save(predispatch.export(model, (x, n)), tmp_path / "loop.pd")
+    torch.save(x, tmp_path / "x.pt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", _WHILE_LOOP_IN_A_FRESH_PROCESS, str(tmp_path / "loop.pd"), str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for (out, x_grad, w_grad), count in zip(torch.load(tmp_path / "out.pt"), (4, 0, 7)):
+        eager, x_eager = copy.deepcopy(model), x.clone().requires_grad_()
+        expected = eager(x_eager, torch.tensor(count))
+        expected.sum().backward()
+        assert_same_tree((out, x_grad, w_grad), (expected.detach(), x_eager.grad, eager.weight.grad))
+
+
+class ReadsLoopOffset(nn.Module):
+    """Reads the storage offset of a while_loop's output: (trips - 1) * numel under autograd,
+    0 without grad (eager's own answer depends on grad mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        _, y = while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, y * self.weight), (torch.tensor(0), x))
+        return y + y.storage_offset()
+
+
+def test_a_program_that_reads_a_loop_output_offset_is_refused(tmp_path):
+    """The offset `save` writes as 0 is one no op reads (Note [Data-dependent storage offsets]):
+    a program that does read it holds the unbacked value itself, and is refused by name."""
+    ep = predispatch.export(ReadsLoopOffset(), (torch.randn(4, 8),))
+    path = tmp_path / "p.pd"
+    with pytest.raises(SerializationError, match=r"node sym_storage_offset\w* meta\['val'\]: the size 32\*u0 - 32 depends on data"):
+        predispatch.save(ep, path)
+    assert not path.exists()
+
+
+class WhileLoopFiles(TestCase):
+    maxDiff = None
+
+    def setUp(self):
+        torch.manual_seed(0)
+        model, args, _ = WHILE_LOOPS["parameter"]()
+        self.ep = predispatch.export(model, args)
+        self.data = saved(self.ep)
+
+    def test_loaded_graph(self):
+        """The loaded program's graph: torch's while_loop with its two subgraphs, the
+        parameters as additional inputs, and its outputs' storage offsets saved as 0 (Note
+        [Data-dependent storage offsets]); the shape record keeps torch's runtime guards."""
+        from helpers import graph, on_golden_torch
+
+        loaded = predispatch.load(io.BytesIO(self.data))
+        getitem = next(n for n in loaded.graph.nodes if n.name == "getitem_1")
+        original = next(n for n in self.ep.graph.nodes if n.name == "getitem_1")
+        assert str(original.meta["val"].storage_offset()) == "32*u0 - 32"
+        assert getitem.meta["val"].storage_offset() == 0
+        assert (getitem.meta["val"].shape, getitem.meta["val"].stride()) == (original.meta["val"].shape, original.meta["val"].stride())
+        assert str(loaded.signature.shapes) == str(self.ep.signature.shapes)
+        if on_golden_torch():
+            self.assertExpectedInline(graph(loaded), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_fc_weight: "f32[8, 8]", p_fc_bias: "f32[8]", x: "f32[4, 8]"):
+        _tensor_constant0: "i64[]" = self._tensor_constant0
+        lift_fresh_copy: "i64[]" = torch.ops.aten.lift_fresh_copy.default(_tensor_constant0);  _tensor_constant0 = None
+        detach: "i64[]" = torch.ops.aten.detach.default(lift_fresh_copy);  lift_fresh_copy = None
+        while_loop_cond_graph_0 = self.while_loop_cond_graph_0
+        while_loop_body_graph_0 = self.while_loop_body_graph_0
+        while_loop = torch.ops.higher_order.while_loop(while_loop_cond_graph_0, while_loop_body_graph_0, (detach, x), (p_fc_bias, p_fc_weight));  while_loop_cond_graph_0 = while_loop_body_graph_0 = detach = x = p_fc_bias = p_fc_weight = None
+        getitem_1: "f32[4, 8]" = while_loop[1];  while_loop = None
+        return (getitem_1,)
+
+    class while_loop_cond_graph_0(torch.nn.Module):
+        def forward(self, arg0_1: "i64[]", arg1_1: "f32[4, 8]", arg2_1: "f32[8]", arg3_1: "f32[8, 8]"):
+            lt: "b8[]" = torch.ops.aten.lt.Scalar(arg0_1, 3);  arg0_1 = None
+            return lt
+
+    class while_loop_body_graph_0(torch.nn.Module):
+        def forward(self, arg0_1: "i64[]", arg1_1: "f32[4, 8]", arg2_1: "f32[8]", arg3_1: "f32[8, 8]"):
+            add: "i64[]" = torch.ops.aten.add.Tensor(arg0_1, 1);  arg0_1 = None
+            linear: "f32[4, 8]" = torch.ops.aten.linear.default(arg1_1, arg3_1, arg2_1);  arg1_1 = arg3_1 = arg2_1 = None
+            tanh: "f32[4, 8]" = torch.ops.aten.tanh.default(linear);  linear = None
+            return (add, tanh)""")
+
+    def test_malformed_unbacked_symbols_are_refused(self):
+        """A file that gives a loop output an unbacked offset or size, which format version 1
+        does not declare, is refused with SerializationError naming the node."""
+
+        def meta_of(field, value):
+            def edit(program, manifest):
+                node(program, "getitem_1")["meta"]["val"]["tensor"][field] = value
+
+            return rewrite(self.data, edit)
+
+        self.assertExpectedInline(load_error(meta_of("storage_offset", {"sym": "32*u0 - 32", "hint": None})), """\
+graph module <root>, nodes[9] (getitem_1) meta['val']: {'sym': '32*u0 - 32', 'hint': None} is a size without a value at export (an unbacked symbol); format version 1 holds symbolic sizes of inputs only.
+  see docs/errors.md#serializationerror""")
+        self.assertExpectedInline(load_error(meta_of("storage_offset", {"sym": "32*u0 - 32", "hint": 0})), """\
+graph module <root>, nodes[9] (getitem_1) meta['val']: '32*u0 - 32' is not a size expression over the program's symbols.
+  see docs/errors.md#serializationerror""")
+        self.assertExpectedInline(load_error(meta_of("shape", [{"sym": "u0", "hint": 4}, 8])), """\
+graph module <root>, nodes[9] (getitem_1) meta['val']: 'u0' is not a size expression over the program's symbols.
+  see docs/errors.md#serializationerror""")
 
 
 def test_state_order_round_trips_and_a_lying_one_is_refused(tmp_path):

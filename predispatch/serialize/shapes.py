@@ -35,12 +35,35 @@ def encode_size(size: int | torch.SymInt, where: str) -> Any:
     if isinstance(size, torch.SymInt) and size.node.hint is None:
         raise SerializationError(
             f"{where}: the size {size.node.expr} depends on data (an unbacked size, from .item(), "
-            "nonzero() or a data-dependent op); format version 1 holds symbolic sizes of inputs only. "
-            "Keep using the program in memory, or make the size static."
+            "nonzero() or a data-dependent op; a Python int carried through while_loop is one too); "
+            "format version 1 holds symbolic sizes of inputs only. Keep using the program in memory, "
+            "make the size static, or carry a tensor through while_loop (torch.tensor(0)) instead of an int."
         )
     if isinstance(size, torch.SymInt):
         return {"sym": str(size.node.expr), "hint": int(size.node.hint)}
     raise SerializationError(f"{where}: a size {size!r} is neither an int nor a SymInt.")
+
+
+# Note [Data-dependent storage offsets]
+# torch's `while_loop` under autograd (WhileLoopAutogradOp.forward) runs the stacking variant
+# of the loop and returns the last row of each stacked carry, `stacked[-1]`: in the trace the
+# row count is a fresh unbacked symbol u0 (the trip count, discarded from the pending symbols:
+# no node binds it), so the loop's outputs, and every view of them, have the storage offset
+# `(u0 - 1) * numel`.  Nothing in a program reads it: the graph runs real tensors, whose offset
+# is whatever the kernel made (without grad the same loop returns the body's output, offset 0),
+# `ep.module()` reads only the placeholders' meta, and a graph that asked for the offset
+# (`y.storage_offset()`) holds a `sym_storage_offset` node whose value is the unbacked SymInt,
+# which `encode_size` refuses.  So such an offset is saved as 0, the offset torch.export.load
+# gives every tensor meta (its `deserialize_tensor_meta` rebuilds them with `empty_strided`).
+# Sizes and strides stay exact: an unbacked one is refused by `encode_size`.
+
+
+def encode_storage_offset(offset: int | torch.SymInt, where: str) -> Any:
+    """A tensor meta's storage offset: exact, or 0 where it depends on data (Note [Data-dependent
+    storage offsets]): the program cannot depend on it, and the file cannot hold its symbol."""
+    if isinstance(offset, torch.SymInt) and offset.node.hint is None:
+        return 0
+    return encode_size(offset, where)
 
 
 class SymbolTable:
@@ -61,6 +84,11 @@ class SymbolTable:
         """A size saved by `encode_size`, as an int or a SymInt in the load's fake mode."""
         if type(data) is int and data >= 0:
             return data
+        if isinstance(data, dict) and set(data) == {"sym", "hint"} and data["hint"] is None:
+            raise SerializationError(
+                f"{where}: {data!r} is a size without a value at export (an unbacked symbol); "
+                "format version 1 holds symbolic sizes of inputs only."
+            )
         if not isinstance(data, dict) or set(data) != {"sym", "hint"} or type(data["hint"]) is not int:
             raise SerializationError(f"{where}: {data!r} is not a size.")
         expr = parse_expression(data["sym"], self._low_high, where, self._declare(data))

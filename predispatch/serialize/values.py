@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from predispatch.errors import SerializationError
-from predispatch.serialize.shapes import encode_size
+from predispatch.serialize.shapes import encode_size, encode_storage_offset
 
 #: Device types a stored tensor or tensor metadata may name: `meta` has no data, and a
 #: file has no business naming others.
@@ -114,7 +114,7 @@ def _tensor_meta(t: torch.Tensor, where: str) -> dict:
     return {
         "shape": [encode_size(s, where) for s in t.shape],  # symbolic sizes: shapes.py
         "stride": [encode_size(s, where) for s in t.stride()],
-        "storage_offset": encode_size(t.storage_offset(), where),
+        "storage_offset": encode_storage_offset(t.storage_offset(), where),
         "dtype": TORCH_VALUES["dtype"][1](t.dtype),
         "device": str(t.device),
         "requires_grad": t.requires_grad,
