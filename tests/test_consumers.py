@@ -733,6 +733,30 @@ def test_control_flow_predispatch_save_load(model_name):
     check_trains_like(save_load(loaded.to_torch()).module(), model, x)
 
 
+class IntCarryLoop(nn.Module):
+    def forward(self, x):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        i, y = while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, y * 2 + i), (0, x))
+        return y, i
+
+
+def test_while_loop_int_carry_saves_with_predispatch_only():
+    """A while_loop carrying a Python int (unbacked symbols in node meta): predispatch.save/load
+    gives eager's outputs bitwise, the int included; torch.export.save cannot write it, from
+    torch.export's route or from `to_torch()` (if torch learns to, docs/comparison.md's row changes)."""
+    model, x = IntCarryLoop(), torch.randn(4, 8)
+    loaded = round_trip(predispatch.export(model, (x,)))
+    out, count = loaded.module()(x)
+    torch.testing.assert_close(out, model(x)[0], rtol=0, atol=0)
+    assert count == 3
+    from torch._export.serde.serialize import SerializeError
+
+    for program in (torch.export.export(model, (x,)), predispatch.export(model, (x,)).to_torch()):
+        with pytest.raises(SerializeError, match=r"Unsupported list/tuple argument type"):
+            save_load(program)
+
+
 _LOAD_IN_A_FRESH_PROCESS = """
 import sys, torch
 import predispatch.ops  # registers predispatch's operators, as docs/format.md#torch-interop says

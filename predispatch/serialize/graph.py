@@ -61,6 +61,8 @@ PYTHON_CALLABLES: dict[str, Callable[..., Any]] = {
     "_operator.getitem": operator.getitem,
     # size arithmetic in dynamic-shape graphs (`y.size(0) * 2`): pure functions of ints
     **{f"_operator.{name}": getattr(operator, name) for name in ("add", "sub", "mul", "floordiv", "mod", "neg")},
+    # comparisons of symbolic ints: a while_loop's condition on an int carry (`i < 3`)
+    **{f"_operator.{name}": getattr(operator, name) for name in ("lt", "le", "gt", "ge", "eq", "ne")},
 }
 
 _NODE_OPS = ("placeholder", "get_attr", "call_function", "output")
