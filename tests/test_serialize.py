@@ -22,6 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 from expecttest import TestCase
 from helpers import assert_same_tree
+from test_consumers import WhileModel
 from test_export import Batch, ConvBN, Counter, DictOut, Masked, ScaleInPlace, Tied, WithConstant
 from test_regions import CASES as REGION_CASES
 from torch import nn
@@ -92,20 +93,6 @@ class CountedLoop(nn.Module):
         return while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, y * 2 + i), (torch.tensor(0), x))
 
 
-class LoopWithParameter(nn.Module):
-    """A while_loop whose body calls a layer: the parameters are the loop's additional inputs."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x):
-        from torch._higher_order_ops.while_loop import while_loop
-
-        _, y = while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, torch.tanh(self.fc(y))), (torch.tensor(0), x))
-        return y
-
-
 class DataTripCount(nn.Module):
     """A while_loop that runs `n` times, `n` an input tensor: the trip count comes from data."""
 
@@ -123,7 +110,7 @@ class DataTripCount(nn.Module):
 
 WHILE_LOOPS = {
     "counted": lambda: (CountedLoop(), (torch.randn(4, 8),), {}),
-    "parameter": lambda: (LoopWithParameter(), (torch.randn(4, 8),), {}),
+    "parameter": lambda: (WhileModel(), (torch.randn(4, 8),), {}),  # a layer in the body
     "data_trip_count": lambda: (DataTripCount(), (torch.randn(4, 8), torch.tensor(4)), {}),
 }
 
