@@ -471,7 +471,7 @@ def _decode_leaf(data: Any, where: str) -> Leaf:
 def _encode_program(ep: Program) -> dict[str, bytes]:
     """program.json and the tensor members, all in memory."""
     graph_tensors: dict[str, torch.Tensor] = {}
-    program = {
+    program: dict[str, Any] = {
         "graph_module": encode_module(ep.graph_module, "", graph_tensors),
         "signature": _encode_signature(ep.signature),
         "decompositions": {name: {"kept_whole": kept, "why": why} for name, (kept, why) in ep.decompositions.decisions.items()},
@@ -480,7 +480,7 @@ def _encode_program(ep: Program) -> dict[str, bytes]:
     packed = {group: pack(tensors, group) for group, tensors in groups.items()}
     program["tensors"] = {group: records for group, (_, records) in packed.items()}
     unbacked = unbacked_declarations(ep.graph_module)
-    if unbacked:  # only files with while_loop int carries have the field: others keep their bytes
+    if unbacked:  # only files with unbacked values (a while_loop's int carry) have it: others keep their bytes
         program["unbacked_symbols"] = unbacked
     return {_PROGRAM: _json_bytes(program), **{_TENSOR_MEMBERS[g]: data for g, (data, _) in packed.items()}}
 

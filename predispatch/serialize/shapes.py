@@ -241,7 +241,7 @@ def _relation(node: ast.AST, known: Any, where: str, text: str, symbol: Any) -> 
         name, operands = _COMPARISONS[type(node.ops[0])], (node.left, node.comparators[0])
     elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("Eq", "Ne")
           and len(node.args) == 2 and not node.keywords):
-        name, operands = node.func.id, tuple(node.args)
+        name, operands = node.func.id, (node.args[0], node.args[1])
     else:
         raise SerializationError(f"{where}: {text!r} is not a comparison of size expressions.")
     left, right = (_build(o, known, where, text, symbol) for o in operands)
