@@ -79,6 +79,7 @@ from predispatch._torch_internals.audit import (  # noqa: F401
 )
 from predispatch._torch_internals.codegen import (  # noqa: F401
     declare_size_symbol,
+    declare_unbacked_symbol,
     dispatcher_op_names,
     export_forward_backward,
     fx_reserved_names,
@@ -88,7 +89,9 @@ from predispatch._torch_internals.codegen import (  # noqa: F401
     jit_op_schemas,
     size_symint,
     symbol_ranges,
+    symbolic_bool,
     torch_function_disabled,
+    unbacked_symbols,
 )
 from predispatch._torch_internals.distributed import (  # noqa: F401
     completed_work,

@@ -40,9 +40,45 @@ def declare_size_symbol(fake_mode: FakeTensorMode, name: str, low: int, high: in
     return symbol
 
 
-def size_symint(fake_mode: FakeTensorMode, expr: Any, hint: int) -> torch.SymInt:
-    """A SymInt for `expr` (over symbols from `declare_size_symbol`) in `fake_mode`."""
+def size_symint(fake_mode: FakeTensorMode, expr: Any, hint: int | None) -> torch.SymInt:
+    """A SymInt for `expr` (over symbols from `declare_size_symbol` and
+    `declare_unbacked_symbol`; hint None where it has unbacked ones) in `fake_mode`."""
     return fake_mode.shape_env.create_symintnode(expr, hint=hint)
+
+
+def symbolic_bool(fake_mode: FakeTensorMode, expr: Any) -> torch.SymBool:
+    """A SymBool for the relation `expr` in `fake_mode` (node meta of `u0 < 3`)."""
+    return fake_mode.shape_env.create_symboolnode(expr)
+
+
+def declare_unbacked_symbol(fake_mode: FakeTensorMode, name: str, index: int, low: int | None, high: int | None) -> Any:
+    """The unbacked symbol `u<index>` (a value known only when the program runs: a while_loop's
+    int carry) in `fake_mode`'s ShapeEnv, with its range, as `create_unbacked_symint` makes it
+    (integer, no value), under its saved name; the env's counter moves past it, so a symbol
+    a later trace in this mode creates gets a fresh name."""
+    import sympy
+    from torch.utils._sympy.numbers import int_oo
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    env = fake_mode.shape_env
+    symbol = sympy.Symbol(name, integer=True)
+    env.var_to_range[symbol] = ValueRanges(-int_oo if low is None else low, int_oo if high is None else high)
+    env.unbacked_symint_counter = max(env.unbacked_symint_counter, index + 1)
+    return symbol
+
+
+def unbacked_symbols(value: torch.SymInt | torch.SymBool) -> dict[str, tuple[int | None, int | None]]:
+    """The unbacked symbols (torch's `u0`, values known only at run time) `value` is made of,
+    each with its range in `value`'s ShapeEnv (None where unbounded)."""
+    import sympy
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    node = value.node
+    ranges = {}
+    for symbol in sorted(free_unbacked_symbols(node.expr), key=str):
+        vr = node.shape_env.var_to_range[symbol]
+        ranges[str(symbol)] = tuple(int(b) if isinstance(b, sympy.Integer) else None for b in (vr.lower, vr.upper))
+    return ranges
 
 
 def symbol_ranges(fake_mode_or_env: Any, symbols: Any) -> dict:

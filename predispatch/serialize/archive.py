@@ -65,7 +65,7 @@ from predispatch.serialize.graph import (
     decode_program_module,
     encode_module,
 )
-from predispatch.serialize.shapes import SymbolTable
+from predispatch.serialize.shapes import SymbolTable, unbacked_declarations
 from predispatch.serialize.values import (
     decode,
     decode_spec,
@@ -479,7 +479,7 @@ def _decode_leaf(data: Any, where: str) -> Leaf:
 def _encode_program(ep: Program) -> dict[str, bytes]:
     """program.json and the tensor members, all in memory."""
     graph_tensors: dict[str, torch.Tensor] = {}
-    program = {
+    program: dict[str, Any] = {
         "graph_module": encode_module(ep.graph_module, "", graph_tensors),
         "signature": _encode_signature(ep.signature),
         "decompositions": {name: {"kept_whole": kept, "why": why} for name, (kept, why) in ep.decompositions.decisions.items()},
@@ -487,6 +487,9 @@ def _encode_program(ep: Program) -> dict[str, bytes]:
     groups = {"state": ep.state_dict, "constants": ep.constants, "graph": graph_tensors}
     packed = {group: pack(tensors, group) for group, tensors in groups.items()}
     program["tensors"] = {group: records for group, (_, records) in packed.items()}
+    unbacked = unbacked_declarations(ep.graph_module)
+    if unbacked:  # only files with unbacked values (a while_loop's int carry) have it: others keep their bytes
+        program["unbacked_symbols"] = unbacked
     return {_PROGRAM: _json_bytes(program), **{_TENSOR_MEMBERS[g]: data for g, (data, _) in packed.items()}}
 
 
@@ -502,7 +505,7 @@ def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...], m
     with _reading(_PROGRAM):
         signature = _decode_signature(program.get("signature"), unregistered)  # first: it declares the size symbols
         fake_mode = ti.new_fake_mode()
-        symbols = SymbolTable(fake_mode, signature.shapes, "signature shapes")
+        symbols = SymbolTable(fake_mode, signature.shapes, "signature shapes", program.get("unbacked_symbols", []))
         loading = GraphLoading(namespaces, fake_mode, tensors["graph"], symbols)
         gm = decode_program_module(program.get("graph_module"), loading)
         ep = make(

@@ -52,18 +52,7 @@ HIGHER_ORDER_OPS: dict[str, Callable[[], torch._ops.HigherOrderOperator]] = {
     "cond": lambda: torch.ops.higher_order.cond,
     "scan": lambda: torch.ops.higher_order.scan,
     "map_impl": lambda: torch.ops.higher_order.map_impl,
-}
-
-
-#: Higher-order ops a program may hold in memory that format version 1 cannot save: (why, what
-#: to do instead).
-UNSAVED_HOPS: dict[str, tuple[str, str]] = {
-    "while_loop": (
-        "torch gives while_loop's outputs data-dependent storage offsets (u0 - 1, from its fake "
-        "implementation), and format version 1 holds symbolic sizes of inputs only",
-        "save ep.to_torch() with torch.export.save instead (torch's format holds while_loop; the loaded "
-        "module() trains), or keep the program in memory.",
-    ),
+    "while_loop": lambda: torch.ops.higher_order.while_loop,  # see Note [Data-dependent storage offsets]
 }
 
 
@@ -72,6 +61,8 @@ PYTHON_CALLABLES: dict[str, Callable[..., Any]] = {
     "_operator.getitem": operator.getitem,
     # size arithmetic in dynamic-shape graphs (`y.size(0) * 2`): pure functions of ints
     **{f"_operator.{name}": getattr(operator, name) for name in ("add", "sub", "mul", "floordiv", "mod", "neg")},
+    # comparisons of symbolic ints: a while_loop's condition on an int carry (`i < 3`)
+    **{f"_operator.{name}": getattr(operator, name) for name in ("lt", "le", "gt", "ge", "eq", "ne")},
 }
 
 _NODE_OPS = ("placeholder", "get_attr", "call_function", "output")
@@ -93,9 +84,6 @@ def _target_name(node: fx.Node, where: str) -> str:
     for name, fn in PYTHON_CALLABLES.items():
         if target is fn:
             return name
-    if isinstance(target, torch._ops.HigherOrderOperator) and target.name() in UNSAVED_HOPS:
-        reason, fix = UNSAVED_HOPS[target.name()]
-        raise SerializationError(f"{where}: calls {target.name()}, which format version 1 cannot save: {reason}.", fix=fix)
     raise SerializationError(
         f"{where}: calls {short(target)}, which format version 1 cannot name: it holds OpOverloads, "
         f"the higher-order ops {sorted(HIGHER_ORDER_OPS)} and {sorted(PYTHON_CALLABLES)}.",

@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from predispatch.errors import SerializationError
-from predispatch.serialize.shapes import encode_size
+from predispatch.serialize.shapes import encode_size, encode_storage_offset, encode_symbolic
 
 #: Device types a stored tensor or tensor metadata may name: `meta` has no data, and a
 #: file has no business naming others.
@@ -81,7 +81,9 @@ def encode(value: Any, where: str, *, classes: bool = False, tensors: bool = Fal
     if tensors and isinstance(value, torch.Tensor):
         return {"tensor": _tensor_meta(value, where)}
     if tensors and isinstance(value, torch.SymInt):  # node meta of a size computed in the graph
-        return {"symint": encode_size(value, where)}
+        return {"symint": encode_symbolic(value, where)}
+    if tensors and isinstance(value, torch.SymBool):  # a while_loop's `i < 3` on an int carry
+        return {"symbool": encode_symbolic(value, where)}
     if classes and isinstance(value, type):
         return {"class": class_name(value, where)}
     hint = " Symbolic floats and bools are not part of format version 1." if isinstance(value, _SYMBOLIC) else ""
@@ -114,7 +116,7 @@ def _tensor_meta(t: torch.Tensor, where: str) -> dict:
     return {
         "shape": [encode_size(s, where) for s in t.shape],  # symbolic sizes: shapes.py
         "stride": [encode_size(s, where) for s in t.stride()],
-        "storage_offset": encode_size(t.storage_offset(), where),
+        "storage_offset": encode_storage_offset(t.storage_offset(), where),
         "dtype": TORCH_VALUES["dtype"][1](t.dtype),
         "device": str(t.device),
         "requires_grad": t.requires_grad,
@@ -216,6 +218,13 @@ def _decode_tensor_meta(meta: Any, where: str, refs: Refs) -> torch.Tensor:
     return fake.requires_grad_(True) if expect(meta.get("requires_grad"), bool, where) else fake
 
 
+def _symbolic(data: Any, where: str, refs: Refs, relation: bool) -> Any:
+    """A SymInt or SymBool node meta value, over the program's symbols (shapes.py)."""
+    if refs.symbols is None:
+        return _sizes([data], where, refs)[0]
+    return refs.symbols.value(data, where, relation)
+
+
 def _sizes(data: Any, where: str, refs: Refs) -> list[Any]:
     """Sizes as ints, or SymInts where the file has symbolic ones and the program declares symbols."""
     values = expect(data, list, where)
@@ -245,7 +254,8 @@ _DECODERS: dict[str, Callable[[Any, str, Refs], Any]] = {
     "float": _decode_float,
     "class": _decode_class,
     "tensor": _decode_tensor_meta,
-    "symint": lambda data, where, refs: _sizes([data], where, refs)[0],
+    "symint": lambda data, where, refs: _symbolic(data, where, refs, relation=False),
+    "symbool": lambda data, where, refs: _symbolic(data, where, refs, relation=True),
     **{tag: (lambda name, where, refs, tag=tag: decode_named(tag, name, where)) for tag in TORCH_VALUES},
 }
 

@@ -205,7 +205,8 @@ HOP_CONVENTIONS: dict[str, HopConvention] = {
         ("predicate", "subgraph", "subgraph"), ("node",), "torch.cond in the user's code: both branches kept, one runs",
         bodies=(1, 2), packed=1),
     "while_loop": HopConvention(
-        ("subgraph", "subgraph"), ("node",), "torch's while_loop in the user's code: condition and body subgraphs",
+        ("subgraph", "subgraph"), ("node", "int"),
+        "torch's while_loop in the user's code: condition and body subgraphs (a Python int may be carried)",
         bodies=(0, 1), packed=2),
     "scan": HopConvention(
         ("subgraph",), ("node",), "torch's scan in the user's code: the combine subgraph, run along the scanned inputs",
