@@ -30,7 +30,7 @@ from torch import nn
 
 from predispatch.errors import DistributedError, user_frame
 
-__all__ = ["refuse_distributed_state"]
+__all__ = ["refuse_distributed_state", "refuse_wrapped"]
 
 _WHAT_WORKS = (
     "keep each rank's shard as a plain tensor (t.to_local() of a DTensor, as an nn.Parameter) and write "
@@ -40,10 +40,16 @@ _WHAT_WORKS = (
 )
 
 
-def refuse_distributed_state(module: nn.Module, state: Any, user_tensors: list[torch.Tensor]) -> None:
-    """Raise `DistributedError` for a DDP-wrapped or FSDP2-sharded module, or for DTensor state or inputs."""
+def refuse_wrapped(module: nn.Module) -> None:
+    """Raise `DistributedError` for a DDP-wrapped or FSDP2-sharded module (FSDP2's parameters
+    are DTensors too: this runs before DTensor state is made per-rank)."""
     _refuse_ddp(module)
     _refuse_fsdp2(module)
+
+
+def refuse_distributed_state(module: nn.Module, state: Any, user_tensors: list[torch.Tensor]) -> None:
+    """Raise `DistributedError` for DTensor state or inputs left after the per-rank stand-in
+    (frontend/per_rank.py) replaced a module's DTensor state: DTensor inputs."""
     dtensor = _dtensor_class()
     if dtensor is None:
         return

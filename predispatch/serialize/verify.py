@@ -548,6 +548,7 @@ def _signature_problems(ep: Program) -> Iterator[Problem]:
         yield Problem("signature input_leaves", "the input spec, input leaves and user inputs disagree")
     yield from _outside_tree_problems(sig)
     yield from _state_order_problems(sig)
+    yield from _placement_problems(sig, stored)
     yield from _output_problems(ep)
 
 
@@ -568,6 +569,20 @@ def _state_order_problems(sig: ExportSignature) -> Iterator[Problem]:
     if len(set(order)) != len(order) or not set(order) <= names:
         stray = sorted(set(order) - names)
         yield Problem("signature state_order", f"names {stray[0]!r}, which is no lifted state" if stray else "names a state twice")
+
+
+def _placement_problems(sig: ExportSignature, stored: Any) -> Iterator[Problem]:
+    """Each placement names a lifted state tensor once, and its local shape is that tensor's
+    (a per-rank program's state is the rank's shard)."""
+    names = set(state_names(sig.inputs))
+    seen = set()
+    for placement in sig.placements:
+        where = f"signature placement {placement.target!r}"
+        if placement.target not in names or placement.target in seen:
+            yield Problem(where, "names no lifted state" if placement.target not in names else "is given twice")
+        elif placement.target in stored and tuple(stored[placement.target].shape) != placement.local_shape:
+            yield Problem(where, f"local shape {list(placement.local_shape)} differs from the stored tensor's {list(stored[placement.target].shape)}")
+        seen.add(placement.target)
 
 
 def _output_problems(ep: Program) -> Iterator[Problem]:

@@ -1,0 +1,251 @@
+"""A module with DTensor state becomes the module one rank runs (Note [Per-rank DTensor programs]).
+
+Note [Per-rank DTensor programs]
+--------------------------------
+A DTensor parameter is a global tensor whose rank holds a shard; DTensor's dispatch, below
+autograd, runs each op on the local shards and communicates, and its own autograd Functions
+(`from_local`, `redistribute`) decide the backward's communication: a row-wise layer's
+`Partial -> Replicate` all-reduce has an identity backward in DTensor, where differentiating
+the all-reduce itself would multiply by the world size.  So a graph of the local ops alone,
+differentiated op by op, would be wrong; the rank's backward has to be DTensor's.
+
+torch's joint exporter (`aot_export_joint_with_descriptors`, _torch_internals/dtensor.py)
+traces forward and backward together below autograd, every DTensor unwrapped to its local
+tensor (`__tensor_flatten__`): the joint is what this rank runs, with DTensor's collectives in
+both halves.  torch's partitioner splits it into a forward graph `(*local inputs) -> (*outputs,
+*saved)` and a backward graph `(*saved, *output grads) -> (*input grads)`.  `per_rank_module`
+puts the pair behind one `autograd.Function` (`PerRankStep`) and returns a stand-in module:
+the user's state at the same names, each DTensor replaced by its local tensor (the same memory,
+`to_local()`), whose forward applies `PerRankStep` to the state and the inputs.  Exporting the
+stand-in is an ordinary export: the Function is captured as `autograd_function_apply` with the
+two graphs as its forward and backward subgraphs (Note [Capturing autograd.Function]), so
+`ep.module()` trains with DTensor's backward, `ep.joint()` inlines it, and save/load keeps both.
+The forward's ops sit inside that one region (not flat in the program's graph): they are the
+joint's own, below autograd, and only as a pair with the backward are they DTensor's program.
+
+Each state tensor's mesh and placements go into the signature (`StatePlacement`).  The
+program's state is the rank's shards; a gradient of the program is the gradient of the shard,
+`param.grad.to_local()` of the parallel model.  Floating user inputs are traced as requiring
+grad, so a program trained with an input that requires grad gives it DTensor's gradient (the
+backward then also holds that gradient's collective).
+
+Covered: DTensor parameters and buffers (`parallelize_module`, `distribute_tensor`), plain
+tensors beside them, plain tensor inputs and outputs, forward free of input and buffer writes.
+Refused by name (`DistributedError`): a DTensor input or output, a write to an input or a
+buffer, dynamic shapes, a non-tensor input, and anything the joint names otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from predispatch import _torch_internals as ti
+from predispatch.errors import DistributedError, user_frame
+from predispatch.signature import StatePlacement
+
+__all__ = ["PerRankStep", "has_dtensor_state", "per_rank_module"]
+
+_DOCS = "see docs/distributed.md (per-rank DTensor programs)."
+
+
+def has_dtensor_state(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of `module` is a DTensor (none exist before
+    torch.distributed.tensor is imported)."""
+    dtensor = _dtensor_class()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in _state(module).values())
+
+
+def per_rank_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> tuple[nn.Module, tuple[StatePlacement, ...]]:
+    """The stand-in module this rank's program is exported from, and each DTensor state
+    tensor's placement; see Note [Per-rank DTensor programs]."""
+    _refuse_inputs(args, kwargs, dynamic_shapes)
+    graphs = ti.per_rank_graphs(module, _traced_args(args, kwargs))
+    _refuse_slots(graphs)
+    state = _state(module)
+    locals_ = _local_state(module, state)
+    placements = tuple(_placement(name, t) for name, t in state.items() if isinstance(t, _dtensor_class()))
+    return PerRankModule(module, locals_, graphs), placements
+
+
+def _dtensor_class() -> type | None:
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by every name it has (tied ones under each)."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    return named
+
+
+def _local_state(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rank's tensor of each state tensor: a DTensor's local tensor (its memory, detached;
+    a Parameter again when it was one), a plain tensor itself.  Tied names share one."""
+    dtensor, made = _dtensor_class(), {}
+    out = {}
+    for name, t in state.items():
+        if id(t) not in made:
+            if isinstance(t, dtensor):
+                local = t.to_local().detach()
+                made[id(t)] = nn.Parameter(local, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else local
+            else:
+                made[id(t)] = t
+        out[name] = made[id(t)]
+    return out
+
+
+def _placement(name: str, tensor: Any) -> StatePlacement:
+    mesh = tensor.device_mesh
+    return StatePlacement(
+        target=name,
+        placements=tuple(repr(p) for p in tensor.placements),
+        mesh_shape=tuple(mesh.shape),
+        mesh_dim_names=tuple(mesh.mesh_dim_names or ()),
+        mesh_ranks=tuple(int(r) for r in mesh.mesh.flatten().tolist()),
+        device_type=mesh.device_type,
+        global_shape=tuple(tensor.shape),
+        local_shape=tuple(tensor.to_local().shape),
+    )
+
+
+def _traced_args(args: tuple, kwargs: dict) -> tuple:
+    """The inputs the joint is traced with: floating ones requiring grad (the program may be
+    trained with them requiring it), detached copies so the user's are untouched."""
+
+    def prepare(t: torch.Tensor) -> torch.Tensor:
+        copy = t.detach().clone()
+        return copy.requires_grad_(True) if copy.is_floating_point() or copy.is_complex() else copy
+
+    return tuple(pytree.tree_map(prepare, args))
+
+
+def _refuse_inputs(args: tuple, kwargs: dict, dynamic_shapes: Any) -> None:
+    """Refuse what the per-rank route does not cover, before anything is traced."""
+    where = f"{user_frame()} (the export call)"
+    if kwargs:
+        raise DistributedError(
+            "a model with DTensor state was called with keyword arguments; per-rank DTensor programs take "
+            "positional tensor inputs only.",
+            where=where,
+            fix="pass the inputs positionally; " + _DOCS,
+        )
+    if dynamic_shapes is not None:
+        raise DistributedError(
+            "dynamic_shapes with DTensor state: per-rank DTensor programs are exported with static shapes.",
+            where=where,
+            fix="export without dynamic_shapes, once per input shape; " + _DOCS,
+        )
+    dtensor = _dtensor_class()
+    for i, leaf in enumerate(pytree.tree_leaves(args)):
+        if not isinstance(leaf, torch.Tensor):
+            raise DistributedError(
+                f"input leaf {i} is a {type(leaf).__name__}; per-rank DTensor programs take tensor inputs only.",
+                where=where,
+                fix="bind constants in the model (an attribute or a closure) and pass tensors; " + _DOCS,
+            )
+        if isinstance(leaf, dtensor):
+            raise _dtensor_io_error(f"tensor input {i}", where)
+
+
+def _dtensor_io_error(what: str, where: str) -> DistributedError:
+    return DistributedError(
+        f"{what} is a DTensor; per-rank DTensor programs take and return plain tensors (the rank's values).",
+        where=where,
+        fix="pass the local tensor (t.to_local()) and make the DTensor inside forward (DTensor.from_local), "
+        "and return out.to_local() or out.full_tensor(); " + _DOCS,
+    )
+
+
+def _refuse_slots(graphs: ti.PerRankGraphs) -> None:
+    """Every forward input must be state or a user input, every output a user output."""
+    where = f"{user_frame()} (the export call)"
+    for slot in graphs.inputs:
+        if slot.kind not in ("state", "arg"):
+            raise DistributedError(
+                f"the rank's forward takes an input torch's joint exporter describes as {slot.kind}; "
+                "per-rank DTensor programs take the state's local tensors and plain inputs only.",
+                where=where,
+                fix=_DOCS,
+            )
+    for slot in graphs.outputs:
+        if slot.kind != "output":
+            what = slot.kind
+            if "SubclassGetAttr" in what:
+                raise _dtensor_io_error("an output of forward", where)
+            raise DistributedError(
+                f"the rank's forward returns {what} (a write to an input or buffer, or an output aliasing one); "
+                "per-rank DTensor programs return their outputs only.",
+                where=where,
+                fix="return new values instead of writing inputs or buffers in forward; " + _DOCS,
+            )
+
+
+class PerRankStep(torch.autograd.Function):
+    """One rank's forward and DTensor's backward for it, as AOTAutograd partitioned the joint.
+
+    `apply(graphs, *inputs)`: `inputs` in `graphs.inputs` order.  Captured by export as
+    `autograd_function_apply` (the two graphs its subgraphs); run eagerly it runs them.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, graphs: ti.PerRankGraphs, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        results = graphs.forward(*inputs)
+        count = len(graphs.outputs)
+        outputs, saved = tuple(results[:count]), results[count:]
+        ctx.save_for_backward(*saved)
+        ctx.graphs = graphs
+        ctx.mark_non_differentiable(*(o for o, d in zip(outputs, graphs.differentiable) if not d))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        graphs, saved = ctx.graphs, ctx.saved_tensors
+        values = [saved[i] if kind == "saved" else grads[i] for kind, i in graphs.backward_inputs]
+        input_grads = graphs.backward(*values)
+        return (None, *(input_grads[i] for i in graphs.grad_positions))
+
+
+class PerRankModule(nn.Module):
+    """The stand-in for a module with DTensor state: the same names (submodule paths, state
+    names, training flags, argument names), each DTensor replaced by the rank's local tensor,
+    and a forward that applies `PerRankStep`."""
+
+    def __init__(self, user: nn.Module, state: dict[str, torch.Tensor], graphs: ti.PerRankGraphs) -> None:
+        super().__init__()
+        self.training = user.training
+        for path, sub in user.named_modules(remove_duplicate=False):
+            if path:
+                self._owner(path).training = sub.training
+        buffers = {name for name, _ in user.named_buffers(remove_duplicate=False)}
+        for name, tensor in state.items():
+            owner, attr = self._owner(name.rpartition(".")[0]), name.rpartition(".")[2]
+            if name in buffers:
+                persistent = attr not in user.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set
+                owner.register_buffer(attr, tensor, persistent=persistent)
+            else:
+                owner.register_parameter(attr, tensor)
+        object.__setattr__(self, "graphs", graphs)
+
+    def _owner(self, path: str) -> nn.Module:
+        """The submodule at `path`, made (a plain `nn.Module`) where the stand-in has none yet."""
+        owner: nn.Module = self
+        for part in filter(None, path.split(".")):
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]
+        return owner
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        flat = pytree.tree_leaves(args)
+        state = dict(self.named_parameters(remove_duplicate=False))
+        state.update(self.named_buffers(remove_duplicate=False))
+        inputs = [state[s.name] if s.kind == "state" else flat[s.index] for s in self.graphs.inputs]
+        outputs = PerRankStep.apply(self.graphs, *inputs)
+        return pytree.tree_unflatten(list(outputs), self.graphs.out_spec)
