@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,9 +28,10 @@ class Slot:
     """What one placeholder of the forward graph (or one output of the user's forward) is.
 
     kind: "state" (the rank's tensor of the parameter or buffer `name`: a DTensor's
-        `_local_tensor`, or a plain tensor), "arg" (the `index`-th flat user input), "output"
-        (the `index`-th flat user output), or what torch called it when it is none of those
-        (the caller refuses it by that name).
+        `_local_tensor`, or a plain tensor), "mesh" (a DTensor state tensor's mesh), "arg" (the
+        `index`-th flat user input), "output" (the `index`-th flat user output), "subclass
+        output" (a piece of the `index`-th output, a tensor subclass such as a DTensor), or
+        what torch called it when it is none of those (the caller refuses it by that name).
     name: the state's fully qualified name ("" otherwise).
     index: the flat position of a user input or output (-1 otherwise).
     """
@@ -65,8 +67,10 @@ class PerRankGraphs:
     out_spec: Any
 
 
-def per_rank_graphs(module: nn.Module, args: tuple[Any, ...]) -> PerRankGraphs:
-    """Trace `module(*args)`'s joint with DTensors unwrapped, and partition it."""
+def per_rank_graphs(module: nn.Module, args: tuple[Any, ...], check: Callable[[list[Slot], list[Slot]], None]) -> PerRankGraphs:
+    """Trace `module(*args)`'s joint with DTensors unwrapped, and partition it.  `check(inputs,
+    outputs)` sees what every joint input and forward output is before anything else happens
+    (the caller refuses what it does not cover: the partitioner assumes plain outputs)."""
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     with contextlib.ExitStack() as stack:
@@ -74,8 +78,8 @@ def per_rank_graphs(module: nn.Module, args: tuple[Any, ...]) -> PerRankGraphs:
         graph_module, out_spec = joint.graph_module, joint.out_spec
         placeholders = graph_module.graph.find_nodes(op="placeholder")
         primals = [p for p in placeholders if not _is_tangent(p)]
-        outputs = graph_module.graph.output_node().args[0]
-        forward_count = sum(1 for node in outputs if node is not None and not _is_grad(_desc_of_output(graph_module, node, outputs)))
+        forward_count = sum(1 for desc in _output_descs(graph_module) if not _is_grad(desc))
+        check([_slot(p.meta["desc"]) for p in primals], [_output_slot(d) for d in _output_descs(graph_module)[:forward_count]])
         _drop_mesh_gradients(graph_module, primals, forward_count)
         forward, backward = _partition(graph_module, forward_count)
     return _named(forward, backward, primals, graph_module, forward_count, out_spec)
@@ -83,10 +87,6 @@ def per_rank_graphs(module: nn.Module, args: tuple[Any, ...]) -> PerRankGraphs:
 
 def _output_descs(graph_module: fx.GraphModule) -> list[Any]:
     return list(graph_module.graph.output_node().meta["desc"])
-
-
-def _desc_of_output(graph_module: fx.GraphModule, node: Any, outputs: Any) -> Any:
-    return _output_descs(graph_module)[list(outputs).index(node)]
 
 
 def _is_grad(desc: Any) -> bool:
@@ -98,9 +98,12 @@ def _is_grad(desc: Any) -> bool:
 
 
 def _is_tangent(node: fx.Node) -> bool:
-    from torch._functorch._aot_autograd.descriptors import TangentAOTInput
+    from torch._functorch._aot_autograd.descriptors import SubclassGetAttrAOTInput, TangentAOTInput
 
-    return isinstance(node.meta.get("desc"), TangentAOTInput)
+    desc = node.meta.get("desc")
+    while isinstance(desc, SubclassGetAttrAOTInput):
+        desc = desc.base
+    return isinstance(desc, TangentAOTInput)
 
 
 def _drop_mesh_gradients(graph_module: fx.GraphModule, primals: list[fx.Node], forward_count: int) -> None:
@@ -140,7 +143,11 @@ def _slot(desc: Any) -> Slot:
 def _output_slot(desc: Any) -> Slot:
     from torch._functorch._aot_autograd import descriptors as d
 
-    return Slot("output", index=desc.idx) if isinstance(desc, d.PlainAOTOutput) else Slot(str(desc))
+    if isinstance(desc, d.PlainAOTOutput):
+        return Slot("output", index=desc.idx)
+    if isinstance(desc, d.SubclassGetAttrAOTOutput) and isinstance(desc.base, d.PlainAOTOutput):
+        return Slot("subclass output", index=desc.base.idx)  # a piece of a tensor subclass (a DTensor) the user returns
+    return Slot(str(desc))
 
 
 def _named(

@@ -12,12 +12,14 @@ backward callbacks on streams of its own: none of that is forward's code.  DDP a
 gradients in its reducer's autograd hooks, likewise outside forward; its program is the
 wrapped module's, wrapped in DDP again (`DistributedDataParallel(ep.module())`).
 
-Until per-rank programs exist (the graph of what one rank runs, DTensor unwrapped to its local
-shard and its communication as functional collectives), both are refused with
-`DistributedError`, naming the parameter (its mesh and placements) or the sharded module, and
-what works instead: each rank's shard as a plain parameter, gathered in forward with torch's
-functional collectives (docs/distributed.md).  The checks read `sys.modules` first: a process
-that never imported torch.distributed's tensor or FSDP packages has no such state.
+A module with DTensor state is exported per rank instead (Note [Per-rank DTensor programs] in
+frontend/per_rank.py): the stand-in module holds the rank's shards, so no DTensor reaches the
+trace.  What is left is refused with `DistributedError`: DDP and FSDP2 (checked first, since
+FSDP2's parameters are DTensors too), naming the module and what works instead (each rank's
+shard as a plain parameter, gathered in forward with torch's functional collectives:
+docs/distributed.md), and a DTensor input of a model without DTensor state.  The checks read
+`sys.modules` first: a process that never imported torch.distributed's tensor or FSDP
+packages has no such state.
 """
 
 from __future__ import annotations

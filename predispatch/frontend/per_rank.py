@@ -63,8 +63,15 @@ def per_rank_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes
     """The stand-in module this rank's program is exported from, and each DTensor state
     tensor's placement; see Note [Per-rank DTensor programs]."""
     _refuse_inputs(args, kwargs, dynamic_shapes)
-    graphs = ti.per_rank_graphs(module, _traced_args(args, kwargs))
-    _refuse_slots(graphs)
+    graphs = ti.per_rank_graphs(module, _traced_args(args, kwargs), _refuse_slots)
+    for slot in graphs.inputs:
+        if slot.kind != "state" and slot.kind != "arg":  # a mesh the rank's graphs read as a value
+            raise DistributedError(
+                f"the rank's forward reads the device mesh of {slot.name!r} as a value; a program's graph holds "
+                "tensors, not meshes.",
+                where=f"{user_frame()} (the export call)",
+                fix=_DOCS,
+            )
     state = _state(module)
     locals_ = _local_state(module, state)
     placements = tuple(_placement(name, t) for name, t in state.items() if isinstance(t, _dtensor_class()))
@@ -163,27 +170,27 @@ def _dtensor_io_error(what: str, where: str) -> DistributedError:
     )
 
 
-def _refuse_slots(graphs: ti.PerRankGraphs) -> None:
-    """Every forward input must be state or a user input, every output a user output."""
+def _refuse_slots(inputs: list[ti.Slot], outputs: list[ti.Slot]) -> None:
+    """Every joint input must be state (a local tensor or its mesh) or a user input, every
+    forward output a user output."""
     where = f"{user_frame()} (the export call)"
-    for slot in graphs.inputs:
-        if slot.kind not in ("state", "arg"):
+    for slot in outputs:
+        if slot.kind != "output":
+            if slot.kind == "subclass output":
+                raise _dtensor_io_error("an output of forward", where)
+            raise DistributedError(
+                f"the rank's forward returns {slot.kind} (a write to an input or buffer, or an output aliasing one); "
+                "per-rank DTensor programs return their outputs only.",
+                where=where,
+                fix="return new values instead of writing inputs or buffers in forward; " + _DOCS,
+            )
+    for slot in inputs:
+        if slot.kind not in ("state", "arg", "mesh"):
             raise DistributedError(
                 f"the rank's forward takes an input torch's joint exporter describes as {slot.kind}; "
                 "per-rank DTensor programs take the state's local tensors and plain inputs only.",
                 where=where,
                 fix=_DOCS,
-            )
-    for slot in graphs.outputs:
-        if slot.kind != "output":
-            what = slot.kind
-            if "SubclassGetAttr" in what:
-                raise _dtensor_io_error("an output of forward", where)
-            raise DistributedError(
-                f"the rank's forward returns {what} (a write to an input or buffer, or an output aliasing one); "
-                "per-rank DTensor programs return their outputs only.",
-                where=where,
-                fix="return new values instead of writing inputs or buffers in forward; " + _DOCS,
             )
 
 
