@@ -315,15 +315,16 @@ def replicated(x: torch.Tensor) -> Any:
 @case
 def distributed_state_refused(rank: int) -> dict[str, Any]:
     out = {}
-    for name, make, x in [
-        ("ddp", ddp_mlp, rank_input(rank, 4, 8)),
-        ("fsdp2", fsdp2_mlp, rank_input(rank, 4, 8)),
-        ("dtensor_output", dtensor_output, rank_input(0, 4, 8)),
-        ("dtensor_input", dtensor_input_model, replicated(rank_input(0, 4, 8))),
+    for name, make, x, options in [
+        ("ddp", ddp_mlp, rank_input(rank, 4, 8), {}),
+        ("fsdp2", fsdp2_mlp, rank_input(rank, 4, 8), {}),
+        ("dtensor_output", dtensor_output, rank_input(0, 4, 8), {}),
+        ("dtensor_input", dtensor_input_model, replicated(rank_input(0, 4, 8)), {}),
+        ("preserve", tensor_parallel_mlp, rank_input(0, 4, 8), {"preserve": ["aten.linear"]}),
     ]:
         model = make()
         before = {k: (type(v), v.to_local().clone() if hasattr(v, "to_local") else v.clone()) for k, v in model.state_dict().items()}
-        out[name] = refusal(lambda: predispatch.export(model, (x,)))
+        out[name] = refusal(lambda: predispatch.export(model, (x,), **options))
         after = model.state_dict()
         out[name]["unchanged"] = before.keys() == after.keys() and all(
             type(after[k]) is t and torch.equal(after[k].to_local() if hasattr(after[k], "to_local") else after[k], v)

@@ -47,7 +47,7 @@ from predispatch import _torch_internals as ti
 from predispatch.errors import DistributedError, user_frame
 from predispatch.signature import StatePlacement
 
-__all__ = ["PerRankStep", "has_dtensor_state", "per_rank_module"]
+__all__ = ["PerRankStep", "has_dtensor_state", "per_rank_module", "refuse_per_rank_options"]
 
 _DOCS = "see docs/distributed.md (per-rank DTensor programs)."
 
@@ -76,6 +76,18 @@ def per_rank_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes
     locals_ = _local_state(module, state)
     placements = tuple(_placement(name, t) for name, t in state.items() if isinstance(t, _dtensor_class()))
     return PerRankModule(module, locals_, graphs), placements
+
+
+def refuse_per_rank_options(placements: tuple[StatePlacement, ...], overrides: tuple[str, ...]) -> None:
+    """`preserve=` / `decompose=` cannot reach a per-rank program's ops: they come from torch's
+    joint below autograd, composites already decomposed.  Refused rather than ignored."""
+    if placements and overrides:
+        raise DistributedError(
+            f"preserve= / decompose= ({', '.join(sorted(overrides))}) with DTensor state: a per-rank program's ops "
+            "are torch's joint's, traced below autograd, where composite ops are already decomposed.",
+            where=f"{user_frame()} (the export call)",
+            fix="export without preserve= and decompose=; " + _DOCS,
+        )
 
 
 def _dtensor_class() -> type | None:
