@@ -470,7 +470,14 @@ def per_rank_trained(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
         "loaded_equal": loaded is not None and equal(run_program(loaded, x), (expected, e_grads)),
         "loaded_placements": loaded is not None and loaded.signature.placements == ep.signature.placements,
         "input_grad_equal": equal(input_grad(ep.module(), x), input_grad(copy.deepcopy(model), x)),
+        "joint_loaded_equal": joint_loaded_equal(joint, x),
     }
+
+
+def joint_loaded_equal(joint: Any, x: torch.Tensor) -> bool:
+    """Whether the joint program, saved and loaded, returns what it returned before."""
+    with torch.no_grad():
+        return equal(save_load(joint).module()(x), joint.module()(x))
 
 
 def top_level_collectives(gm: torch.fx.GraphModule) -> dict[str, int]:

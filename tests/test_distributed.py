@@ -251,6 +251,7 @@ class TestPerRankDTensor(TestCase):
             assert result["mutable"] == [] and result["module_unchanged"]
             assert result["outputs_equal"] and result["grads_equal"], result
             assert result["joint_equal"] and result["input_grad_equal"], result
+            assert result["joint_loaded_equal"]  # the joint is one flat graph: it always saves
 
     def test_tensor_parallel_mlp(self):
         results = ranks("tensor_parallel_mlp_per_rank")
@@ -347,7 +348,8 @@ Placements (the state is this rank's shard):
             assert result["backward_collectives"] == {"all_reduce.default": 4, "wait_tensor.default": 4}
             # saving is refused by the file format's kernel-input check: the backward subgraph's
             # layer-norm and attention backwards read statistics the forward subgraph saved, and
-            # the verifier proves such inputs only within one graph or shared bodies
+            # the verifier proves such inputs only within one graph or shared bodies (the joint,
+            # one graph, saves: check_equal_on_every_rank)
             assert result["save"]["raised"] == "SerializationError"
             assert "node native_layer_norm_backward: calls aten.native_layer_norm_backward.default" in result["save"]["first_line"]
 
