@@ -301,6 +301,15 @@ def dtensor_output() -> nn.Module:
     return parallelize_module(mlp(), mesh(), {"0": ColwiseParallel(), "2": RowwiseParallel(use_local_output=False)})
 
 
+def tensor_parallel_dropout() -> nn.Module:
+    """The tensor-parallel MLP with dropout between its layers, in training mode."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 8))
+    return parallelize_module(model, mesh(), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
 def dtensor_input_model() -> nn.Module:
     """The tensor-parallel MLP, called with a DTensor."""
     return tensor_parallel_mlp()
@@ -321,6 +330,7 @@ def distributed_state_refused(rank: int) -> dict[str, Any]:
         ("dtensor_output", dtensor_output, rank_input(0, 4, 8), {}),
         ("dtensor_input", dtensor_input_model, replicated(rank_input(0, 4, 8)), {}),
         ("preserve", tensor_parallel_mlp, rank_input(0, 4, 8), {"preserve": ["aten.linear"]}),
+        ("dropout", tensor_parallel_dropout, rank_input(0, 4, 8), {}),
     ]:
         model = make()
         before = {k: (type(v), v.to_local().clone() if hasattr(v, "to_local") else v.clone()) for k, v in model.state_dict().items()}

@@ -169,7 +169,7 @@ class TestDistributedState(TestCase):
         # FSDP2 failed on a FunctionalTensor's _local_tensor; per-rank DTensor programs take and
         # return plain tensors: a DTensor input or output is refused, not exported wrong
         for result in ranks("distributed_state_refused"):
-            for name in ("ddp", "fsdp2", "dtensor_output", "dtensor_input", "preserve"):
+            for name in ("ddp", "fsdp2", "dtensor_output", "dtensor_input", "preserve", "dropout"):
                 assert result[name]["raised"] == "DistributedError", (name, result[name])
                 assert result[name]["unchanged"] and result[name]["eager_runs"], name
                 assert "docs/distributed.md" in result[name]["message"]
@@ -182,6 +182,7 @@ class TestDistributedState(TestCase):
                 "an output of forward is a DTensor; per-rank DTensor programs take and return plain tensors "
                 "(the rank's values)."
             )
+            assert result["dropout"]["first_line"].startswith("the rank's forward draws random numbers (aten.")
             assert result["preserve"]["first_line"].startswith("preserve= / decompose= (aten.linear) with DTensor state")
             assert result["dtensor_input"]["first_line"] == (
                 "tensor input 0 is a DTensor; per-rank DTensor programs take and return plain tensors (the rank's values)."

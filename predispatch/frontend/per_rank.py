@@ -63,15 +63,8 @@ def per_rank_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes
     """The stand-in module this rank's program is exported from, and each DTensor state
     tensor's placement; see Note [Per-rank DTensor programs]."""
     _refuse_inputs(args, kwargs, dynamic_shapes)
-    graphs = ti.per_rank_graphs(module, _traced_args(args, kwargs), _refuse_slots)
-    for slot in graphs.inputs:
-        if slot.kind != "state" and slot.kind != "arg":  # a mesh the rank's graphs read as a value
-            raise DistributedError(
-                f"the rank's forward reads the device mesh of {slot.name!r} as a value; a program's graph holds "
-                "tensors, not meshes.",
-                where=f"{user_frame()} (the export call)",
-                fix=_DOCS,
-            )
+    graphs = ti.per_rank_graphs(module, _traced_args(args), _refuse_slots)
+    _refuse_graphs(graphs)
     state = _state(module)
     locals_ = _local_state(module, state)
     placements = tuple(_placement(name, t) for name, t in state.items() if isinstance(t, _dtensor_class()))
@@ -134,7 +127,7 @@ def _placement(name: str, tensor: Any) -> StatePlacement:
     )
 
 
-def _traced_args(args: tuple, kwargs: dict) -> tuple:
+def _traced_args(args: tuple) -> tuple:
     """The inputs the joint is traced with: floating ones requiring grad (the program may be
     trained with them requiring it), detached copies so the user's are untouched."""
 
@@ -203,6 +196,29 @@ def _refuse_slots(inputs: list[ti.Slot], outputs: list[ti.Slot]) -> None:
                 "per-rank DTensor programs take the state's local tensors and plain inputs only.",
                 where=where,
                 fix=_DOCS,
+            )
+
+
+def _refuse_graphs(graphs: ti.PerRankGraphs) -> None:
+    """The partitioned forward may read no mesh as a value (a graph holds tensors) and draw no
+    random numbers: DTensor's RNG tracker moves the generator's offset per shard around each
+    random op, which the joint does not record; a program drawing plainly would differ."""
+    where = f"{user_frame()} (the export call)"
+    for slot in graphs.inputs:
+        if slot.kind == "mesh":
+            raise DistributedError(
+                f"the rank's forward reads the device mesh of {slot.name!r} as a value; a program's graph holds "
+                "tensors, not meshes.",
+                where=where,
+                fix=_DOCS,
+            )
+    for node in graphs.forward.graph.nodes:
+        if node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            raise DistributedError(
+                f"the rank's forward draws random numbers ({node.target}) with DTensor state: DTensor offsets the "
+                "generator per shard around each random op, which the per-rank program does not capture.",
+                where=where,
+                fix="export in eval mode (no dropout), or draw the randomness outside the model and pass it in; " + _DOCS,
             )
 
 
