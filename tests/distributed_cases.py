@@ -513,6 +513,34 @@ def tensor_parallel_block_per_rank(rank: int) -> dict[str, Any]:
     return per_rank_trained(WithLoss(tensor_parallel_block()), rank_input(0, 2, 6, 16))
 
 
+class GatherForCompute(nn.Module):
+    """SimpleFSDP's parametrization: the sharded DTensor parameter is all-gathered for compute,
+    its gradient averaged over ranks and scattered back (grad placement `Partial("avg")`)."""
+
+    def forward(self, x):
+        from torch.distributed.tensor import Partial, Replicate
+
+        return x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial("avg")])
+
+
+def simple_fsdp_mlp() -> nn.Module:
+    """The MLP with every parameter a `Shard(0)` DTensor behind `GatherForCompute` (SimpleFSDP's form)."""
+    import torch.nn.utils.parametrize as parametrize
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model, device_mesh = mlp(), mesh()
+    for layer in (model[0], model[2]):
+        for name in ("weight", "bias"):
+            setattr(layer, name, nn.Parameter(distribute_tensor(getattr(layer, name).detach(), device_mesh, [Shard(0)])))
+            parametrize.register_parametrization(layer, name, GatherForCompute(), unsafe=True)
+    return model
+
+
+@case
+def simple_fsdp_per_rank(rank: int) -> dict[str, Any]:
+    return per_rank_trained(WithLoss(simple_fsdp_mlp()), rank_input(rank, 4, 8))  # data parallel: inputs differ
+
+
 @case
 def dtensor_parameters_per_rank(rank: int) -> dict[str, Any]:
     return per_rank_trained(WithLoss(DTensorMLP()), rank_input(0, 4, 8))

@@ -365,6 +365,18 @@ Placements (the state is this rank's shard):
             assert result["backward_collectives"] == {"all_reduce.default": 1, "wait_tensor.default": 1}
             assert result["save"]["raised"] is None and result["loaded_equal"] and result["loaded_placements"]
 
+    def test_simple_fsdp_with_dtensor_parameters(self):
+        # SimpleFSDP's form: Shard(0) DTensor parameters gathered for compute by a
+        # parametrization; the backward reduce-scatters (averages) each gradient; inputs differ
+        # between ranks
+        results = ranks("simple_fsdp_per_rank")
+        self.check_equal_on_every_rank(results)
+        for result in results:
+            assert result["state_shapes"]["inner.2.parametrizations.weight.original"] == [4, 16]
+            assert result["forward_collectives"] == {"all_gather_into_tensor.default": 4, "wait_tensor.default": 4}
+            assert result["backward_collectives"] == {"reduce_scatter_tensor.default": 4, "wait_tensor.default": 4}
+            assert result["save"]["raised"] is None and result["loaded_equal"] and result["loaded_placements"]
+
 
 class TestSideBySide(TestCase):
     def test_tensor_parallel_mlp_torch_joint_exporter_and_predispatch(self):

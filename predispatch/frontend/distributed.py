@@ -113,5 +113,7 @@ def _refuse_fsdp2(module: nn.Module) -> None:
                 "and their gradients reduce-scattered by backward callbacks, outside forward's code, so a "
                 "graph of forward cannot hold them.",
                 where=f"{user_frame()} (the export call)",
-                fix="export the model before fully_shard, or shard it SimpleFSDP's way: " + _WHAT_WORKS,
+                fix="export the model before fully_shard, or shard it SimpleFSDP's way: Shard(0) DTensor parameters "
+                "gathered for compute in forward (a parametrization calling redistribute) export per rank; or "
+                + _WHAT_WORKS,
             )
