@@ -213,13 +213,27 @@ def _refuse_graphs(graphs: ti.PerRankGraphs) -> None:
                 fix=_DOCS,
             )
     for node in graphs.forward.graph.nodes:
-        if node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+        if _draws(node):
             raise DistributedError(
                 f"the rank's forward draws random numbers ({node.target}) with DTensor state: DTensor offsets the "
                 "generator per shard around each random op, which the per-rank program does not capture.",
                 where=where,
                 fix="export in eval mode (no dropout), or draw the randomness outside the model and pass it in; " + _DOCS,
             )
+
+
+def _draws(node: Any) -> bool:
+    """Whether `node` draws random numbers: an op torch tags as seeded, unless it is attention
+    with `dropout_p` 0 (tagged for its dropout, which it then does not draw)."""
+    tags = getattr(node.target, "tags", ()) if node.op == "call_function" else ()
+    if torch.Tag.nondeterministic_seeded not in tags:
+        return False
+    names = [a.name for a in node.target._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    position = names.index("dropout_p")
+    dropout = node.kwargs.get("dropout_p", node.args[position] if position < len(node.args) else 0.0)
+    return dropout != 0
 
 
 class PerRankStep(torch.autograd.Function):

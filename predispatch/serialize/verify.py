@@ -41,7 +41,7 @@ from predispatch.errors import SerializationError
 from predispatch.runtime import names as naming
 from predispatch.runtime.writes import resized_by_kernel, resized_targets
 from predispatch.serialize.values import STORED_DEVICE_TYPES
-from predispatch.serialize.kernel_inputs import BodyCalls, body_calls, trusted_input_problems
+from predispatch.serialize.kernel_inputs import BodyCalls, FunctionPair, callers_of, trusted_input_problems
 from predispatch.serialize.op_allowlist import decide
 from predispatch.signature import MUTATION_KINDS, ExportSignature, InputKind, Program, state_names
 
@@ -336,10 +336,12 @@ MAX_SUBGRAPH_DEPTH = 32
 
 
 def graph_problems(
-    gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), stored: bool = False, path: str = "", callers: BodyCalls | None = None,
+    gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), stored: bool = False, path: str = "",
+    callers: BodyCalls | FunctionPair | None = None,
 ) -> list[Problem]:
     """Problems of one graph module and of every module it holds (its subgraphs; `callers`: this
-    one's calls when only `invoke_subgraph` calls it, for Note [Kernels that trust their inputs])."""
+    one's calls when only `invoke_subgraph` calls it, or its forward when it is the backward of
+    one `autograd_function_apply` pair, for Note [Kernels that trust their inputs])."""
     where = f"graph module {path or '<root>'}"
     if stored and path and path.count(".") + 1 > MAX_SUBGRAPH_DEPTH:
         return [Problem(where, f"subgraphs nest more than {MAX_SUBGRAPH_DEPTH} deep, the most a file holds")]
@@ -356,7 +358,7 @@ def graph_problems(
         if not isinstance(child, fx.GraphModule):
             problems.append(Problem(where, f"holds {name!r}, a {type(child).__name__}; a program holds only graph modules"))
         else:
-            problems += graph_problems(child, op_namespaces=op_namespaces, stored=stored, path=child_path, callers=body_calls(gm, name))
+            problems += graph_problems(child, op_namespaces=op_namespaces, stored=stored, path=child_path, callers=callers_of(gm, name))
     if stored:
         for name, tensor in (*gm._parameters.items(), *gm._buffers.items()):
             problems += [Problem(f"{where}, tensor {name}", why) for why in stored_tensor_problems(tensor)]
@@ -364,7 +366,8 @@ def graph_problems(
 
 
 def _node_problems(
-    node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool = True, callers: BodyCalls | None = None,
+    node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool = True,
+    callers: BodyCalls | FunctionPair | None = None,
 ) -> Iterator[str]:
     if node.op not in _NODE_OPS:
         yield f"a {node.op} node; programs hold only {', '.join(_NODE_OPS)}"
@@ -377,7 +380,8 @@ def _node_problems(
 
 
 def _call_problems(
-    node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool, callers: BodyCalls | None = None,
+    node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool,
+    callers: BodyCalls | FunctionPair | None = None,
 ) -> Iterator[str]:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
