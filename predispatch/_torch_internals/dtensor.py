@@ -170,7 +170,8 @@ def _named(
     joint_order = [p.name for p in primals]
     out_descs = _output_descs(joint)[:forward_count]
     tangents = {p.name: out_descs.index(p.meta["desc"].output) for p in joint.graph.find_nodes(op="placeholder") if _is_tangent(p)}
-    saved = [n.name for n in forward.graph.output_node().args[0][forward_count:]]
+    returned: Any = forward.graph.output_node().args[0]
+    saved = [n.name for n in returned[forward_count:]]
     backward_inputs = tuple(
         ("saved", saved.index(n.name)) if n.name in saved else ("grad", tangents[n.name])
         for n in backward.graph.find_nodes(op="placeholder")

@@ -55,8 +55,7 @@ _DOCS = "see docs/distributed.md (per-rank DTensor programs)."
 def has_dtensor_state(module: nn.Module) -> bool:
     """Whether any parameter or buffer of `module` is a DTensor (none exist before
     torch.distributed.tensor is imported)."""
-    dtensor = _dtensor_class()
-    return dtensor is not None and any(isinstance(t, dtensor) for t in _state(module).values())
+    return any(_is_dtensor(t) for t in _state(module).values())
 
 
 def per_rank_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> tuple[nn.Module, tuple[StatePlacement, ...]]:
@@ -67,7 +66,7 @@ def per_rank_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes
     _refuse_graphs(graphs)
     state = _state(module)
     locals_ = _local_state(module, state)
-    placements = tuple(_placement(name, t) for name, t in state.items() if isinstance(t, _dtensor_class()))
+    placements = tuple(_placement(name, t) for name, t in state.items() if _is_dtensor(t))
     return PerRankModule(module, locals_, graphs), placements
 
 
@@ -83,16 +82,17 @@ def refuse_per_rank_options(placements: tuple[StatePlacement, ...], overrides: t
         )
 
 
-def _dtensor_class() -> type | None:
+def _is_dtensor(value: Any) -> bool:
+    """Whether `value` is a DTensor (none exist before torch.distributed.tensor is imported)."""
     import sys
 
     module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer by every name it has (tied ones under each)."""
-    named = dict(module.named_parameters(remove_duplicate=False))
+    named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     named.update(module.named_buffers(remove_duplicate=False))
     return named
 
@@ -100,12 +100,12 @@ def _state(module: nn.Module) -> dict[str, torch.Tensor]:
 def _local_state(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The rank's tensor of each state tensor: a DTensor's local tensor (its memory, detached;
     a Parameter again when it was one), a plain tensor itself.  Tied names share one."""
-    dtensor, made = _dtensor_class(), {}
+    made: dict[int, torch.Tensor] = {}
     out = {}
     for name, t in state.items():
         if id(t) not in made:
-            if isinstance(t, dtensor):
-                local = t.to_local().detach()
+            if _is_dtensor(t):
+                local = t.to_local().detach()  # type: ignore[attr-defined]  # a DTensor's
                 made[id(t)] = nn.Parameter(local, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else local
             else:
                 made[id(t)] = t
@@ -154,7 +154,6 @@ def _refuse_inputs(args: tuple, kwargs: dict, dynamic_shapes: Any) -> None:
             where=where,
             fix="export without dynamic_shapes, once per input shape; " + _DOCS,
         )
-    dtensor = _dtensor_class()
     for i, leaf in enumerate(pytree.tree_leaves(args)):
         if not isinstance(leaf, torch.Tensor):
             raise DistributedError(
@@ -162,7 +161,7 @@ def _refuse_inputs(args: tuple, kwargs: dict, dynamic_shapes: Any) -> None:
                 where=where,
                 fix="bind constants in the model (an attribute or a closure) and pass tensors; " + _DOCS,
             )
-        if isinstance(leaf, dtensor):
+        if _is_dtensor(leaf):
             raise _dtensor_io_error(f"tensor input {i}", where)
 
 
@@ -279,6 +278,7 @@ class PerRankModule(nn.Module):
                 persistent = attr not in user.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set
                 owner.register_buffer(attr, tensor, persistent=persistent)
             else:
+                assert isinstance(tensor, nn.Parameter), name  # `_local_state` keeps parameters parameters
                 owner.register_parameter(attr, tensor)
         object.__setattr__(self, "graphs", graphs)
 
@@ -286,14 +286,16 @@ class PerRankModule(nn.Module):
         """The submodule at `path`, made (a plain `nn.Module`) where the stand-in has none yet."""
         owner: nn.Module = self
         for part in filter(None, path.split(".")):
-            if part not in owner._modules:
+            if owner._modules.get(part) is None:
                 owner.add_module(part, nn.Module())
-            owner = owner._modules[part]
+            owner = owner.get_submodule(part)
         return owner
+
+    graphs: ti.PerRankGraphs
 
     def forward(self, *args: torch.Tensor) -> Any:
         flat = pytree.tree_leaves(args)
-        state = dict(self.named_parameters(remove_duplicate=False))
+        state: dict[str, torch.Tensor] = dict(self.named_parameters(remove_duplicate=False))
         state.update(self.named_buffers(remove_duplicate=False))
         inputs = [state[s.name] if s.kind == "state" else flat[s.index] for s in self.graphs.inputs]
         outputs = PerRankStep.apply(self.graphs, *inputs)

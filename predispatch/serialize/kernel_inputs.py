@@ -239,10 +239,12 @@ def function_pair(parent: fx.GraphModule, name: str) -> FunctionPair | None:
                             and c.args[1] in getters and not set(getters) & {c.args[0], *c.args[2:]} for c in calls):
         return None
     forwards = {c.args[0].target for c in calls if isinstance(c.args[0], fx.Node) and c.args[0].op == "get_attr"}
-    forward = getattr(parent, next(iter(forwards)), None) if len(forwards) == 1 else None
+    target = next(iter(forwards)) if len(forwards) == 1 else None
+    forward = getattr(parent, target, None) if isinstance(target, str) else None
     backward = getattr(parent, name, None)
-    ok = isinstance(forward, fx.GraphModule) and isinstance(backward, fx.GraphModule)
-    return FunctionPair(forward, backward) if ok else None
+    if isinstance(forward, fx.GraphModule) and isinstance(backward, fx.GraphModule):
+        return FunctionPair(forward, backward)
+    return None
 
 
 def trusted_input_problems(node: fx.Node, *, root: bool, callers: BodyCalls | FunctionPair | None = None) -> Iterator[str]:
@@ -360,9 +362,11 @@ def _proved_in_pair(backward: dict, proof: ForwardProof, pair: FunctionPair) -> 
 def _saved_sources(pair: FunctionPair) -> dict[fx.Node, Any] | None:
     """Each saved placeholder of the backward -> the forward subgraph's value it receives."""
     returned = pair.forward.graph.output_node().args[0] if pair.forward.graph.output_node().args else None
-    if not (isinstance(returned, (tuple, list)) and len(returned) == 2 and all(isinstance(r, (tuple, list)) for r in returned)):
+    if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
         return None
     outputs, saved = returned
+    if not (isinstance(outputs, (tuple, list)) and isinstance(saved, (tuple, list))):
+        return None
     placeholders = pair.backward.graph.find_nodes(op="placeholder")
     if len(placeholders) != len(outputs) + len(saved):
         return None
