@@ -541,9 +541,25 @@ def simple_fsdp_per_rank(rank: int) -> dict[str, Any]:
     return per_rank_trained(WithLoss(simple_fsdp_mlp()), rank_input(rank, 4, 8))  # data parallel: inputs differ
 
 
+class DTensorMLPWithBuffers(DTensorMLP):
+    """`DTensorMLP` plus a sharded DTensor buffer gathered in forward and a plain non-persistent
+    buffer: the joint returns no gradient for buffers, so gradients are matched to inputs by
+    what they are, not by position."""
+
+    def __init__(self) -> None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        super().__init__()
+        self.register_buffer("scale", distribute_tensor(torch.arange(8.0), self.mesh, [Shard(0)]))
+        self.register_buffer("offset", torch.ones(8), persistent=False)
+
+    def forward(self, x):
+        return super().forward(x) * self.scale.full_tensor() + self.offset
+
+
 @case
 def dtensor_parameters_per_rank(rank: int) -> dict[str, Any]:
-    return per_rank_trained(WithLoss(DTensorMLP()), rank_input(0, 4, 8))
+    return per_rank_trained(WithLoss(DTensorMLPWithBuffers()), rank_input(0, 4, 8))
 
 
 # ---------------------------------------------------------------------------------------------

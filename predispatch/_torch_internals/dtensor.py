@@ -51,7 +51,8 @@ class PerRankGraphs:
         gradient (`("grad", k)`, the gradient of the k-th output); it returns one gradient per
         joint input (meshes included, as None), None where none flows.
     inputs: the forward graph's placeholders.
-    grad_positions: for each forward input, the position of its gradient among backward's outputs.
+    grad_positions: for each forward input, the position of its gradient among backward's
+        outputs (matched by descriptor), None where the joint returns none for it.
     outputs: the forward graph's first outputs (the user's flat outputs, in order).
     differentiable: for each output, whether the joint gives it a gradient input (a tangent).
     out_spec: the pytree spec of the user's return value.
@@ -63,7 +64,7 @@ class PerRankGraphs:
     outputs: tuple[Slot, ...]
     differentiable: tuple[bool, ...]
     backward_inputs: tuple[tuple[str, int], ...]
-    grad_positions: tuple[int, ...]
+    grad_positions: tuple[int | None, ...]
     out_spec: Any
 
 
@@ -78,11 +79,20 @@ def per_rank_graphs(module: nn.Module, args: tuple[Any, ...], check: Callable[[l
         graph_module, out_spec = joint.graph_module, joint.out_spec
         placeholders = graph_module.graph.find_nodes(op="placeholder")
         primals = [p for p in placeholders if not _is_tangent(p)]
-        forward_count = sum(1 for desc in _output_descs(graph_module) if not _is_grad(desc))
+        forward_count = _forward_count(_output_descs(graph_module))
         check([_slot(p.meta["desc"]) for p in primals], [_output_slot(d) for d in _output_descs(graph_module)[:forward_count]])
         _drop_mesh_gradients(graph_module, primals, forward_count)
         forward, backward = _partition(graph_module, forward_count)
     return _named(forward, backward, primals, graph_module, forward_count, out_spec)
+
+
+def _forward_count(descs: list[Any]) -> int:
+    """How many of the joint's outputs are forward's: those before the first gradient (the joint
+    returns forward's outputs, then one gradient per input, some of them None)."""
+    count = 0
+    while count < len(descs) and not _is_grad(descs[count]):
+        count += 1
+    return count
 
 
 def _output_descs(graph_module: fx.GraphModule) -> list[Any]:
@@ -140,6 +150,27 @@ def _slot(desc: Any) -> Slot:
     return Slot(str(desc))
 
 
+def _key(desc: Any) -> tuple[Any, str | None]:
+    """An input descriptor as (the input, its attribute: `_local_tensor` of a DTensor, or None)."""
+    from torch._functorch._aot_autograd.descriptors import SubclassGetAttrAOTInput
+
+    return (desc.base, desc.attr) if isinstance(desc, SubclassGetAttrAOTInput) else (desc, None)
+
+
+def _grad_positions(descs: list[Any]) -> dict[tuple[Any, str | None], int]:
+    """Each gradient output's input key (as `_key` makes it) -> its position among `descs`: the
+    joint returns gradients only for some inputs (not for buffers), so position alone says nothing."""
+    from torch._functorch._aot_autograd.descriptors import GradAOTOutput, SubclassGetAttrAOTOutput
+
+    positions = {}
+    for i, desc in enumerate(descs):
+        attr = desc.attr if isinstance(desc, SubclassGetAttrAOTOutput) else None
+        base = desc.base if isinstance(desc, SubclassGetAttrAOTOutput) else desc
+        if isinstance(base, GradAOTOutput):
+            positions[(base.grad_of, attr)] = i
+    return positions
+
+
 def _output_slot(desc: Any) -> Slot:
     from torch._functorch._aot_autograd import descriptors as d
 
@@ -167,7 +198,7 @@ def _named(
     forward.recompile()
     kept = [n.name for n in forward.graph.find_nodes(op="placeholder")]
     inputs = tuple(_slot(descs[name]) for name in kept)
-    joint_order = [p.name for p in primals]
+    grads = _grad_positions(_output_descs(joint)[forward_count:])
     out_descs = _output_descs(joint)[:forward_count]
     tangents = {p.name: out_descs.index(p.meta["desc"].output) for p in joint.graph.find_nodes(op="placeholder") if _is_tangent(p)}
     returned: Any = forward.graph.output_node().args[0]
@@ -183,6 +214,6 @@ def _named(
         outputs=tuple(_output_slot(desc) for desc in out_descs),
         differentiable=tuple(i in tangents.values() for i in range(forward_count)),
         backward_inputs=backward_inputs,
-        grad_positions=tuple(joint_order.index(name) for name in kept),
+        grad_positions=tuple(grads.get(_key(descs[name])) for name in kept),
         out_spec=out_spec,
     )

@@ -257,7 +257,7 @@ class PerRankStep(torch.autograd.Function):
         graphs, saved = ctx.graphs, ctx.saved_tensors
         values = [saved[i] if kind == "saved" else grads[i] for kind, i in graphs.backward_inputs]
         input_grads = graphs.backward(*values)
-        return (None, *(input_grads[i] for i in graphs.grad_positions))
+        return (None, *(None if i is None else input_grads[i] for i in graphs.grad_positions))
 
 
 class PerRankModule(nn.Module):
