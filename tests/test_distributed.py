@@ -169,7 +169,7 @@ class TestDistributedState(TestCase):
         # FSDP2 failed on a FunctionalTensor's _local_tensor; per-rank DTensor programs take and
         # return plain tensors: a DTensor input or output is refused, not exported wrong
         for result in ranks("distributed_state_refused"):
-            for name in ("ddp", "fsdp2", "dtensor_output", "dtensor_input", "preserve", "dropout"):
+            for name in ("ddp", "fsdp2", "dtensor_output", "dtensor_input", "preserve", "dropout", "view_output"):
                 assert result[name]["raised"] == "DistributedError", (name, result[name])
                 assert result[name]["unchanged"] and result[name]["eager_runs"], name
                 assert "docs/distributed.md" in result[name]["message"]
@@ -181,6 +181,9 @@ class TestDistributedState(TestCase):
             assert result["dtensor_output"]["first_line"] == (
                 "an output of forward is a DTensor; per-rank DTensor programs take and return plain tensors "
                 "(the rank's values)."
+            )
+            assert result["view_output"]["first_line"].startswith(
+                "the rank's forward returns output 1, a view of an input or of another output"
             )
             assert result["dropout"]["first_line"].startswith("the rank's forward draws random numbers (aten.")
             assert result["preserve"]["first_line"].startswith("preserve= / decompose= (aten.linear) with DTensor state")

@@ -80,7 +80,9 @@ def per_rank_graphs(module: nn.Module, args: tuple[Any, ...], check: Callable[[l
         placeholders = graph_module.graph.find_nodes(op="placeholder")
         primals = [p for p in placeholders if not _is_tangent(p)]
         forward_count = _forward_count(_output_descs(graph_module))
-        check([_slot(p.meta["desc"]) for p in primals], [_output_slot(d) for d in _output_descs(graph_module)[:forward_count]])
+        aliased = _aliased_outputs(joint)
+        outputs = [_output_slot(d, aliased) for d in _output_descs(graph_module)[:forward_count]]
+        check([_slot(p.meta["desc"]) for p in primals], outputs)
         _drop_mesh_gradients(graph_module, primals, forward_count)
         forward, backward = _partition(graph_module, forward_count)
     return _named(forward, backward, primals, graph_module, forward_count, out_spec)
@@ -171,9 +173,20 @@ def _grad_positions(descs: list[Any]) -> dict[tuple[Any, str | None], int]:
     return positions
 
 
-def _output_slot(desc: Any) -> Slot:
+def _aliased_outputs(joint: Any) -> set[int]:
+    """The user outputs that alias an input or another output: AOTAutograd regenerates those
+    outside its graphs (its runtime wrappers), which a program of the graphs alone would not."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    infos = joint._aot_state.fw_metadata.output_info
+    return {i for i, info in enumerate(infos) if info.output_type is not OutputType.non_alias}
+
+
+def _output_slot(desc: Any, aliased: set[int]) -> Slot:
     from torch._functorch._aot_autograd import descriptors as d
 
+    if isinstance(desc, d.PlainAOTOutput) and desc.idx in aliased:
+        return Slot(f"output {desc.idx}, a view of an input or of another output")
     if isinstance(desc, d.PlainAOTOutput):
         return Slot("output", index=desc.idx)
     if isinstance(desc, d.SubclassGetAttrAOTOutput) and isinstance(desc.base, d.PlainAOTOutput):
@@ -211,7 +224,7 @@ def _named(
         forward=forward,
         backward=backward,
         inputs=inputs,
-        outputs=tuple(_output_slot(desc) for desc in out_descs),
+        outputs=tuple(_output_slot(desc, set()) for desc in out_descs),
         differentiable=tuple(i in tangents.values() for i in range(forward_count)),
         backward_inputs=backward_inputs,
         grad_positions=tuple(grads.get(_key(descs[name])) for name in kept),
