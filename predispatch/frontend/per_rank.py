@@ -29,10 +29,16 @@ program's state is the rank's shards; a gradient of the program is the gradient 
 grad, so a program trained with an input that requires grad gives it DTensor's gradient (the
 backward then also holds that gradient's collective).
 
-Covered: DTensor parameters and buffers (`parallelize_module`, `distribute_tensor`), plain
-tensors beside them, plain tensor inputs and outputs, forward free of input and buffer writes.
-Refused by name (`DistributedError`): a DTensor input or output, a write to an input or a
-buffer, dynamic shapes, a non-tensor input, and anything the joint names otherwise.
+Positions are matched by what torch's descriptors say they are, never by order: the joint
+returns gradients for some inputs only (none for buffers), and a gradient matched by position
+would land on the wrong tensor.
+
+Covered: DTensor parameters and buffers (`parallelize_module`, `distribute_tensor`, SimpleFSDP's
+parametrized form), plain tensors beside them, plain positional tensor inputs and outputs.
+Refused by name (`DistributedError`): a DTensor input or output, keyword or non-tensor inputs,
+dynamic shapes, `preserve=`/`decompose=`, a write to an input or a buffer, an output aliasing
+an input or another output, a mesh read as a value, random ops, and anything else the joint
+names otherwise.
 """
 
 from __future__ import annotations
