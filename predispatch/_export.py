@@ -26,7 +26,7 @@ from typing import Any
 
 from predispatch import _torch_internals as ti
 from predispatch._isolation import isolated
-from predispatch.frontend import modules_of, prepare
+from predispatch.frontend import modules_of, prepare, refuse_per_rank_options
 from predispatch.errors import UnsupportedInputError, user_frame
 from predispatch.program import ExportedProgram, build_program
 from predispatch.program.train_eval import TrainEvalProgram
@@ -108,6 +108,7 @@ def _export_locked(
             return _export_nested(module_or_fn, args, kwargs, policy)
     with isolated(modules_of(module_or_fn, args, kwargs), module_or_fn):
         prepared = prepare(module_or_fn, args, kwargs, dynamic_shapes)
+        refuse_per_rank_options(prepared.placements, (*policy.preserve, *policy.decompose))
         traced = trace(prepared, policy, dedup)
     return build_program(prepared, traced)
 

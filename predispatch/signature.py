@@ -160,6 +160,39 @@ class ShapeRecord:
 
 
 @dataclass(frozen=True)
+class StatePlacement:
+    """How a state tensor of a per-rank DTensor program is laid out over its device mesh
+    (Note [Per-rank DTensor programs] in frontend/per_rank.py): the program holds this rank's
+    shard, the model held a DTensor.  Plain values only, so files keep it as it is.
+
+    target: the state tensor's fully qualified name (`0.weight`).
+    placements: one per mesh dimension, as torch writes them (`Shard(dim=0)`, `Replicate()`).
+    mesh_shape: the device mesh's shape.
+    mesh_dim_names: the mesh dimensions' names; empty when the mesh has none.
+    mesh_ranks: the global ranks of the mesh, flattened in row-major order.
+    device_type: the mesh's device type (`cpu`, `cuda`).
+    global_shape: the DTensor's shape.
+    local_shape: the shape of this rank's shard (the program's state tensor).
+    """
+
+    target: str
+    placements: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...]
+    mesh_ranks: tuple[int, ...]
+    device_type: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        names = f" {self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return (
+            f"{self.target}: ({', '.join(self.placements)}) on {self.device_type} mesh {self.mesh_shape}{names} "
+            f"ranks {list(self.mesh_ranks)}, global {list(self.global_shape)}, local {list(self.local_shape)}"
+        )
+
+
+@dataclass(frozen=True)
 class ExportSignature:
     """How the graph's flat inputs and outputs map to the user's program.
 
@@ -190,6 +223,8 @@ class ExportSignature:
         them): `module()` registers its state in this order, so a submodule registered under
         two paths (a shared position encoding) does not move its other paths' state ahead of
         their siblings.  Empty for a function export and for files written before the field.
+    placements: for a per-rank DTensor program, each DTensor state tensor's mesh and placements
+        (the program's state is the rank's shard); empty otherwise.
     """
 
     inputs: tuple[InputSpec, ...]
@@ -204,6 +239,7 @@ class ExportSignature:
     training_flags: tuple[tuple[str, bool], ...] = ()
     outside_tree: tuple[str, ...] = ()
     state_order: tuple[str, ...] = ()
+    placements: tuple[StatePlacement, ...] = ()
 
     def __deepcopy__(self, memo: dict) -> ExportSignature:
         """A deep copy sharing the pytree specs, which are immutable: copying one makes a new
@@ -239,6 +275,9 @@ class ExportSignature:
         if modules:
             lines.append("Module inputs (their state is lifted above):")
             lines.extend(f"    {leaf.path}: {type(leaf.value).__name__}" for leaf in modules)
+        if self.placements:
+            lines.append("Placements (the state is this rank's shard):")
+            lines.extend(f"    {p}" for p in self.placements)
         if self.shapes.is_dynamic:
             lines.append(str(self.shapes))
         if self.grad_mode_on_exit is not None:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
@@ -281,10 +282,6 @@ class DTensorMLP(nn.Module):
         return self.mlp(DTensor.from_local(x, self.mesh, [Replicate()])).full_tensor()
 
 
-def dtensor_parameters() -> nn.Module:
-    return DTensorMLP()
-
-
 def fsdp2_mlp() -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
@@ -298,24 +295,65 @@ def ddp_mlp() -> nn.Module:
     return nn.parallel.DistributedDataParallel(mlp())
 
 
+def dtensor_output() -> nn.Module:
+    """The tensor-parallel MLP whose row-wise layer returns its DTensor (use_local_output=False)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(mlp(), mesh(), {"0": ColwiseParallel(), "2": RowwiseParallel(use_local_output=False)})
+
+
+def tensor_parallel_dropout() -> nn.Module:
+    """The tensor-parallel MLP with dropout between its layers, in training mode."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 8))
+    return parallelize_module(model, mesh(), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+class ReturnsAView(nn.Module):
+    """The tensor-parallel MLP returning, beside its output, a view of its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = tensor_parallel_mlp()
+
+    def forward(self, x):
+        return self.inner(x), x[:2]
+
+
+def dtensor_input_model() -> nn.Module:
+    """The tensor-parallel MLP, called with a DTensor."""
+    return tensor_parallel_mlp()
+
+
+def replicated(x: torch.Tensor) -> Any:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    return distribute_tensor(x, mesh(), [Replicate()])
+
+
 @case
 def distributed_state_refused(rank: int) -> dict[str, Any]:
     out = {}
-    for name, make, x in [
-        ("ddp", ddp_mlp, rank_input(rank, 4, 8)),
-        ("tensor_parallel", tensor_parallel_mlp, rank_input(0, 4, 8)),
-        ("dtensor_parameters", dtensor_parameters, rank_input(0, 4, 8)),
-        ("fsdp2", fsdp2_mlp, rank_input(rank, 4, 8)),
+    for name, make, x, options in [
+        ("ddp", ddp_mlp, rank_input(rank, 4, 8), {}),
+        ("fsdp2", fsdp2_mlp, rank_input(rank, 4, 8), {}),
+        ("dtensor_output", dtensor_output, rank_input(0, 4, 8), {}),
+        ("dtensor_input", dtensor_input_model, replicated(rank_input(0, 4, 8)), {}),
+        ("preserve", tensor_parallel_mlp, rank_input(0, 4, 8), {"preserve": ["aten.linear"]}),
+        ("dropout", tensor_parallel_dropout, rank_input(0, 4, 8), {}),
+        ("view_output", ReturnsAView, rank_input(0, 4, 8), {}),
     ]:
         model = make()
         before = {k: (type(v), v.to_local().clone() if hasattr(v, "to_local") else v.clone()) for k, v in model.state_dict().items()}
-        out[name] = refusal(lambda: predispatch.export(model, (x,)))
+        out[name] = refusal(lambda: predispatch.export(model, (x,), **options))
         after = model.state_dict()
         out[name]["unchanged"] = before.keys() == after.keys() and all(
             type(after[k]) is t and torch.equal(after[k].to_local() if hasattr(after[k], "to_local") else after[k], v)
             for k, (t, v) in before.items()
-        )
-        out[name]["eager_runs"] = model(x).shape == (4, 8)  # the model still works after the refusal
+        ) and all(p.grad is None for p in model.parameters())
+        out[name]["eager_runs"] = pytree.tree_leaves(model(x))[0].shape == (4, 8)  # the model still works after the refusal
     return out
 
 
@@ -381,6 +419,163 @@ def sharded_parameters_gathered_in_forward(rank: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# per-rank DTensor programs: the rank's shards as state, DTensor's collectives in both halves
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block; attention finds its local heads from the shard's width
+    (`view(b, s, -1, head_dim)`), as tensor-parallel blocks do."""
+
+    def __init__(self, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.head_dim = dim // heads
+
+    def forward(self, x):
+        h = self.norm1(x)
+        b, s, _ = h.shape
+        q, k, v = (proj(h).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        attn = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(attn.transpose(1, 2).reshape(b, s, -1))
+        return x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
+
+
+def tensor_parallel_block() -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
+            "up": ColwiseParallel(), "down": RowwiseParallel()}
+    return parallelize_module(Block(), mesh(), plan)
+
+
+def local(t: Any) -> Any:
+    """A DTensor's local tensor (a gradient of the rank's shard); a plain tensor or None as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def state_snapshot(model: nn.Module) -> dict[str, tuple[type, torch.Tensor, Any]]:
+    return {k: (type(v), local(v).detach().clone(), v.grad) for k, v in model.named_parameters()}
+
+
+def per_rank_trained(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    """Export a model with DTensor state (its last output the loss) and report the program, its
+    collectives and placements, and whether `ep.module()`, `ep.joint()` and the saved and loaded
+    program equal the eager parallel model on this rank (gradients of DTensor parameters as
+    `param.grad.to_local()`, the gradient of an input that requires grad too)."""
+    before = state_snapshot(model)
+    ep = predispatch.export(model, (x,))
+    after = state_snapshot(model)
+    unchanged = before.keys() == after.keys() and all(
+        after[k][0] is t and torch.equal(after[k][1], v) and after[k][2] is None for k, (t, v, _) in before.items()
+    )
+    expected, e_grads = run_eager(model, x)
+    e_grads = [local(g) for g in e_grads]
+    actual, p_grads = run_program(ep, x)
+    j_out, j_grads, joint = run_joint(ep, x)
+    saved = refusal(lambda: save_load(ep))
+    loaded = save_load(ep) if saved["raised"] is None else None
+    return {
+        "graph": format_graph(ep.graph_module),
+        "signature": str(ep.signature),
+        "state_shapes": {k: list(v.shape) for k, v in ep.state_dict.items()},
+        "forward_collectives": top_level_collectives(ep.graph_module.get_submodule("per_rank_step_fwd_0")),
+        "backward_collectives": top_level_collectives(ep.graph_module.get_submodule("per_rank_step_bwd_0")),
+        "joint_collectives": top_level_collectives(joint.graph_module),  # the joint inlines both
+        "mutable": mutable_ops(ep.graph_module) + mutable_ops(joint.graph_module),
+        "module_unchanged": unchanged,
+        "outputs_equal": equal(actual, expected),
+        "grads_equal": equal(p_grads, e_grads),
+        "joint_equal": equal(j_out, expected) and equal(j_grads, e_grads),
+        "save": saved,
+        "loaded_equal": loaded is not None and equal(run_program(loaded, x), (expected, e_grads)),
+        "loaded_placements": loaded is not None and loaded.signature.placements == ep.signature.placements,
+        "input_grad_equal": equal(input_grad(ep.module(), x), input_grad(copy.deepcopy(model), x)),
+        "joint_loaded_equal": joint_loaded_equal(joint, x),
+    }
+
+
+def joint_loaded_equal(joint: Any, x: torch.Tensor) -> bool:
+    """Whether the joint program, saved and loaded, returns what it returned before."""
+    with torch.no_grad():
+        return equal(save_load(joint).module()(x), joint.module()(x))
+
+
+def top_level_collectives(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """`collectives` of the graph itself, its subgraphs not counted (the joint inlines them)."""
+    counts = Counter(str(n.target).split(".", 1)[1] for n in gm.graph.nodes if str(n.target).startswith("_c10d_functional"))
+    return dict(sorted(counts.items()))
+
+
+def input_grad(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The gradient of the loss (the last output) with respect to an input that requires grad."""
+    x = x.clone().requires_grad_(True)
+    model(x)[-1].backward()
+    return x.grad
+
+
+@case
+def tensor_parallel_mlp_per_rank(rank: int) -> dict[str, Any]:
+    return per_rank_trained(WithLoss(tensor_parallel_mlp()), rank_input(0, 4, 8))  # TP: the same input on every rank
+
+
+@case
+def tensor_parallel_block_per_rank(rank: int) -> dict[str, Any]:
+    return per_rank_trained(WithLoss(tensor_parallel_block()), rank_input(0, 2, 6, 16))
+
+
+class GatherForCompute(nn.Module):
+    """SimpleFSDP's parametrization: the sharded DTensor parameter is all-gathered for compute,
+    its gradient averaged over ranks and scattered back (grad placement `Partial("avg")`)."""
+
+    def forward(self, x):
+        from torch.distributed.tensor import Partial, Replicate
+
+        return x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial("avg")])
+
+
+def simple_fsdp_mlp() -> nn.Module:
+    """The MLP with every parameter a `Shard(0)` DTensor behind `GatherForCompute` (SimpleFSDP's form)."""
+    import torch.nn.utils.parametrize as parametrize
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model, device_mesh = mlp(), mesh()
+    for layer in (model[0], model[2]):
+        for name in ("weight", "bias"):
+            setattr(layer, name, nn.Parameter(distribute_tensor(getattr(layer, name).detach(), device_mesh, [Shard(0)])))
+            parametrize.register_parametrization(layer, name, GatherForCompute(), unsafe=True)
+    return model
+
+
+@case
+def simple_fsdp_per_rank(rank: int) -> dict[str, Any]:
+    return per_rank_trained(WithLoss(simple_fsdp_mlp()), rank_input(rank, 4, 8))  # data parallel: inputs differ
+
+
+class DTensorMLPWithBuffers(DTensorMLP):
+    """`DTensorMLP` plus a sharded DTensor buffer gathered in forward and a plain non-persistent
+    buffer: the joint returns no gradient for buffers, so gradients are matched to inputs by
+    what they are, not by position."""
+
+    def __init__(self) -> None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        super().__init__()
+        self.register_buffer("scale", distribute_tensor(torch.arange(8.0), self.mesh, [Shard(0)]))
+        self.register_buffer("offset", torch.ones(8), persistent=False)
+
+    def forward(self, x):
+        return super().forward(x) * self.scale.full_tensor() + self.offset
+
+
+@case
+def dtensor_parameters_per_rank(rank: int) -> dict[str, Any]:
+    return per_rank_trained(WithLoss(DTensorMLPWithBuffers()), rank_input(0, 4, 8))
+
+
+# ---------------------------------------------------------------------------------------------
 # side by side: torch's joint exporter (the route torchtitan and autoparallel build on)
 
 
@@ -397,12 +592,13 @@ class WithLoss(nn.Module):
 
 @case
 def tensor_parallel_side_by_side(rank: int) -> dict[str, Any]:
-    """The tensor-parallel MLP through `aot_export_joint_with_descriptors` and through export."""
+    """The tensor-parallel MLP through `aot_export_joint_with_descriptors` and through export,
+    the input requiring grad in both (export traces floating inputs so)."""
     import contextlib
 
     from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors, aot_export_joint_with_descriptors
 
-    model, x = WithLoss(tensor_parallel_mlp()), rank_input(0, 4, 8)  # the same input on both ranks, as TP needs
+    model, x = WithLoss(tensor_parallel_mlp()), rank_input(0, 4, 8).requires_grad_(True)  # the same input on both ranks, as TP needs
     expected, e_grads = run_eager(model, x)
     e_grads = [g.to_local() for g in e_grads]
     with contextlib.ExitStack() as stack:
@@ -414,11 +610,17 @@ def tensor_parallel_side_by_side(rank: int) -> dict[str, Any]:
     program.zero_grad(set_to_none=True)
     actual = compiled(*program.parameters(), x)
     actual[-1].backward()
+    ep = predispatch.export(model, (x,))
+    ours, our_grads = run_program(ep, x)
+    j_out, j_grads, ep_joint = run_joint(ep, x)
     return {
         "torch_joint_collectives": counts,
         "torch_joint_inputs": params,
         "torch_equal": equal(actual, expected) and equal([p.grad.to_local() for p in program.parameters()], e_grads),
-        "predispatch": refusal(lambda: predispatch.export(model, (x,)))["raised"],
+        "predispatch_joint_collectives": collectives(ep_joint.graph_module),
+        "predispatch_state_shapes": sorted(list(v.shape) for v in ep.state_dict.values()),
+        "predispatch_equal": equal(ours, expected) and equal(our_grads, e_grads),
+        "predispatch_joint_equal": equal(j_out, expected) and equal(j_grads, e_grads),
     }
 
 

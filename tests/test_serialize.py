@@ -289,7 +289,7 @@ def test_format_covers_every_field():
     fields = {cls.__name__: [f.name for f in cls.__dataclass_fields__.values()] for cls in records}
     assert fields == {
         "ExportedProgram": ["graph_module", "signature", "state_dict", "constants", "decompositions", "live_root", "hooks", "state_dict_owner"],
-        "ExportSignature": ["inputs", "outputs", "in_spec", "out_spec", "input_leaves", "output_leaves", "grad_mode_on_exit", "arg_names", "shapes", "training_flags", "outside_tree", "state_order"],
+        "ExportSignature": ["inputs", "outputs", "in_spec", "out_spec", "input_leaves", "output_leaves", "grad_mode_on_exit", "arg_names", "shapes", "training_flags", "outside_tree", "state_order", "placements"],
         "InputSpec": ["kind", "name", "target", "aliases", "persistent"],
         "OutputSpec": ["kind", "name", "target"],
         "Leaf": ["path", "is_tensor", "value"],
@@ -1315,6 +1315,38 @@ def test_unbacked_value_round_trips(tmp_path):
     assert str(loaded) == str(ep) and '_local_scalar_dense: "Sym(u0)"' in str(loaded)
     x = torch.tensor([4.0, 5.0, 1.0])
     assert_same_tree(loaded.module()(x), ItemScale()(x))
+
+
+def test_placements_round_trip_and_lying_ones_are_refused(tmp_path):
+    """A per-rank DTensor program's placements (tests/test_distributed.py exports them on 2
+    ranks) are kept by save/load field by field; a file whose placement names no state, gives
+    another local shape than the stored tensor's, or lacks a field is refused."""
+    import dataclasses
+
+    from predispatch.signature import StatePlacement
+
+    ep = predispatch.export(nn.Linear(4, 2), (torch.randn(3, 4),))
+    placement = StatePlacement("weight", ("Shard(dim=0)",), (2,), ("tp",), (0, 1), "cpu", (4, 4), (2, 4))
+    ep = dataclasses.replace(ep, signature=dataclasses.replace(ep.signature, placements=(placement,)))
+    path = tmp_path / "p.pd"
+    predispatch.save(ep, path)
+    loaded = predispatch.load(path)
+    assert loaded.signature.placements == (placement,)
+    assert "weight: (Shard(dim=0)) on cpu mesh (2,) ('tp',) ranks [0, 1], global [4, 4], local [2, 4]" in str(loaded.signature)
+
+    def edit(field, value):
+        def apply(program, manifest):
+            program["signature"]["placements"][0][field] = value
+        return apply
+
+    assert "signature placement 'nope': names no lifted state" in load_error(rewrite(path.read_bytes(), edit("target", "nope")))
+    assert "local shape [4, 4] differs from the stored tensor's [2, 4]" in load_error(rewrite(path.read_bytes(), edit("local_shape", [4, 4])))
+    assert "expected int" in load_error(rewrite(path.read_bytes(), edit("mesh_ranks", ["0"])))
+
+    def drop(program, manifest):
+        del program["signature"]["placements"][0]["mesh_ranks"]
+
+    assert "expected the fields" in load_error(rewrite(path.read_bytes(), drop))
 
 
 def test_state_order_round_trips_and_a_lying_one_is_refused(tmp_path):

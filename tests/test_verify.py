@@ -596,3 +596,63 @@ def test_to_torch_checks_follow_symbolic_sizes():
     torch.export.save(converted, buffer)
     buffer.seek(0)
     assert torch.equal(torch.export.load(buffer).module()(x)[0], expected)
+
+
+class _LayerNormPair(torch.autograd.Function):
+    """Layer norm written as a Function whose backward is torch's kernel, fed the saved mean and
+    rstd of its forward: the shape of a per-rank DTensor program's pair (its backward subgraph
+    calls the kernel on values its forward subgraph saved)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        out, mean, rstd = torch.ops.aten.native_layer_norm(x, [x.shape[-1]], weight, bias, 1e-5)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        return torch.ops.aten.native_layer_norm_backward(grad, x, [x.shape[-1]], mean, rstd, weight, bias, [True, True, True])
+
+
+class _LayerNormPairModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        return _LayerNormPair.apply(x * 2, self.norm.weight, self.norm.bias)
+
+
+def _pair_program():
+    torch.manual_seed(0)
+    model, x = _LayerNormPairModule(), torch.randn(3, 8)
+    return predispatch.export(model, (x,)), model, x
+
+
+def test_a_function_pair_fed_by_its_forward_saves_loads_and_trains():
+    """`native_layer_norm_backward` in an `autograd_function_apply`'s backward subgraph, fed
+    the mean and rstd its forward subgraph saved (FunctionPair): the file loads, and trains as
+    the model does."""
+    ep, model, x = _pair_program()
+    buffer = io.BytesIO()
+    predispatch.save(ep, buffer)
+    loaded = predispatch.load(io.BytesIO(buffer.getvalue())).module()
+    model(x).sum().backward()
+    loaded(x).sum().backward()
+    assert torch.equal(loaded.norm.weight.grad, model.norm.weight.grad)
+    assert torch.equal(loaded.norm.bias.grad, model.norm.bias.grad)
+
+
+def test_a_function_pair_whose_backward_reads_other_values_is_refused():
+    """The backward's mean swapped for the saved rstd, or its input for another saved tensor of
+    the same shape: no longer what one layer norm of the forward subgraph produced on what the
+    backward reads; refused, naming the kernel."""
+    for argument, other in ((3, 4), (1, 0)):  # mean <- rstd; input <- the output gradient (x's shape)
+        ep, _, _ = _pair_program()
+        backward = next(m for name, m in ep.graph_module.named_children() if name.endswith("_bwd_0"))
+        norm = backward.graph.find_nodes(op="call_function", target=torch.ops.aten.native_layer_norm_backward.default)[0]
+        norm.args = (*norm.args[:argument], norm.args[other], *norm.args[argument + 1:])
+        problems = [str(p) for p in program_problems(ep, stored=True)]
+        assert any("native_layer_norm_backward" in p and "not the saved results of one aten.native_layer_norm call" in p
+                   for p in problems), problems

@@ -18,6 +18,7 @@ By concern, one module each; every name is re-exported here, so the rest of pred
     audit.py              what the composite audit asks of the dispatcher
     codegen.py            FX code generation, size symbols and op registries (build and load)
     distributed.py        c10d's boxed process groups, reductions and works; FX's module getattr
+    dtensor.py            AOTAutograd's per-rank joint of a DTensor model, partitioned
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ from predispatch._torch_internals.distributed import (  # noqa: F401
     group_of,
     reduce_op_kind,
 )
+from predispatch._torch_internals.dtensor import PerRankGraphs, Slot, per_rank_graphs  # noqa: F401
 from predispatch._torch_internals.functional import (  # noqa: F401
     DISPATCH_OBSERVER,
     functional_dispatch_observer,

@@ -12,12 +12,14 @@ backward callbacks on streams of its own: none of that is forward's code.  DDP a
 gradients in its reducer's autograd hooks, likewise outside forward; its program is the
 wrapped module's, wrapped in DDP again (`DistributedDataParallel(ep.module())`).
 
-Until per-rank programs exist (the graph of what one rank runs, DTensor unwrapped to its local
-shard and its communication as functional collectives), both are refused with
-`DistributedError`, naming the parameter (its mesh and placements) or the sharded module, and
-what works instead: each rank's shard as a plain parameter, gathered in forward with torch's
-functional collectives (docs/distributed.md).  The checks read `sys.modules` first: a process
-that never imported torch.distributed's tensor or FSDP packages has no such state.
+A module with DTensor state is exported per rank instead (Note [Per-rank DTensor programs] in
+frontend/per_rank.py): the stand-in module holds the rank's shards, so no DTensor reaches the
+trace.  What is left is refused with `DistributedError`: DDP and FSDP2 (checked first, since
+FSDP2's parameters are DTensors too), naming the module and what works instead (each rank's
+shard as a plain parameter, gathered in forward with torch's functional collectives:
+docs/distributed.md), and a DTensor input of a model without DTensor state.  The checks read
+`sys.modules` first: a process that never imported torch.distributed's tensor or FSDP
+packages has no such state.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch import nn
 
 from predispatch.errors import DistributedError, user_frame
 
-__all__ = ["refuse_distributed_state"]
+__all__ = ["refuse_distributed_state", "refuse_wrapped"]
 
 _WHAT_WORKS = (
     "keep each rank's shard as a plain tensor (t.to_local() of a DTensor, as an nn.Parameter) and write "
@@ -40,10 +42,16 @@ _WHAT_WORKS = (
 )
 
 
-def refuse_distributed_state(module: nn.Module, state: Any, user_tensors: list[torch.Tensor]) -> None:
-    """Raise `DistributedError` for a DDP-wrapped or FSDP2-sharded module, or for DTensor state or inputs."""
+def refuse_wrapped(module: nn.Module) -> None:
+    """Raise `DistributedError` for a DDP-wrapped or FSDP2-sharded module (FSDP2's parameters
+    are DTensors too: this runs before DTensor state is made per-rank)."""
     _refuse_ddp(module)
     _refuse_fsdp2(module)
+
+
+def refuse_distributed_state(module: nn.Module, state: Any, user_tensors: list[torch.Tensor]) -> None:
+    """Raise `DistributedError` for DTensor state or inputs left after the per-rank stand-in
+    (frontend/per_rank.py) replaced a module's DTensor state: DTensor inputs."""
     dtensor = _dtensor_class()
     if dtensor is None:
         return
@@ -105,5 +113,7 @@ def _refuse_fsdp2(module: nn.Module) -> None:
                 "and their gradients reduce-scattered by backward callbacks, outside forward's code, so a "
                 "graph of forward cannot hold them.",
                 where=f"{user_frame()} (the export call)",
-                fix="export the model before fully_shard, or shard it SimpleFSDP's way: " + _WHAT_WORKS,
+                fix="export the model before fully_shard, or shard it SimpleFSDP's way: Shard(0) DTensor parameters "
+                "gathered for compute in forward (a parametrization calling redistribute) export per rank; or "
+                + _WHAT_WORKS,
             )

@@ -15,11 +15,12 @@ from torch import nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import UnsupportedInputError, user_frame
-from predispatch.frontend.distributed import refuse_distributed_state
+from predispatch.frontend.distributed import refuse_distributed_state, refuse_wrapped
+from predispatch.frontend.per_rank import has_dtensor_state, per_rank_module
 from predispatch.frontend.dynamic import DynamicInputs, fake_dynamic_inputs
 from predispatch.frontend.reachable import Beyond, beyond_tree, modules_reached, resolve
 from predispatch.frontend.shared_storage import StorageView, with_storage_views
-from predispatch.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, Leaf
+from predispatch.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, Leaf, StatePlacement
 
 #: Leaf types that are baked into the program as constants instead of becoming graph inputs.
 CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format)
@@ -60,6 +61,8 @@ class PreparedInputs:
     repeated: (position, first position) of every tensor leaf that is the same tensor as an
         earlier one (`model(ids, labels=ids)`), positions among the tensor leaves.
     dynamic: torch's dynamic-shape bookkeeping when `dynamic_shapes` was given, else None.
+    placements: for a module with DTensor state, each DTensor's mesh and placements; `module`
+        is then the stand-in holding the rank's shards (Note [Per-rank DTensor programs]).
     """
 
     module: nn.Module
@@ -73,6 +76,7 @@ class PreparedInputs:
     fake_user_inputs: tuple[torch.Tensor, ...]
     dynamic: DynamicInputs | None = None
     repeated: tuple[tuple[int, int], ...] = ()
+    placements: tuple[StatePlacement, ...] = ()
 
     def call_args(self, user_tensors: tuple[torch.Tensor, ...]) -> tuple[tuple, dict]:
         """Rebuild `(args, kwargs)` from tensors for the tensor leaves and the recorded constants."""
@@ -104,6 +108,10 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     register_dataclasses((args, kwargs))
     module, signature_of = as_module(module_or_fn, args, kwargs)
     _refuse_lazy_state(module)
+    refuse_wrapped(module)  # DDP, FSDP2: Note [Distributed state]
+    placements: tuple[StatePlacement, ...] = ()
+    if has_dtensor_state(module):  # Note [Per-rank DTensor programs]
+        module, placements = per_rank_module(module, args, kwargs, dynamic_shapes)
     leaves, in_spec = _named_leaves(signature_of, args, kwargs)
     state = with_storage_views(lift_state(module, beyond_tree(module)))
     _check_state(state)
@@ -124,7 +132,7 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     user_specs = _user_input_specs(leaves, taken={s.spec.name for s in state})
     arg_names = tuple(_parameter_names(signature_of, args))
     return PreparedInputs(
-        module, state, user_specs, arg_names, leaves, in_spec, fake_mode, fake_state, fake_user, dynamic, repeated
+        module, state, user_specs, arg_names, leaves, in_spec, fake_mode, fake_state, fake_user, dynamic, repeated, placements
     )
 
 

@@ -205,6 +205,7 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
         () if isinstance(prepared.module, FunctionRoot) else training_flags(prepared.module),
         () if isinstance(prepared.module, FunctionRoot) else outside_tree(prepared.module, inputs),
         () if isinstance(prepared.module, FunctionRoot) else state_order(prepared.module, inputs),
+        prepared.placements,
     )
     gm.meta["storage_groups"] = _storage_groups(prepared)
     state = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is not InputKind.CONSTANT_TENSOR}

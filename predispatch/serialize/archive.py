@@ -87,6 +87,7 @@ from predispatch.signature import (
     OutputSpec,
     Program,
     ShapeRecord,
+    StatePlacement,
 )
 from predispatch.trace.decompose import DecompositionLog
 
@@ -357,7 +358,33 @@ def _encode_signature(sig: ExportSignature) -> dict:
         "training_flags": [[path, flag] for path, flag in sig.training_flags],
         "outside_tree": list(sig.outside_tree),
         "state_order": list(sig.state_order),
+        "placements": [_encode_placement(p) for p in sig.placements],
     }
+
+
+def _encode_placement(placement: StatePlacement) -> dict:
+    """Every field as plain JSON (strings, ints and lists of them)."""
+    return {f.name: _plain(getattr(placement, f.name)) for f in dataclasses.fields(placement)}
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _decode_placement(data: Any, where: str) -> StatePlacement:
+    """A `StatePlacement` whose every field has the type the record documents."""
+    data = expect(data, dict, where)
+    fields = {f.name: f for f in dataclasses.fields(StatePlacement)}
+    if set(data) != set(fields):
+        raise SerializationError(f"{where}: expected the fields {sorted(fields)}, found {sorted(data)}.")
+    values = {}
+    for name, value in data.items():
+        if name in ("target", "device_type"):
+            values[name] = expect(value, str, f"{where}.{name}")
+        else:
+            item = str if name in ("placements", "mesh_dim_names") else int
+            values[name] = tuple(expect(v, item, f"{where}.{name}") for v in expect(value, list, f"{where}.{name}"))
+    return StatePlacement(**values)
 
 
 def _encode_leaf(leaf: Leaf, where: str) -> dict:
@@ -426,6 +453,7 @@ def _decode_signature(data: Any, unregistered: set[type]) -> ExportSignature:
         _decode_training_flags(data.get("training_flags", []), f"{where} training_flags"),
         tuple(expect(p, str, where) for p in expect(data.get("outside_tree", []), list, where)),  # absent before the field
         tuple(expect(n, str, where) for n in expect(data.get("state_order", []), list, where)),  # absent before the field
+        tuple(_decode_placement(p, f"{where} placements") for p in expect(data.get("placements", []), list, where)),
     )
 
 

@@ -25,7 +25,11 @@ not check them (or that only an internal caller uses).  Each is one of:
   in a backward body and its forward in the matching forward body: the proof then follows
   the values through every call of the backward body (`BodyCalls`): each trusted argument is
   an output of one forward-body call that is that forward op's result, and the arguments that
-  must be the same are the very same values at that call.
+  must be the same are the very same values at that call.  Likewise in the backward subgraph
+  of an `autograd_function_apply` (a per-rank DTensor program's, Note [Per-rank DTensor
+  programs]): its saved placeholders are, by the HOP's convention, exactly what the paired
+  forward subgraph returns as saved values, so the proof follows each trusted argument to the
+  forward subgraph's node it is (`FunctionPair`).
 
 `verify.py` asks `trusted_input_problems(node)` for every call of these packets in a stored
 program.  docs/format.md's threat model lists both tables.
@@ -54,7 +58,9 @@ __all__ = [
     "TRUSTING_PACKETS",
     "BodyCalls",
     "ForwardProof",
+    "FunctionPair",
     "body_calls",
+    "callers_of",
     "probe_arguments",
     "scan",
     "trusted_input_problems",
@@ -209,10 +215,43 @@ def body_calls(parent: fx.GraphModule, name: str) -> BodyCalls | None:
     return BodyCalls(parent, tuple(calls))
 
 
-def trusted_input_problems(node: fx.Node, *, root: bool, callers: BodyCalls | None = None) -> Iterator[str]:
+@dataclass(frozen=True)
+class FunctionPair:
+    """A backward subgraph that only `autograd_function_apply` calls, always with `forward`:
+    its placeholders are one gradient per forward output, then forward's saved values in order
+    (torch's HOP runs `bwd(*grads, *saved)`)."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+
+
+def callers_of(parent: fx.GraphModule, name: str) -> BodyCalls | FunctionPair | None:
+    """How `parent`'s subgraph `name` is called, when a proof can follow values through it."""
+    return body_calls(parent, name) or function_pair(parent, name)
+
+
+def function_pair(parent: fx.GraphModule, name: str) -> FunctionPair | None:
+    """The pair `name` is the backward of, if every use of it is the backward of an
+    `autograd_function_apply` whose forward is one and the same subgraph."""
+    getters = parent.graph.find_nodes(op="get_attr", target=name)
+    calls = [u for g in getters for u in g.users]
+    if not calls or not all(c.op == "call_function" and c.target is torch.ops.higher_order.autograd_function_apply
+                            and c.args[1] in getters and not set(getters) & {c.args[0], *c.args[2:]} for c in calls):
+        return None
+    forwards = {c.args[0].target for c in calls if isinstance(c.args[0], fx.Node) and c.args[0].op == "get_attr"}
+    target = next(iter(forwards)) if len(forwards) == 1 else None
+    forward = getattr(parent, target, None) if isinstance(target, str) else None
+    backward = getattr(parent, name, None)
+    if isinstance(forward, fx.GraphModule) and isinstance(backward, fx.GraphModule):
+        return FunctionPair(forward, backward)
+    return None
+
+
+def trusted_input_problems(node: fx.Node, *, root: bool, callers: BodyCalls | FunctionPair | None = None) -> Iterator[str]:
     """Why `node`, a call of a `TRUSTING_PACKETS` packet, may not be in a stored program
-    (`root`: it is in the program's root graph, not a subgraph; `callers`: the calls of its
-    graph, when that is a body only `invoke_subgraph` calls)."""
+    (`root`: it is in the program's root graph, not a subgraph; `callers`: how its graph is
+    called, when that is a body only `invoke_subgraph` calls or the backward of one
+    `autograd_function_apply` pair)."""
     packet = packet_of(node.target)
     assert packet is not None, node.target  # the caller only asks for TRUSTING_PACKETS' calls
     if packet in REFUSED_IN_FILES:
@@ -221,7 +260,13 @@ def trusted_input_problems(node: fx.Node, *, root: bool, callers: BodyCalls | No
     proof = FORWARD_PROOFS[packet]
     backward = _bound(node)
     forward_node = _forward_of(backward, proof)
-    if forward_node is None and callers is not None and proof.outputs and proof.extra is None:
+    if forward_node is None and isinstance(callers, FunctionPair) and proof.outputs and proof.extra is None:
+        if _proved_in_pair(backward, proof, callers):
+            return
+        yield (f"calls {node.target}, which {proof.reason}: its {', '.join(proof.outputs)} are not the saved results "
+               f"of one {' or '.join(proof.forwards)} call of its forward subgraph on the same arguments")
+        return
+    if forward_node is None and isinstance(callers, BodyCalls) and proof.outputs and proof.extra is None:
         unproved = [c.name for c in callers.calls if not _proved_at(c, node, backward, proof, callers.parent)]
         if not unproved:
             return
@@ -286,6 +331,48 @@ def _proved_at(call: fx.Node, node: fx.Node, backward: dict, proof: ForwardProof
     )
 
 
+def _proved_in_pair(backward: dict, proof: ForwardProof, pair: FunctionPair) -> bool:
+    """Whether each trusted argument is a saved value that is the forward op's result in the
+    forward subgraph (one call for all), and each pair that must be the same is: the backward's
+    value a saved value that is the very node the forward op ran on, or an equal constant."""
+    saved = _saved_sources(pair)
+    if saved is None:
+        return False
+    sources = set()
+    for argument, index in proof.outputs.items():
+        value = _through_aliases(saved.get(_through_aliases(backward.get(argument))))
+        if not (isinstance(value, fx.Node) and value.op == "call_function" and value.target is _getitem() and value.args[1] == index):
+            return False
+        sources.add(value.args[0])
+    forward_node = next(iter(sources)) if len(sources) == 1 else None
+    if not (isinstance(forward_node, fx.Node) and forward_node.op == "call_function" and packet_of(forward_node.target) in proof.forwards):
+        return False
+    forward = _bound(forward_node)
+    for b, f in proof.same:
+        value = backward.get(b)
+        if isinstance(value, fx.Node):
+            value = saved.get(_through_aliases(value))
+            if value is None:
+                return False
+        if not _same(value, forward.get(f)):
+            return False
+    return True
+
+
+def _saved_sources(pair: FunctionPair) -> dict[fx.Node, Any] | None:
+    """Each saved placeholder of the backward -> the forward subgraph's value it receives."""
+    returned = pair.forward.graph.output_node().args[0] if pair.forward.graph.output_node().args else None
+    if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
+        return None
+    outputs, saved = returned
+    if not (isinstance(outputs, (tuple, list)) and isinstance(saved, (tuple, list))):
+        return None
+    placeholders = pair.backward.graph.find_nodes(op="placeholder")
+    if len(placeholders) != len(outputs) + len(saved):
+        return None
+    return dict(zip(placeholders[len(outputs):], saved))
+
+
 def _fed(call: fx.Node, value: Any) -> Any:
     """What `call` passes for `value`, a placeholder of the body it calls (else None)."""
     if not (isinstance(value, fx.Node) and value.op == "placeholder"):
@@ -329,10 +416,15 @@ def _is_invoke(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
 
 
+#: Ops whose result is its argument's very values, shape and strides: a proof sees through them.
+_SAME_VALUES = (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
+
+
 def _through_aliases(value: Any) -> Any:
-    """`value` seen through `aten.alias` (same values, same shape), which torch 2.14+'s joint puts
-    between a forward's saved statistics and the backward that reads them."""
-    while isinstance(value, fx.Node) and value.op == "call_function" and value.target is torch.ops.aten.alias.default:
+    """`value` seen through `aten.alias` and `aten.detach` (same values, same shape), which
+    torch 2.14+'s joint puts between a forward's saved statistics and the backward that reads
+    them, and AOTAutograd's partitioner between a saved attention output and its backward."""
+    while isinstance(value, fx.Node) and value.op == "call_function" and value.target in _SAME_VALUES:
         value = value.args[0]
     return value
 

@@ -41,7 +41,7 @@ from predispatch.errors import SerializationError
 from predispatch.runtime import names as naming
 from predispatch.runtime.writes import resized_by_kernel, resized_targets
 from predispatch.serialize.values import STORED_DEVICE_TYPES
-from predispatch.serialize.kernel_inputs import BodyCalls, body_calls, trusted_input_problems
+from predispatch.serialize.kernel_inputs import BodyCalls, FunctionPair, callers_of, trusted_input_problems
 from predispatch.serialize.op_allowlist import decide
 from predispatch.signature import MUTATION_KINDS, ExportSignature, InputKind, Program, state_names
 
@@ -337,10 +337,12 @@ MAX_SUBGRAPH_DEPTH = 32
 
 
 def graph_problems(
-    gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), stored: bool = False, path: str = "", callers: BodyCalls | None = None,
+    gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), stored: bool = False, path: str = "",
+    callers: BodyCalls | FunctionPair | None = None,
 ) -> list[Problem]:
     """Problems of one graph module and of every module it holds (its subgraphs; `callers`: this
-    one's calls when only `invoke_subgraph` calls it, for Note [Kernels that trust their inputs])."""
+    one's calls when only `invoke_subgraph` calls it, or its forward when it is the backward of
+    one `autograd_function_apply` pair, for Note [Kernels that trust their inputs])."""
     where = f"graph module {path or '<root>'}"
     if stored and path and path.count(".") + 1 > MAX_SUBGRAPH_DEPTH:
         return [Problem(where, f"subgraphs nest more than {MAX_SUBGRAPH_DEPTH} deep, the most a file holds")]
@@ -357,7 +359,7 @@ def graph_problems(
         if not isinstance(child, fx.GraphModule):
             problems.append(Problem(where, f"holds {name!r}, a {type(child).__name__}; a program holds only graph modules"))
         else:
-            problems += graph_problems(child, op_namespaces=op_namespaces, stored=stored, path=child_path, callers=body_calls(gm, name))
+            problems += graph_problems(child, op_namespaces=op_namespaces, stored=stored, path=child_path, callers=callers_of(gm, name))
     if stored:
         for name, tensor in (*gm._parameters.items(), *gm._buffers.items()):
             problems += [Problem(f"{where}, tensor {name}", why) for why in stored_tensor_problems(tensor)]
@@ -365,7 +367,8 @@ def graph_problems(
 
 
 def _node_problems(
-    node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool = True, callers: BodyCalls | None = None,
+    node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool = True,
+    callers: BodyCalls | FunctionPair | None = None,
 ) -> Iterator[str]:
     if node.op not in _NODE_OPS:
         yield f"a {node.op} node; programs hold only {', '.join(_NODE_OPS)}"
@@ -378,7 +381,8 @@ def _node_problems(
 
 
 def _call_problems(
-    node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool, callers: BodyCalls | None = None,
+    node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool,
+    callers: BodyCalls | FunctionPair | None = None,
 ) -> Iterator[str]:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
@@ -549,6 +553,7 @@ def _signature_problems(ep: Program) -> Iterator[Problem]:
         yield Problem("signature input_leaves", "the input spec, input leaves and user inputs disagree")
     yield from _outside_tree_problems(sig)
     yield from _state_order_problems(sig)
+    yield from _placement_problems(sig, stored)
     yield from _output_problems(ep)
 
 
@@ -569,6 +574,20 @@ def _state_order_problems(sig: ExportSignature) -> Iterator[Problem]:
     if len(set(order)) != len(order) or not set(order) <= names:
         stray = sorted(set(order) - names)
         yield Problem("signature state_order", f"names {stray[0]!r}, which is no lifted state" if stray else "names a state twice")
+
+
+def _placement_problems(sig: ExportSignature, stored: Any) -> Iterator[Problem]:
+    """Each placement names a lifted state tensor once, and its local shape is that tensor's
+    (a per-rank program's state is the rank's shard)."""
+    names = set(state_names(sig.inputs))
+    seen = set()
+    for placement in sig.placements:
+        where = f"signature placement {placement.target!r}"
+        if placement.target not in names or placement.target in seen:
+            yield Problem(where, "names no lifted state" if placement.target not in names else "is given twice")
+        elif placement.target in stored and tuple(stored[placement.target].shape) != placement.local_shape:
+            yield Problem(where, f"local shape {list(placement.local_shape)} differs from the stored tensor's {list(stored[placement.target].shape)}")
+        seen.add(placement.target)
 
 
 def _output_problems(ep: Program) -> Iterator[Problem]:

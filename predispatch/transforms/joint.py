@@ -255,6 +255,7 @@ def _joint_signature(ep: Program, gm: fx.GraphModule, has_grad: list[bool]) -> E
         training_flags=sig.training_flags,
         outside_tree=sig.outside_tree,
         state_order=sig.state_order,
+        placements=sig.placements,
     )
 
 

@@ -63,9 +63,11 @@ def _dtensor_in_forward(cls: type) -> DistributedError:
     state] in frontend/distributed.py), not reported as a Function whose forward cannot be traced."""
     return DistributedError(
         f"forward makes, unwraps or redistributes a DTensor (torch's {cls.__name__}: DTensor.from_local, "
-        "to_local, redistribute, full_tensor); export does not build per-rank DTensor programs yet.",
+        "to_local, redistribute, full_tensor) from plain state; per-rank DTensor programs are built for models "
+        "whose parameters or buffers are DTensors.",
         where=user_frame(),
-        fix="keep the rank's tensors plain and write the communication with "
+        fix="make the sharded parameters DTensors (parallelize_module, distribute_tensor), or keep the rank's "
+        "tensors plain and write the communication with "
         "torch.distributed._functional_collectives (all_gather_tensor_autograd, all_reduce, "
         "reduce_scatter_tensor_autograd), which export with their backward; see docs/distributed.md.",
     )
