@@ -114,7 +114,7 @@ class UnsupportedConstructError(PredispatchError):
     nested-tensor fast path (eval mode with a `src_key_padding_mask`), whose output eager
     computes differently under `torch.no_grad()` than the traced program does,
     `torch.autograd.grad` inside forward, `pack_padded_sequence` (sizes from data), or a
-    flex_attention score_mod indexing a captured tensor.
+    flex_attention score_mod indexing a captured tensor that carries a gradient.
     Example: `with torch.no_grad():` inside a function given to `torch.func.vmap` in forward.
     Fix: the message says what to do for each construct (apply the transform to `ep.module()`,
     export the module before scripting it, build the encoder with `enable_nested_tensor=False`).

@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import torch
 from expecttest import TestCase
-from helpers import check_gradients, export_and_check, graph, stable_message
+from helpers import check_gradients, export_and_check, graph, round_trip, stable_message
 from predispatch.passes import mutable_ops
 from torch import nn
 
@@ -634,6 +634,25 @@ class FlexAttention(nn.Module):
         return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score + self.bias[h] * (qi - ki))
 
 
+class CapturedTensors(nn.Module):
+    """score_mod and mask_mod reading tensors they capture by index: a per-head buffer, a
+    tensor computed in forward from a detached parameter, and per-position document ids (a
+    document mask built in forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("alibi", torch.tensor([0.5, 0.25]))
+        self.scale = nn.Parameter(torch.tensor([1.0, -2.0]))
+        self.register_buffer("document", torch.arange(128) // 48)
+
+    def forward(self, q, k, v):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        document, offset = self.document, self.scale.detach() * 0.01
+        mask = create_block_mask(lambda b, h, qi, ki: document[qi] == document[ki], None, None, 128, 128, device="cpu")
+        return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score - self.alibi[h] * (qi - ki).abs() + offset[h], block_mask=mask)
+
+
 class DenseAttention(nn.Module):
     """The fix the refusal gives: the same per-head bias, dense, through SDPA."""
 
@@ -646,40 +665,90 @@ class DenseAttention(nn.Module):
         return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias[:, None, None] * (qi - ki))
 
 
+def _flex_call(ep) -> str:
+    """The flex_attention node and its subgraphs as printed (the block mask's construction,
+    a hundred ops of torch's create_block_mask, left out)."""
+    lines = graph(ep).splitlines()
+    keep = [line for line in lines if "flex_attention" in line and "=" in line and "#" not in line]
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("class sdpa_score"))
+    return "\n".join([*keep, *lines[start:]])
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 class FlexAttentionInForward(TestCase):
-    """flex_attention has no backward on CPU: outputs only."""
+    """On CPU flex_attention has a backward only for tensors its score_mod captures and indexes
+    (q, k, v requiring grad are refused by torch): outputs, and the refusal where that gradient
+    is asked for (Note [flex_attention's captured tensors])."""
 
     maxDiff = None
     qkv = tuple(torch.randn(1, 2, 128, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
 
     def test_score_mod_and_block_mask(self):
         for kind in ("score_mod", "block mask"):
-            model = FlexAttention(kind)
-            before = {k: v.clone() for k, v in model.state_dict().items()}
-            ep = predispatch.export(model, self.qkv)
-            assert mutable_ops(ep.graph_module) == []
+            ep = export_and_check(FlexAttention(kind), self.qkv)
             flex = ep.graph_module.graph.find_nodes(op="call_function", target=torch.ops.higher_order.flex_attention)
             self.assertEqual(len(flex), 1)  # the HOP kept, its score_mod and mask_mod as subgraphs
             torch.testing.assert_close(ep.module()(*self.qkv), FlexAttention(kind)(*self.qkv), rtol=0, atol=0)
-            assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
-            # the file format has no flex_attention yet: save refuses it by name
-            with pytest.raises(predispatch.errors.SerializationError, match="flex_attention"):
-                predispatch.save(ep, io.BytesIO())
+            torch.testing.assert_close(round_trip(ep).module()(*self.qkv), FlexAttention(kind)(*self.qkv), rtol=0, atol=0)
+
+    def test_captured_tensors(self):
+        ep = export_and_check(CapturedTensors(), self.qkv)
+        self.assertExpectedInline(_flex_call(ep), """\
+        flex_attention = torch.ops.higher_order.flex_attention(q, k, v, sdpa_score0, (128, 128, _to_copy_3, _to_copy_4, _to_copy_6, _to_copy_7, _to_copy_8, _to_copy_9, _to_copy_10, _to_copy_11, None, None, None, None, 128, 128, sdpa_mask0), 0.35355339059327373, {'BACKEND': 'AUTO', 'PRESCALE_QK': False, 'ROWS_GUARANTEED_SAFE': False, 'BLOCKS_ARE_CONTIGUOUS': False, 'WRITE_DQ': True, 'OUTPUT_LOGSUMEXP': False, 'OUTPUT_MAX': False}, (b_alibi, mul), (b_document,));  q = k = v = sdpa_score0 = _to_copy_3 = _to_copy_4 = _to_copy_6 = _to_copy_7 = _to_copy_8 = _to_copy_9 = _to_copy_10 = _to_copy_11 = sdpa_mask0 = b_alibi = mul = b_document = None
+        getitem: "f32[1, 2, 128, 8]" = flex_attention[0];  flex_attention = None
+    class sdpa_score0(torch.nn.Module):
+        def forward(self, arg0_1: "f32[]", arg1_1: "i32[]", arg2_1: "i32[]", arg3_1: "i32[]", arg4_1: "i32[]", arg5_1: "f32[2]", arg6_1: "f32[2]"):
+            index: "f32[]" = torch.ops.aten.index.Tensor(arg5_1, [arg2_1]);  arg5_1 = None
+            sub: "i32[]" = torch.ops.aten.sub.Tensor(arg3_1, arg4_1);  arg3_1 = arg4_1 = None
+            abs_1: "i32[]" = torch.ops.aten.abs.default(sub);  sub = None
+            mul: "f32[]" = torch.ops.aten.mul.Tensor(index, abs_1);  index = abs_1 = None
+            sub_1: "f32[]" = torch.ops.aten.sub.Tensor(arg0_1, mul);  arg0_1 = mul = None
+            index_1: "f32[]" = torch.ops.aten.index.Tensor(arg6_1, [arg2_1]);  arg6_1 = arg2_1 = None
+            add: "f32[]" = torch.ops.aten.add.Tensor(sub_1, index_1);  sub_1 = index_1 = None
+            return add
+
+    class sdpa_mask0(torch.nn.Module):
+        def forward(self, arg0_1: "i32[]", arg1_1: "i32[]", arg2_1: "i32[]", arg3_1: "i32[]", arg4_1: "i64[128]"):
+            index: "i64[]" = torch.ops.aten.index.Tensor(arg4_1, [arg2_1]);  arg2_1 = None
+            index_1: "i64[]" = torch.ops.aten.index.Tensor(arg4_1, [arg3_1]);  arg4_1 = arg3_1 = None
+            eq: "b8[]" = torch.ops.aten.eq.Tensor(index, index_1);  index = index_1 = None
+            return eq""")
+        signature = {spec.name: spec.kind.name for spec in ep.signature.inputs}
+        assert signature["b_alibi"] == "BUFFER" and signature["b_document"] == "BUFFER"
+        loaded = round_trip(ep)
+        torch.testing.assert_close(loaded.module()(*self.qkv), CapturedTensors()(*self.qkv), rtol=0, atol=0)
+        self.assertEqual(graph(loaded), graph(ep))
+
+    def test_verifier_checks_what_the_subgraphs_take(self):
+        """A file whose flex_attention passes its subgraphs other counts than they take is refused
+        at load, not at its first call with a raw error."""
+        from predispatch.serialize.verify import graph_problems
+
+        ep = predispatch.export(CapturedTensors(), self.qkv)
+        (node,) = ep.graph_module.graph.find_nodes(op="call_function", target=torch.ops.higher_order.flex_attention)
+        assert graph_problems(ep.graph_module) == []
+        node.args = (*node.args[:7], node.args[7][:1], ())
+        self.assertEqual([p.why for p in graph_problems(ep.graph_module)], [
+            "its score_mod 'sdpa_score0' takes 7 values; flex_attention passes 5 and 1 captured tensor(s)",
+            "its mask_mod 'sdpa_mask0' takes 5 values; flex_attention passes 4 and 0 captured tensor(s)",
+        ])
 
     def test_score_mod_indexing_a_parameter_refused(self):
+        model = FlexAttention("indexed")
+        before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(UnsupportedConstructError) as info:
-            predispatch.export(FlexAttention("indexed"), self.qkv)
+            predispatch.export(model, self.qkv)
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
         self.assertExpectedInline(stable_message(info.value), """\
-forward calls torch.nn.attention.flex_attention with a score_mod or mask_mod that indexes a tensor it captures (as self.bias[h]); torch traces that index inside the attention's subgraph through a wrapper export cannot trace yet.
+forward calls torch.nn.attention.flex_attention with a score_mod that indexes a tensor it captures (parameter bias) and that carries a gradient; eager differentiates that index through torch's own ModIndex Function, whose backward an exported (ATen) graph does not hold, and flex_attention's backward fails on aten.index's gradient.
   at test_patterns.py:N (return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score + self.bias[h] * (qi - ki)))
-  fix: keep score_mod and mask_mod to arithmetic on the score and the indices (those export, block masks built in forward too); or put the captured values into a float attn_mask of F.scaled_dot_product_attention (on CPU flex_attention computes the dense scores anyway), e.g. attn_mask = bias[:, None, None] for a per-head bias.
+  fix: if the tensor is not trained, make it a buffer or read it detached (bias.detach()[h]): that exports; for a trained per-head bias, put it into a float attn_mask of F.scaled_dot_product_attention (attn_mask = bias[:, None, None] * (q_idx - kv_idx)), which on CPU computes what flex_attention computes, and exports with its gradient.
   see docs/errors.md#unsupportedconstructerror""")
 
     def test_the_fix_exports_eagers_values(self):
-        with torch.no_grad():  # flex_attention has no backward on CPU
+        with torch.no_grad():
             expected = FlexAttention("indexed")(*self.qkv)
-        export_and_check(DenseAttention(), self.qkv)
+        check_gradients(DenseAttention(), self.qkv)
         program = predispatch.export(DenseAttention(), self.qkv).module()
         torch.testing.assert_close(program(*self.qkv), expected)
 

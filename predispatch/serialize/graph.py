@@ -52,6 +52,8 @@ HIGHER_ORDER_OPS: dict[str, Callable[[], torch._ops.HigherOrderOperator]] = {
     "cond": lambda: torch.ops.higher_order.cond,
     "scan": lambda: torch.ops.higher_order.scan,
     "map_impl": lambda: torch.ops.higher_order.map_impl,
+    # torch.nn.attention.flex_attention: score_mod and mask_mod subgraphs, the block mask's tensors
+    "flex_attention": lambda: torch.ops.higher_order.flex_attention,
 }
 
 
