@@ -45,9 +45,14 @@ from predispatch._torch_versions import HAS
 DATA_DEPENDENT_ERRORS = (DataDependentOutputException, GuardOnDataDependentSymNode)
 
 
-def new_fake_mode() -> FakeTensorMode:
-    """A fake mode with a ShapeEnv: shapes are tracked symbolically, no real compute runs."""
-    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+def new_fake_mode(*, real_constants: bool = False) -> FakeTensorMode:
+    """A fake mode with a ShapeEnv: shapes are tracked symbolically, no real compute runs.
+
+    real_constants: ops may take real tensors (a module-level global forward reads), which the
+    trace holds as constants, as torch.export's fake mode does (Note [Tensors from outside the
+    module] in trace/outside_tensors.py); elsewhere a real tensor meeting the mode is a bug.
+    """
+    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=real_constants)
 
 
 def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor], *, tie: bool = False):

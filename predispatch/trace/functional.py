@@ -54,6 +54,8 @@ from predispatch.custom_backward.hooks import backward_hooks
 from predispatch.trace.inference_mode import inference_mode_as_grad_mode
 from predispatch.trace.transforms import transforms_below_autograd
 from predispatch.trace.flex_attention import refuse_differentiated_captures
+from predispatch.trace.outside_tensors import refuse_outside_tensor_uses
+from predispatch.trace.scatter_gradients import rewrite_as_strided_scatters
 from predispatch.trace.rng import refuse_generators_made_in_forward, refusing_rng_changes
 
 
@@ -334,6 +336,8 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
     _check_repeated_inputs(prepared, captured.mutated)
     refuse_generators_made_in_forward(captured.graph_module, program.visible_generators)
     refuse_differentiated_captures(prepared, captured.graph_module)  # Note [flex_attention's captured tensors]
+    refuse_outside_tensor_uses(captured.graph_module)  # Note [Tensors from outside the module]
+    rewrite_as_strided_scatters(captured.graph_module, prepared.fake_mode)  # Note [as_strided_scatter's gradient]
     gm = captured.graph_module
     _remove_effect_tokens(gm)
     program.sharing.fold(gm)  # the fully traced calls of shared blocks call the body too
