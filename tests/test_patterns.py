@@ -1235,12 +1235,7 @@ forward changes the grad mode (torch.no_grad(), inference_mode, set_grad_enabled
             def forward(self, x):
                 return torch.func.jacrev(lambda r: self.lin(r).tanh())(x[0])
 
-        class BatchJacobian(nn.Module):
-            def __init__(self):
-                super().__init__()
-                torch.manual_seed(0)
-                self.net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
-
+        class BatchJacobian(PerSampleGradients):
             def forward(self, x):
                 return torch.func.vmap(torch.func.jacrev(self.net))(x)
 

@@ -55,6 +55,18 @@ def new_fake_mode(*, real_constants: bool = False) -> FakeTensorMode:
     return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=real_constants)
 
 
+@contextlib.contextmanager
+def fake_inputs_only(fake_mode: FakeTensorMode) -> Iterator[None]:
+    """While active, `fake_mode` refuses real tensors again (`new_fake_mode(real_constants=True)`
+    takes them for the program's own graph; a captured Function's subgraphs do not)."""
+    old = fake_mode.allow_non_fake_inputs
+    fake_mode.allow_non_fake_inputs = False
+    try:
+        yield
+    finally:
+        fake_mode.allow_non_fake_inputs = old
+
+
 def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor], *, tie: bool = False):
     """Temporarily swap a module's parameters/buffers/tensor attributes by fully qualified name."""
     return _reparametrize_module(module, tensors, tie_weights=tie, strict=False, stack_weights=True)
