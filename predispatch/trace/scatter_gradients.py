@@ -35,6 +35,8 @@ zeros writes the region as the op does (overlapping strides included: the same o
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import fx
 
@@ -78,10 +80,10 @@ def rewrite_as_strided_scatters(gm: fx.GraphModule, fake_mode: torch._subclasses
 
 
 def _rewrite(graph: fx.Graph, node: fx.Node, fake_mode: torch._subclasses.FakeTensorMode) -> None:
-    self, src, *where_ = node.args
-    region = (*where_, *node.kwargs.values())  # size, stride, storage_offset
+    self, src, *geometry = node.args
+    region = (*geometry, *node.kwargs.values())  # size, stride, storage_offset
     with graph.inserting_before(node):
-        calls = [
+        calls: list[tuple[str, Any, tuple, dict[str, Any]]] = [
             ("mask_base", aten.zeros_like.default, (self,), {"dtype": torch.bool}),
             ("mask_src", aten.ones_like.default, (src,), {"dtype": torch.bool}),
             ("mask", aten.as_strided_scatter.default, ("mask_base", "mask_src", *region), {}),
