@@ -46,13 +46,22 @@ def refuse_outside_tensor_uses(gm: fx.GraphModule) -> None:
             if not isinstance(value, torch.Tensor):
                 continue
             if value.requires_grad:
+                line = _reading_line(node)
                 raise UnsupportedInputError(
-                    f"forward reads {_name(value, stack_line(node))}, a tensor that requires grad but is not the module's "
+                    f"forward reads {_name(value, line)}, a tensor that requires grad but is not the module's "
                     "parameter: the program would hold it as a constant, without the gradient eager computes for it.",
-                    where=stack_line(node) or f"{user_frame()} (the export call)",
+                    where=line or f"{user_frame()} (the export call)",
                     fix="make it the module's parameter (self.w = nn.Parameter(...), or a submodule holding it), "
                     "or read it detached (W.detach()) if it is not trained.",
                 )
+
+
+def _reading_line(node: fx.Node) -> str | None:
+    """The user's line that read the constant: its first reader's.  The `get_attr` node's own
+    stack trace is where the tracer made that node; in one full-suite run on torch 2.15 it named
+    the enclosing `def` line instead of the reading one (not reproduced alone)."""
+    readers = (stack_line(user) for user in node.users)
+    return next((line for line in readers if line), None) or stack_line(node)
 
 
 def refuse_write_into_real(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
