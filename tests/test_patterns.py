@@ -653,6 +653,16 @@ class CapturedTensors(nn.Module):
         return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score - self.alibi[h] * (qi - ki).abs() + offset[h], block_mask=mask)
 
 
+HEAD_BIAS = torch.tensor([0.5, -0.5])
+
+
+class GlobalHeadBias(nn.Module):
+    def forward(self, q, k, v):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score + HEAD_BIAS[h])
+
+
 class DenseAttention(nn.Module):
     """The fix the refusal gives: the same per-head bias, dense, through SDPA."""
 
@@ -719,6 +729,13 @@ class FlexAttentionInForward(TestCase):
         loaded = round_trip(ep)
         torch.testing.assert_close(loaded.module()(*self.qkv), CapturedTensors()(*self.qkv), rtol=0, atol=0)
         self.assertEqual(graph(loaded), graph(ep))
+
+    def test_module_level_tensor_captured(self):
+        """A global tensor the score_mod indexes: a constant of the program, the HOP's operand."""
+        ep = export_and_check(GlobalHeadBias(), self.qkv)
+        (node,) = ep.graph_module.graph.find_nodes(op="call_function", target=torch.ops.higher_order.flex_attention)
+        self.assertEqual([(a.op, a.target) for a in node.args[7]], [("get_attr", "_tensor_constant0")])
+        torch.testing.assert_close(round_trip(ep).module()(*self.qkv), GlobalHeadBias()(*self.qkv), rtol=0, atol=0)
 
     def test_verifier_checks_what_the_subgraphs_take(self):
         """A file whose flex_attention passes its subgraphs other counts than they take is refused

@@ -75,7 +75,9 @@ def _is_ints(value: Any, gm: fx.GraphModule) -> bool:
 
 
 def _is_value_node(value: Any, gm: fx.GraphModule) -> bool:
-    return isinstance(value, fx.Node) and value.op != "get_attr"
+    """A node holding a value: any but a `get_attr` of a subgraph (one of a tensor the module
+    holds is a value: a module-level tensor forward read, which a HOP may take as an operand)."""
+    return isinstance(value, fx.Node) and (value.op != "get_attr" or isinstance(_held(gm, value.target), torch.Tensor))
 
 
 def _is_nodes(value: Any, gm: fx.GraphModule) -> bool:
@@ -102,7 +104,7 @@ def _is_options(value: Any, gm: fx.GraphModule) -> bool:
 #: What an argument of a given kind may be.  A kind ending in `?` may also be None.
 ARGUMENT_KINDS: dict[str, Callable[[Any, fx.GraphModule], bool]] = {
     "subgraph": _is_subgraph,
-    "node": lambda v, gm: isinstance(v, fx.Node) and v.op != "get_attr",
+    "node": _is_value_node,
     "bool": lambda v, gm: type(v) is bool,
     "str": lambda v, gm: type(v) is str,
     "int": lambda v, gm: type(v) is int,
