@@ -7,3 +7,8 @@ GRAD_TOGGLE = "predispatch_grad_toggle"
 #: On nodes a torch.func transform computed, traced below autograd: the transform's name.
 #: Written by trace/transforms.py, read by the trace's engagement check (trace/functional.py).
 BELOW_AUTOGRAD = "predispatch_below_autograd"
+
+#: On `as_strided_scatter` nodes the user's code called itself (not made by functionalization):
+#: kept as called, with torch's own derivative, as eager differentiates it.
+#: Written by the trace's op observer (trace/grad_history.py), read by trace/scatter_gradients.py.
+DIRECT_CALL = "predispatch_direct_call"

@@ -43,7 +43,8 @@ class UnsupportedInputError(PredispatchError):
     Cause: `module_or_fn` is not an `nn.Module` or a callable, `args` is not a tuple, an input
     leaf is of a type that is neither a tensor nor a constant (None, bool, int, float, str), a
     kwargs key is not a string, an input is quantized, or the module's state holds inference
-    tensors (built under `torch.inference_mode()`), or a lazy module's uninitialized parameters.
+    tensors (built under `torch.inference_mode()`), or a lazy module's uninitialized parameters,
+    or forward reads a tensor requiring grad from outside the module (a module-level Parameter).
     Example: `export(model, x)` instead of `export(model, (x,))`.
     Fix: pass positional arguments as a tuple and keyword arguments as a dict.
     """
@@ -110,11 +111,11 @@ class UnsupportedConstructError(PredispatchError):
     """forward uses a construct export cannot capture as eager runs it; refused by name.
 
     Cause: what a torch.func transform inside forward does that export cannot keep (a grad-mode
-    change in the transformed function, `as_strided`, a failure there), a TorchScript submodule (`torch.jit.script`), `nn.TransformerEncoder`'s
+    change in the transformed function, a failure there), a TorchScript submodule (`torch.jit.script`), `nn.TransformerEncoder`'s
     nested-tensor fast path (eval mode with a `src_key_padding_mask`), whose output eager
     computes differently under `torch.no_grad()` than the traced program does,
     `torch.autograd.grad` inside forward, `pack_padded_sequence` (sizes from data), or a
-    flex_attention score_mod indexing a captured tensor.
+    flex_attention score_mod indexing a captured tensor that carries a gradient.
     Example: `with torch.no_grad():` inside a function given to `torch.func.vmap` in forward.
     Fix: the message says what to do for each construct (apply the transform to `ep.module()`,
     export the module before scripting it, build the encoder with `enable_nested_tensor=False`).
@@ -380,7 +381,8 @@ class OutsideWriteError(PredispatchError):
     `deque`) held by a module-level global, a class attribute or a default argument (plain
     dicts, lists, sets, globals, class attributes, default arguments and `lru_cache`s are put
     back).  The value is a tracer tensor; the model's next eager call, or a fresh instance,
-    would read it and fail.  The message names the place (`module.NAME.attr`).
+    would read it and fail.  The message names the place (`module.NAME.attr`).  Also: an
+    in-place write into a tensor forward reads from outside the module (a module-level global).
     Example: `HOLDER = Slots()` at module level; forward sets `HOLDER.value = x * 2`.
     Fix: keep what forward computes on the module (an attribute, a buffer, a dict there), or
     compute it outside forward.

@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import torch
 from expecttest import TestCase
-from helpers import check_gradients, export_and_check, graph, stable_message
+from helpers import check_gradients, export_and_check, graph, on_golden_torch, round_trip, stable_message
 from predispatch.passes import mutable_ops
 from torch import nn
 
@@ -634,6 +634,35 @@ class FlexAttention(nn.Module):
         return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score + self.bias[h] * (qi - ki))
 
 
+class CapturedTensors(nn.Module):
+    """score_mod and mask_mod reading tensors they capture by index: a per-head buffer, a
+    tensor computed in forward from a detached parameter, and per-position document ids (a
+    document mask built in forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("alibi", torch.tensor([0.5, 0.25]))
+        self.scale = nn.Parameter(torch.tensor([1.0, -2.0]))
+        self.register_buffer("document", torch.arange(128) // 48)
+
+    def forward(self, q, k, v):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        document, offset = self.document, self.scale.detach() * 0.01
+        mask = create_block_mask(lambda b, h, qi, ki: document[qi] == document[ki], None, None, 128, 128, device="cpu")
+        return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score - self.alibi[h] * (qi - ki).abs() + offset[h], block_mask=mask)
+
+
+HEAD_BIAS = torch.tensor([0.5, -0.5])
+
+
+class GlobalHeadBias(nn.Module):
+    def forward(self, q, k, v):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score + HEAD_BIAS[h])
+
+
 class DenseAttention(nn.Module):
     """The fix the refusal gives: the same per-head bias, dense, through SDPA."""
 
@@ -646,42 +675,220 @@ class DenseAttention(nn.Module):
         return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias[:, None, None] * (qi - ki))
 
 
+def _flex_call(ep) -> str:
+    """The flex_attention node and its subgraphs as printed (the block mask's construction,
+    a hundred ops of torch's create_block_mask, left out)."""
+    lines = graph(ep).splitlines()
+    keep = [line for line in lines if "flex_attention" in line and "=" in line and "#" not in line]
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("class sdpa_score"))
+    return "\n".join([*keep, *lines[start:]])
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 class FlexAttentionInForward(TestCase):
-    """flex_attention has no backward on CPU: outputs only."""
+    """On CPU flex_attention has a backward only for tensors its score_mod captures and indexes
+    (q, k, v requiring grad are refused by torch): outputs, and the refusal where that gradient
+    is asked for (Note [flex_attention's captured tensors])."""
 
     maxDiff = None
     qkv = tuple(torch.randn(1, 2, 128, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
 
     def test_score_mod_and_block_mask(self):
         for kind in ("score_mod", "block mask"):
-            model = FlexAttention(kind)
-            before = {k: v.clone() for k, v in model.state_dict().items()}
-            ep = predispatch.export(model, self.qkv)
-            assert mutable_ops(ep.graph_module) == []
+            ep = export_and_check(FlexAttention(kind), self.qkv)
             flex = ep.graph_module.graph.find_nodes(op="call_function", target=torch.ops.higher_order.flex_attention)
             self.assertEqual(len(flex), 1)  # the HOP kept, its score_mod and mask_mod as subgraphs
             torch.testing.assert_close(ep.module()(*self.qkv), FlexAttention(kind)(*self.qkv), rtol=0, atol=0)
-            assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
-            # the file format has no flex_attention yet: save refuses it by name
-            with pytest.raises(predispatch.errors.SerializationError, match="flex_attention"):
-                predispatch.save(ep, io.BytesIO())
+            torch.testing.assert_close(round_trip(ep).module()(*self.qkv), FlexAttention(kind)(*self.qkv), rtol=0, atol=0)
+
+    def test_captured_tensors(self):
+        ep = export_and_check(CapturedTensors(), self.qkv)
+        if on_golden_torch():  # the block mask's tuple differs between releases
+            self.assertExpectedInline(_flex_call(ep), """\
+        flex_attention = torch.ops.higher_order.flex_attention(q, k, v, sdpa_score0, (128, 128, _to_copy_3, _to_copy_4, _to_copy_6, _to_copy_7, _to_copy_8, _to_copy_9, _to_copy_10, _to_copy_11, None, None, None, None, 128, 128, sdpa_mask0), 0.35355339059327373, {'BACKEND': 'AUTO', 'PRESCALE_QK': False, 'ROWS_GUARANTEED_SAFE': False, 'BLOCKS_ARE_CONTIGUOUS': False, 'WRITE_DQ': True, 'OUTPUT_LOGSUMEXP': False, 'OUTPUT_MAX': False}, (b_alibi, mul), (b_document,));  q = k = v = sdpa_score0 = _to_copy_3 = _to_copy_4 = _to_copy_6 = _to_copy_7 = _to_copy_8 = _to_copy_9 = _to_copy_10 = _to_copy_11 = sdpa_mask0 = b_alibi = mul = b_document = None
+        getitem: "f32[1, 2, 128, 8]" = flex_attention[0];  flex_attention = None
+    class sdpa_score0(torch.nn.Module):
+        def forward(self, arg0_1: "f32[]", arg1_1: "i32[]", arg2_1: "i32[]", arg3_1: "i32[]", arg4_1: "i32[]", arg5_1: "f32[2]", arg6_1: "f32[2]"):
+            index: "f32[]" = torch.ops.aten.index.Tensor(arg5_1, [arg2_1]);  arg5_1 = None
+            sub: "i32[]" = torch.ops.aten.sub.Tensor(arg3_1, arg4_1);  arg3_1 = arg4_1 = None
+            abs_1: "i32[]" = torch.ops.aten.abs.default(sub);  sub = None
+            mul: "f32[]" = torch.ops.aten.mul.Tensor(index, abs_1);  index = abs_1 = None
+            sub_1: "f32[]" = torch.ops.aten.sub.Tensor(arg0_1, mul);  arg0_1 = mul = None
+            index_1: "f32[]" = torch.ops.aten.index.Tensor(arg6_1, [arg2_1]);  arg6_1 = arg2_1 = None
+            add: "f32[]" = torch.ops.aten.add.Tensor(sub_1, index_1);  sub_1 = index_1 = None
+            return add
+
+    class sdpa_mask0(torch.nn.Module):
+        def forward(self, arg0_1: "i32[]", arg1_1: "i32[]", arg2_1: "i32[]", arg3_1: "i32[]", arg4_1: "i64[128]"):
+            index: "i64[]" = torch.ops.aten.index.Tensor(arg4_1, [arg2_1]);  arg2_1 = None
+            index_1: "i64[]" = torch.ops.aten.index.Tensor(arg4_1, [arg3_1]);  arg4_1 = arg3_1 = None
+            eq: "b8[]" = torch.ops.aten.eq.Tensor(index, index_1);  index = index_1 = None
+            return eq""")
+        signature = {spec.name: spec.kind.name for spec in ep.signature.inputs}
+        assert signature["b_alibi"] == "BUFFER" and signature["b_document"] == "BUFFER"
+        loaded = round_trip(ep)
+        torch.testing.assert_close(loaded.module()(*self.qkv), CapturedTensors()(*self.qkv), rtol=0, atol=0)
+        self.assertEqual(graph(loaded), graph(ep))
+
+    def test_module_level_tensor_captured(self):
+        """A global tensor the score_mod indexes: a constant of the program, the HOP's operand."""
+        ep = export_and_check(GlobalHeadBias(), self.qkv)
+        (node,) = ep.graph_module.graph.find_nodes(op="call_function", target=torch.ops.higher_order.flex_attention)
+        self.assertEqual([(a.op, a.target) for a in node.args[7]], [("get_attr", "_tensor_constant0")])
+        torch.testing.assert_close(round_trip(ep).module()(*self.qkv), GlobalHeadBias()(*self.qkv), rtol=0, atol=0)
+
+    def test_verifier_checks_what_the_subgraphs_take(self):
+        """A file whose flex_attention passes its subgraphs other counts than they take is refused
+        at load, not at its first call with a raw error."""
+        from predispatch.serialize.verify import graph_problems
+
+        ep = predispatch.export(CapturedTensors(), self.qkv)
+        (node,) = ep.graph_module.graph.find_nodes(op="call_function", target=torch.ops.higher_order.flex_attention)
+        assert graph_problems(ep.graph_module) == []
+        node.args = (*node.args[:7], node.args[7][:1], ())
+        self.assertEqual([p.why for p in graph_problems(ep.graph_module)], [
+            "its score_mod 'sdpa_score0' takes 7 values; flex_attention passes 5 and 1 captured tensor(s)",
+            "its mask_mod 'sdpa_mask0' takes 5 values; flex_attention passes 4 and 0 captured tensor(s)",
+        ])
 
     def test_score_mod_indexing_a_parameter_refused(self):
+        model = FlexAttention("indexed")
+        before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(UnsupportedConstructError) as info:
-            predispatch.export(FlexAttention("indexed"), self.qkv)
+            predispatch.export(model, self.qkv)
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
         self.assertExpectedInline(stable_message(info.value), """\
-forward calls torch.nn.attention.flex_attention with a score_mod or mask_mod that indexes a tensor it captures (as self.bias[h]); torch traces that index inside the attention's subgraph through a wrapper export cannot trace yet.
+forward calls torch.nn.attention.flex_attention with a score_mod that indexes a tensor it captures (parameter bias) and that carries a gradient; eager differentiates that index through torch's own ModIndex Function, whose backward an exported (ATen) graph does not hold, and flex_attention's backward fails on aten.index's gradient.
   at test_patterns.py:N (return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: score + self.bias[h] * (qi - ki)))
-  fix: keep score_mod and mask_mod to arithmetic on the score and the indices (those export, block masks built in forward too); or put the captured values into a float attn_mask of F.scaled_dot_product_attention (on CPU flex_attention computes the dense scores anyway), e.g. attn_mask = bias[:, None, None] for a per-head bias.
+  fix: if the tensor is not trained, make it a buffer or read it detached (bias.detach()[h]): that exports; for a trained per-head bias, put it into a float attn_mask of F.scaled_dot_product_attention (attn_mask = bias[:, None, None] * (q_idx - kv_idx)), which on CPU computes what flex_attention computes, and exports with its gradient.
   see docs/errors.md#unsupportedconstructerror""")
 
     def test_the_fix_exports_eagers_values(self):
-        with torch.no_grad():  # flex_attention has no backward on CPU
+        with torch.no_grad():
             expected = FlexAttention("indexed")(*self.qkv)
-        export_and_check(DenseAttention(), self.qkv)
+        check_gradients(DenseAttention(), self.qkv)
         program = predispatch.export(DenseAttention(), self.qkv).module()
         torch.testing.assert_close(program(*self.qkv), expected)
+
+
+# --- writes through as_strided views (Note [as_strided_scatter's gradient]) --------------------
+
+
+class WritesThroughAsStrided(nn.Module):
+    def forward(self, a):
+        x = a * 1
+        x.as_strided([3], [1], 0).mul_(2)  # the first row, written through an as_strided view
+        return x
+
+
+class CallsAsStridedScatter(nn.Module):
+    def forward(self, a, src):
+        return torch.as_strided_scatter(a * 2, src, [3], [1], 0)
+
+
+class AsStridedWrites(TestCase):
+    maxDiff = None
+    a = torch.randn(3, 3, generator=torch.Generator().manual_seed(0))
+
+    def test_write_through_an_as_strided_view(self):
+        """Functionalized as as_strided_scatter, whose derivative torch gets wrong ([[3, 3, 3],
+        [0, 0, 0], [0, 0, 0]] where eager's is [[2, 2, 2], [1, 1, 1], [1, 1, 1]]): rewritten."""
+        ep = check_gradients(WritesThroughAsStrided(), (self.a,))
+        export_and_check(WritesThroughAsStrided(), (self.a,))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, a: "f32[3, 3]"):
+        mul: "f32[3, 3]" = torch.ops.aten.mul.Tensor(a, 1);  a = None
+        as_strided: "f32[3]" = torch.ops.aten.as_strided.default(mul, [3], [1], 0)
+        mul_1: "f32[3]" = torch.ops.aten.mul.Tensor(as_strided, 2);  as_strided = None
+        as_strided_scatter_mask_base: "b8[3, 3]" = torch.ops.aten.zeros_like.default(mul, dtype = torch.bool)
+        as_strided_scatter_mask_src: "b8[3]" = torch.ops.aten.ones_like.default(mul_1, dtype = torch.bool)
+        as_strided_scatter_mask: "b8[3, 3]" = torch.ops.aten.as_strided_scatter.default(as_strided_scatter_mask_base, as_strided_scatter_mask_src, [3], [1], 0);  as_strided_scatter_mask_base = as_strided_scatter_mask_src = None
+        as_strided_scatter_zeros: "f32[3, 3]" = torch.ops.aten.zeros_like.default(mul)
+        as_strided_scatter_scattered: "f32[3, 3]" = torch.ops.aten.as_strided_scatter.default(as_strided_scatter_zeros, mul_1, [3], [1], 0);  as_strided_scatter_zeros = mul_1 = None
+        as_strided_scatter_out: "f32[3, 3]" = torch.ops.aten.where.self(as_strided_scatter_mask, as_strided_scatter_scattered, mul);  as_strided_scatter_mask = as_strided_scatter_scattered = mul = None
+        return (as_strided_scatter_out,)""")
+        a = self.a.clone().requires_grad_()
+        ep.module()(a).sum().backward()
+        self.assertEqual(a.grad.tolist(), [[2.0] * 3, [1.0] * 3, [1.0] * 3])
+
+    def test_direct_call_keeps_torchs_derivative(self):
+        """The user's own as_strided_scatter call is eager's op: the program differentiates it as
+        eager does (with torch's derivative), not rewritten."""
+        ep = check_gradients(CallsAsStridedScatter(), (self.a, torch.randn(3)))
+        assert "where" not in ep.graph_module.code
+
+
+# --- tensors from outside the module (Note [Tensors from outside the module]) ----------------
+
+SCALE = torch.tensor(2.0)
+TABLE = torch.linspace(0, 1, 12).reshape(3, 4)
+GLOBAL_WEIGHT = nn.Parameter(torch.ones(4))
+CALLS = torch.zeros(())
+
+
+class ReadsGlobals(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * SCALE + TABLE[1]
+
+
+class GlobalParameter(nn.Module):
+    def forward(self, x):
+        return x * GLOBAL_WEIGHT
+
+
+class CountsCalls(nn.Module):
+    def forward(self, x):
+        CALLS.add_(1)
+        return x + CALLS
+
+
+class GlobalTensors(TestCase):
+    maxDiff = None
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+
+    def test_module_level_tensor_is_a_constant(self):
+        scale, table = SCALE.clone(), TABLE.clone()
+        ep = export_and_check(ReadsGlobals(), (self.x,))
+        check_gradients(ReadsGlobals(), (self.x,))
+        self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[4, 4]", p_lin_bias: "f32[4]", x: "f32[2, 4]"):
+        linear: "f32[2, 4]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+        _tensor_constant0: "f32[]" = self._tensor_constant0
+        mul: "f32[2, 4]" = torch.ops.aten.mul.Tensor(linear, _tensor_constant0);  linear = _tensor_constant0 = None
+        _tensor_constant1: "f32[3, 4]" = self._tensor_constant1
+        select: "f32[4]" = torch.ops.aten.select.int(_tensor_constant1, 0, 1);  _tensor_constant1 = None
+        add: "f32[2, 4]" = torch.ops.aten.add.Tensor(mul, select);  mul = select = None
+        return (add,)""")
+        assert torch.equal(SCALE, scale) and torch.equal(TABLE, table)  # the globals untouched
+        torch.testing.assert_close(round_trip(ep).module()(self.x), ep.module()(self.x), rtol=0, atol=0)
+        # torch.export lifts the same tensors as constants
+        reference = torch.export.export(ReadsGlobals(), (self.x,))
+        assert [s.kind.name for s in reference.graph_signature.input_specs].count("CONSTANT_TENSOR") == 2
+
+    def test_module_level_parameter_refused(self):
+        with pytest.raises(predispatch.errors.UnsupportedInputError) as info:
+            predispatch.export(GlobalParameter(), (self.x,))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward reads the module-level parameter test_patterns.GLOBAL_WEIGHT, a tensor that requires grad but is not the module's parameter: the program would hold it as a constant, without the gradient eager computes for it.
+  at test_patterns.py:N (return x * GLOBAL_WEIGHT)
+  fix: make it the module's parameter (self.w = nn.Parameter(...), or a submodule holding it), or read it detached (W.detach()) if it is not trained.
+  see docs/errors.md#unsupportedinputerror""")
+
+    def test_write_into_module_level_tensor_refused(self):
+        with pytest.raises(predispatch.errors.OutsideWriteError) as info:
+            predispatch.export(CountsCalls(), (self.x,))
+        assert torch.equal(CALLS, torch.zeros(()))  # export wrote nothing into it
+        self.assertExpectedInline(stable_message(info.value), """\
+forward writes in place (aten.add_.Tensor) into the module-level tensor test_patterns.CALLS, a tensor that is not the module's state nor an input: eager changes it at every call, a program cannot.
+  at test_patterns.py:N (CALLS.add_(1))
+  fix: register it as a buffer of the module (self.register_buffer(...)): the program then writes it back as eager does; or compute a new tensor instead of writing in place.
+  see docs/errors.md#outsidewriteerror""")
 
 
 # --- scatters into complex tensors (Note [Scatters into complex tensors]; issue 23, 8) --------
@@ -1032,25 +1239,77 @@ forward changes the grad mode (torch.no_grad(), inference_mode, set_grad_enabled
         check_gradients(Transform(torch.func.jacrev, torch.tanh), (self.x,))
         check_gradients(Transform(torch.func.hessian, lambda r: r.sin().sum()), (self.x,))
 
-    def test_jacrev_through_a_layer_refused(self):
-        """jacrev's vmap over vjp here computes with as_strided, whose gradient through the
-        program came out doubled: refused rather than a wrong outer gradient."""
+    def test_jacrev_through_a_layer(self):
+        """jacrev's basis and vmap-over-vjp's gradient buffers are writes through as_strided
+        views, functionalized as as_strided_scatter, whose derivative torch gets wrong (the outer
+        gradient came out twice eager's): rewritten (Note [as_strided_scatter's gradient])."""
 
         class LayerJacobian(nn.Module):
             def __init__(self):
                 super().__init__()
+                torch.manual_seed(0)
                 self.lin = nn.Linear(3, 3)
 
             def forward(self, x):
                 return torch.func.jacrev(lambda r: self.lin(r).tanh())(x[0])
 
-        with pytest.raises(UnsupportedConstructError) as info:
-            predispatch.export(LayerJacobian(), (self.x,))
-        self.assertExpectedInline(stable_message(info.value), """\
-forward calls torch.func.vmap, and what it computes uses aten.as_strided.default, whose gradient depends on the memory layout of the tensor it is applied to; the program's gradient through it would differ from eager's.
-  at test_patterns.py:N (return torch.func.jacrev(lambda r: self.lin(r).tanh())(x[0]))
-  fix: export the function the transform is applied to and apply torch.func to the program (torch.func.vmap(ep.module())(x) works); or write the computation without the transform.
-  see docs/errors.md#unsupportedconstructerror""")
+        class BatchJacobian(PerSampleGradients):
+            def forward(self, x):
+                return torch.func.vmap(torch.func.jacrev(self.net))(x)
+
+        class LayerHessian(LayerJacobian):
+            def forward(self, x):
+                return torch.func.hessian(lambda r: self.lin(r).tanh().sum())(x[0])
+
+        ep = check_gradients(LayerJacobian(), (self.x,))
+        check_gradients(BatchJacobian(), (self.x,))
+        check_gradients(LayerHessian(), (self.x,))
+        if on_golden_torch():
+            self.assertExpectedInline(graph(ep), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]", x: "f32[2, 3]"):
+        select: "f32[3]" = torch.ops.aten.select.int(x, 0, 0);  x = None
+        t: "f32[3, 3]" = torch.ops.aten.t.default(p_lin_weight);  p_lin_weight = None
+        unsqueeze: "f32[1, 3]" = torch.ops.aten.unsqueeze.default(select, 0);  select = None
+        mm: "f32[1, 3]" = torch.ops.aten.mm.default(unsqueeze, t);  unsqueeze = None
+        squeeze: "f32[3]" = torch.ops.aten.squeeze.dim(mm, 0);  mm = None
+        add: "f32[3]" = torch.ops.aten.add.Tensor(squeeze, p_lin_bias);  squeeze = p_lin_bias = None
+        unsqueeze_1: "f32[1, 3]" = torch.ops.aten.unsqueeze.default(add, 0);  add = None
+        squeeze_1: "f32[3]" = torch.ops.aten.squeeze.dim(unsqueeze_1, 0);  unsqueeze_1 = None
+        tanh: "f32[3]" = torch.ops.aten.tanh.default(squeeze_1);  squeeze_1 = None
+        new_zeros: "f32[3, 3]" = torch.ops.aten.new_zeros.default(tanh, [3, 3], pin_memory = False)
+        diagonal: "f32[3]" = torch.ops.aten.diagonal.default(new_zeros)
+        fill: "f32[3]" = torch.ops.aten.fill.Scalar(diagonal, 1);  diagonal = None
+        diagonal_scatter: "f32[3, 3]" = torch.ops.aten.diagonal_scatter.default(new_zeros, fill);  new_zeros = fill = None
+        view_1: "f32[3, 3]" = torch.ops.aten.view.default(diagonal_scatter, [3, 3]);  diagonal_scatter = None
+        tanh_backward: "f32[3, 3]" = torch.ops.aten.tanh_backward.default(view_1, tanh);  view_1 = tanh = None
+        new_zeros_1: "f32[3, 3]" = torch.ops.aten.new_zeros.default(tanh_backward, [3, 3])
+        as_strided: "f32[3, 3]" = torch.ops.aten.as_strided.default(new_zeros_1, [3, 3], [3, 1], 0);  as_strided = None
+        as_strided_scatter_mask_base: "b8[3, 3]" = torch.ops.aten.zeros_like.default(new_zeros_1, dtype = torch.bool)
+        as_strided_scatter_mask_src: "b8[3, 3]" = torch.ops.aten.ones_like.default(tanh_backward, dtype = torch.bool)
+        as_strided_scatter_mask: "b8[3, 3]" = torch.ops.aten.as_strided_scatter.default(as_strided_scatter_mask_base, as_strided_scatter_mask_src, [3, 3], [3, 1], 0);  as_strided_scatter_mask_base = as_strided_scatter_mask_src = None
+        as_strided_scatter_zeros: "f32[3, 3]" = torch.ops.aten.zeros_like.default(new_zeros_1)
+        as_strided_scatter_scattered: "f32[3, 3]" = torch.ops.aten.as_strided_scatter.default(as_strided_scatter_zeros, tanh_backward, [3, 3], [3, 1], 0);  as_strided_scatter_zeros = tanh_backward = None
+        as_strided_scatter_out: "f32[3, 3]" = torch.ops.aten.where.self(as_strided_scatter_mask, as_strided_scatter_scattered, new_zeros_1);  as_strided_scatter_mask = as_strided_scatter_scattered = new_zeros_1 = None
+        as_strided_4: "f32[3, 1, 3]" = torch.ops.aten.as_strided.default(as_strided_scatter_out, [3, 1, 3], [3, 3, 1], 0);  as_strided_scatter_out = None
+        new_empty_strided: "f32[3, 1, 3]" = torch.ops.aten.new_empty_strided.default(as_strided_4, [3, 1, 3], [3, 3, 1]);  new_empty_strided = None
+        as_strided_6: "f32[3, 3]" = torch.ops.aten.as_strided.default(as_strided_4, [3, 3], [3, 1], 0)
+        clone: "f32[3, 3]" = torch.ops.aten.clone.default(as_strided_6, memory_format = torch.contiguous_format);  as_strided_6 = None
+        as_strided_scatter_1_mask_base: "b8[3, 1, 3]" = torch.ops.aten.zeros_like.default(as_strided_4, dtype = torch.bool)
+        as_strided_scatter_1_mask_src: "b8[3, 3]" = torch.ops.aten.ones_like.default(clone, dtype = torch.bool)
+        as_strided_scatter_1_mask: "b8[3, 1, 3]" = torch.ops.aten.as_strided_scatter.default(as_strided_scatter_1_mask_base, as_strided_scatter_1_mask_src, [3, 3], [3, 1], 0);  as_strided_scatter_1_mask_base = as_strided_scatter_1_mask_src = None
+        as_strided_scatter_1_zeros: "f32[3, 1, 3]" = torch.ops.aten.zeros_like.default(as_strided_4)
+        as_strided_scatter_1_scattered: "f32[3, 1, 3]" = torch.ops.aten.as_strided_scatter.default(as_strided_scatter_1_zeros, clone, [3, 3], [3, 1], 0);  as_strided_scatter_1_zeros = clone = None
+        as_strided_scatter_1_out: "f32[3, 1, 3]" = torch.ops.aten.where.self(as_strided_scatter_1_mask, as_strided_scatter_1_scattered, as_strided_4);  as_strided_scatter_1_mask = as_strided_scatter_1_scattered = as_strided_4 = None
+        t_1: "f32[3, 3]" = torch.ops.aten.t.default(t);  t = None
+        view_3: "f32[3, 3]" = torch.ops.aten.view.default(as_strided_scatter_1_out, [3, 3]);  as_strided_scatter_1_out = None
+        mm_1: "f32[3, 3]" = torch.ops.aten.mm.default(view_3, t_1);  view_3 = t_1 = None
+        _unsafe_view: "f32[3, 1, 3]" = torch.ops.aten._unsafe_view.default(mm_1, [3, 1, 3]);  mm_1 = None
+        squeeze_3: "f32[3, 3]" = torch.ops.aten.squeeze.dims(_unsafe_view, [1]);  _unsafe_view = None
+        split_with_sizes = torch.ops.aten.split_with_sizes.default(squeeze_3, [3]);  squeeze_3 = None
+        getitem: "f32[3, 3]" = split_with_sizes[0];  split_with_sizes = None
+        view_4: "f32[3, 3]" = torch.ops.aten.view.default(getitem, [3, 3]);  getitem = None
+        return (view_4,)""")
 
     def test_failure_inside_is_named_and_leaves_the_thread_clean(self):
         """A failure inside functorch's layers can leave the thread's dispatch keys changed (a

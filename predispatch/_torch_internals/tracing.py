@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from predispatch._torch_internals.codegen import torch_function_disabled
 from predispatch._torch_internals.functional import functional_value, MODULE_CALLS, outside_trace
-from predispatch._torch_internals.mechanism import Hook, patched
+from predispatch._torch_internals.mechanism import Hook, patched, require
 from predispatch._torch_versions import HAS
 
 
@@ -45,9 +45,26 @@ from predispatch._torch_versions import HAS
 DATA_DEPENDENT_ERRORS = (DataDependentOutputException, GuardOnDataDependentSymNode)
 
 
-def new_fake_mode() -> FakeTensorMode:
-    """A fake mode with a ShapeEnv: shapes are tracked symbolically, no real compute runs."""
-    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+def new_fake_mode(*, real_constants: bool = False) -> FakeTensorMode:
+    """A fake mode with a ShapeEnv: shapes are tracked symbolically, no real compute runs.
+
+    real_constants: ops may take real tensors (a module-level global forward reads), which the
+    trace holds as constants, as torch.export's fake mode does (Note [Tensors from outside the
+    module] in trace/outside_tensors.py); elsewhere a real tensor meeting the mode is a bug.
+    """
+    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=real_constants)
+
+
+@contextlib.contextmanager
+def fake_inputs_only(fake_mode: FakeTensorMode) -> Iterator[None]:
+    """While active, `fake_mode` refuses real tensors again (`new_fake_mode(real_constants=True)`
+    takes them for the program's own graph; a captured Function's subgraphs do not)."""
+    old = fake_mode.allow_non_fake_inputs
+    fake_mode.allow_non_fake_inputs = False
+    try:
+        yield
+    finally:
+        fake_mode.allow_non_fake_inputs = old
 
 
 def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor], *, tie: bool = False):
@@ -453,3 +470,42 @@ def _restore_dispatch_keys(include: torch._C.DispatchKeySet, exclude: torch._C.D
             torch._C._dispatch_tls_set_dispatch_key_included(key, include.has(key))
         if now_exclude.has(key) != exclude.has(key):
             torch._C._dispatch_tls_set_dispatch_key_excluded(key, exclude.has(key))
+
+
+INDEX_INLINE = "flex_attention's captured-tensor index (torch._dynamo._trace_wrapped_higher_order_op.mod_index)"
+
+
+@contextlib.contextmanager
+def flex_attention_index_inline() -> Iterator[None]:
+    """A `score_mod` / `mask_mod` of flex_attention that indexes a tensor it captures
+    (`bias[h]`) is traced as `aten.index`, as torch.export's decomposed graph has it.
+
+    torch turns that index into `ModIndex.apply` (`TransformGetItemToIndex`, while the HOP
+    traces the score_mod), an autograd.Function whose `apply` torch marks
+    `allow_in_pre_dispatch_graph`: while exporting, it runs the forward with the PreDispatch key
+    excluded, below the trace's functional mode, where `aten.index` meets the captured tensor
+    wrapped with no mode ("Attempting to use FunctionalTensor on its own").  `ModIndex.forward`
+    is `aten.index` and its backward (`zeros_and_scatter`, an accumulating `index_put`) is
+    `aten.index`'s own derivative, so the program calls the forward in place of the Function:
+    the index is recorded in the score_mod subgraph, and the flex_attention HOP differentiates
+    it as eager does.
+    """
+    from torch._dynamo import _trace_wrapped_higher_order_op as wrapped  # see _LAZY
+
+    mod_index = require(wrapped, "ModIndex", INDEX_INLINE)
+    to_index = require(wrapped, "TransformGetItemToIndex", INDEX_INLINE)
+
+    def probe() -> None:
+        with to_index():
+            torch.zeros(2)[torch.tensor(0)]
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def index(x: torch.Tensor, indices: list[torch.Tensor]) -> torch.Tensor:
+            if torch._C._are_functorch_transforms_active():  # the eager kernel's vmap: ModIndex's own rule
+                return original(x, indices)
+            return mod_index.forward(x, indices)
+
+        return index
+
+    with patched(wrapped, "mod_index", make, mechanism=INDEX_INLINE, probe=probe):
+        yield

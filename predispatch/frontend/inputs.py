@@ -119,7 +119,7 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     refuse_distributed_state(module, state, tensors)  # Note [Distributed state]
     dynamic = fake_dynamic_inputs(module, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
-    fake_mode = dynamic.fake_mode if dynamic else ti.new_fake_mode()
+    fake_mode = dynamic.fake_mode if dynamic else ti.new_fake_mode(real_constants=True)  # Note [Tensors from outside the module]
     device = _inputs_device(flat)
     fake_state = tuple(_fakify(fake_mode, s.tensor, s.spec.kind is InputKind.PARAMETER, device) for s in state)
     if dynamic:

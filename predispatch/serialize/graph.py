@@ -53,6 +53,8 @@ HIGHER_ORDER_OPS: dict[str, Callable[[], torch._ops.HigherOrderOperator]] = {
     "scan": lambda: torch.ops.higher_order.scan,
     "map_impl": lambda: torch.ops.higher_order.map_impl,
     "while_loop": lambda: torch.ops.higher_order.while_loop,  # see Note [Data-dependent storage offsets]
+    # torch.nn.attention.flex_attention: score_mod and mask_mod subgraphs, the block mask's tensors
+    "flex_attention": lambda: torch.ops.higher_order.flex_attention,
 }
 
 

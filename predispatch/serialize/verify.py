@@ -75,7 +75,9 @@ def _is_ints(value: Any, gm: fx.GraphModule) -> bool:
 
 
 def _is_value_node(value: Any, gm: fx.GraphModule) -> bool:
-    return isinstance(value, fx.Node) and value.op != "get_attr"
+    """A node holding a value: any but a `get_attr` of a subgraph (one of a tensor the module
+    holds is a value: a module-level tensor forward read, which a HOP may take as an operand)."""
+    return isinstance(value, fx.Node) and (value.op != "get_attr" or isinstance(_held(gm, value.target), torch.Tensor))
 
 
 def _is_nodes(value: Any, gm: fx.GraphModule) -> bool:
@@ -102,7 +104,7 @@ def _is_options(value: Any, gm: fx.GraphModule) -> bool:
 #: What an argument of a given kind may be.  A kind ending in `?` may also be None.
 ARGUMENT_KINDS: dict[str, Callable[[Any, fx.GraphModule], bool]] = {
     "subgraph": _is_subgraph,
-    "node": lambda v, gm: isinstance(v, fx.Node) and v.op != "get_attr",
+    "node": _is_value_node,
     "bool": lambda v, gm: type(v) is bool,
     "str": lambda v, gm: type(v) is str,
     "int": lambda v, gm: type(v) is int,
@@ -186,6 +188,26 @@ def _function_structure(node: fx.Node, gm: fx.GraphModule) -> Iterator[str]:
             yield f"keyword {key!r} is {list(indices)}: distinct indices below {count} expected"
 
 
+def _flex_structure(node: fx.Node, gm: fx.GraphModule) -> Iterator[str]:
+    """flex_attention's subgraphs take what the HOP passes them: score_mod the score and four
+    indices, then the score_mod's captured tensors (argument 7); mask_mod (the block mask's last
+    entry) four indices, then the mask_mod's (argument 8).  Without this a crafted file loads and
+    fails at its first call with a raw error."""
+    if len(node.args) != 9 or not all(isinstance(a, (tuple, list)) for a in node.args[7:]):
+        return  # reported by the argument kinds
+    block_mask = node.args[4]
+    mask_mod = block_mask[-1] if isinstance(block_mask, tuple) and block_mask else None
+    bodies = (("score_mod", node.args[3], 5, node.args[7]), ("mask_mod", mask_mod, 4, node.args[8]))
+    for name, body, fixed, captured in bodies:
+        held = _held(gm, body.target) if _is_subgraph(body, gm) else None
+        if held is None:
+            continue  # reported by the argument kinds
+        takes = len(held.graph.find_nodes(op="placeholder"))
+        if takes != fixed + len(captured):
+            yield (f"its {name} {body.target!r} takes {takes} values; flex_attention passes {fixed} and "
+                   f"{len(captured)} captured tensor(s)")
+
+
 #: The higher-order ops a program may call, by `hop.name()`, and their calling conventions.
 HOP_CONVENTIONS: dict[str, HopConvention] = {
     "wrap_with_set_grad_enabled": HopConvention(
@@ -216,7 +238,8 @@ HOP_CONVENTIONS: dict[str, HopConvention] = {
         bodies=(0,), packed=2),
     "flex_attention": HopConvention(
         ("node", "node", "node", "subgraph", "block_mask", "float", "options", "nodes", "nodes"), (),
-        "torch.nn.attention.flex_attention: score_mod and mask_mod as subgraphs, the block mask's tensors as nodes"),
+        "torch.nn.attention.flex_attention: score_mod and mask_mod as subgraphs, the block mask's tensors and "
+        "the tensors score_mod and mask_mod capture as nodes", structure=_flex_structure),
 }
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from predispatch import _torch_internals as ti
-from predispatch.errors import DataDependentError, PredispatchError, TraceError, UnsupportedConstructError, is_user_file, user_frame
+from predispatch.errors import DataDependentError, PredispatchError, TraceError, UnsupportedConstructError, user_frame
 
 #: The torch.func files a transform's call passes through (torch/_functorch/...).
 _FUNCTORCH_FILES = ("apis.py", "eager_transforms.py", "vmap.py")
@@ -244,15 +244,6 @@ TORCH_CHECKS = (
 )
 
 
-def _caller_line(frames: list[tuple[FrameType, int]]) -> str | None:
-    """`file:line (source)` of the innermost user frame among `frames` (the call into torch)."""
-    summaries = traceback.StackSummary.extract(iter(frames))
-    for summary in reversed(summaries):
-        if _torch_relative(summary.filename) is None and is_user_file(summary.filename):
-            return f"{summary.filename}:{summary.lineno} ({(summary.line or '').strip()})"
-    return None
-
-
 def torch_check_error(exc: BaseException, where: str | None) -> DataDependentError | None:
     """Our error for a data-dependent check inside torch's own code: the fix of `TORCH_CHECKS`
     for a known one, else where in torch the check is and what the user can still do."""
@@ -314,33 +305,8 @@ def _packed_sequence_refusal(exc: BaseException) -> UnsupportedConstructError | 
     return None
 
 
-def _flex_attention_refusal(exc: BaseException) -> UnsupportedConstructError | None:
-    """forward calls flex_attention with a score_mod or mask_mod that indexes a tensor it
-    captures (`self.bias[h]`): torch traces that index through its own wrapper
-    (`_trace_wrapped_higher_order_op`, an autograd.Function) inside the attention's subgraph,
-    where the functional trace does not reach."""
-    if _FUNCTIONAL_ON_ITS_OWN not in str(exc):
-        return None
-    flex = os.path.join("nn", "attention", "flex_attention.py")
-    frames = _frames(exc.__traceback__)
-    first = next((i for i, (frame, _) in enumerate(frames) if _torch_relative(frame.f_code.co_filename) == flex), None)
-    if first is None:
-        return None
-    return UnsupportedConstructError(
-        "forward calls torch.nn.attention.flex_attention with a score_mod or mask_mod that indexes a tensor it "
-        "captures (as self.bias[h]); torch traces that index inside the attention's subgraph through a wrapper "
-        "export cannot trace yet.",
-        where=_caller_line(frames[:first]),
-        fix="keep score_mod and mask_mod to arithmetic on the score and the indices (those export, block masks "
-        "built in forward too); or put the captured values into a float attn_mask of "
-        "F.scaled_dot_product_attention (on CPU flex_attention computes the dense scores anyway), e.g. "
-        "attn_mask = bias[:, None, None] for a per-head bias.",
-    )
-
-
 #: Constructs recognised in a failed trace, each giving our error (None: not this one).
 _REFUSALS: tuple[Callable[[BaseException], PredispatchError | None], ...] = (
-    _flex_attention_refusal,
     torch_func_refusal,
     _autograd_refusal,
     _packed_sequence_refusal,

@@ -53,6 +53,9 @@ from predispatch.trace.grad_history import GradHistoryKeeper
 from predispatch.custom_backward.hooks import backward_hooks
 from predispatch.trace.inference_mode import inference_mode_as_grad_mode
 from predispatch.trace.transforms import transforms_below_autograd
+from predispatch.trace.flex_attention import refuse_differentiated_captures
+from predispatch.trace.outside_tensors import refuse_outside_tensor_uses
+from predispatch.trace.scatter_gradients import rewrite_as_strided_scatters
 from predispatch.trace.rng import refuse_generators_made_in_forward, refusing_rng_changes
 
 
@@ -313,6 +316,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
         stack.enter_context(naming_property_errors())
         stack.enter_context(transforms_below_autograd())  # Note [torch.func in forward]
         stack.enter_context(ti.exporting_flags())
+        stack.enter_context(ti.flex_attention_index_inline())
         stack.enter_context(_no_backend_heuristics())
         stack.enter_context(
             ti.decomposition_hook(lambda op, default, args, kwargs: policy.should_decompose(op, default, log, args, kwargs))
@@ -331,6 +335,9 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
     _check_metadata_mutations(prepared, captured, program.input_metadata_write)
     _check_repeated_inputs(prepared, captured.mutated)
     refuse_generators_made_in_forward(captured.graph_module, program.visible_generators)
+    refuse_differentiated_captures(prepared, captured.graph_module)  # Note [flex_attention's captured tensors]
+    refuse_outside_tensor_uses(captured.graph_module)  # Note [Tensors from outside the module]
+    rewrite_as_strided_scatters(captured.graph_module, prepared.fake_mode)  # Note [as_strided_scatter's gradient]
     gm = captured.graph_module
     _remove_effect_tokens(gm)
     program.sharing.fold(gm)  # the fully traced calls of shared blocks call the body too

@@ -65,6 +65,8 @@ from predispatch import _meta
 from predispatch import _torch_internals as ti
 from predispatch import ops  # noqa: F401 - registers predispatch::keep_history
 from predispatch.errors import user_frame
+from predispatch.trace.outside_tensors import refuse_write_into_real
+from predispatch.trace.scatter_gradients import note_direct_call
 
 
 def _writes_metadata(func: torch._ops.OpOverload) -> bool:
@@ -165,6 +167,7 @@ class GradHistoryKeeper(TorchFunctionMode):
                 self._used.add(value)
         if not isinstance(func, torch._ops.OpOverload) or not func._schema.is_mutable:
             return
+        refuse_write_into_real(func, args, kwargs)  # Note [Tensors from outside the module]
         if self.input_metadata_write is None and args and self.is_input(args[0]) and _writes_metadata(func):
             self.input_metadata_write = user_frame()
         for value, schema_arg in zip((*args, *kwargs.values()), func._schema.arguments):
@@ -183,6 +186,7 @@ class GradHistoryKeeper(TorchFunctionMode):
             pending.append((tensor, ti.functional_value(tensor), mode))
 
     def _after_op(self, func, out) -> None:
+        note_direct_call(func, out)  # Note [as_strided_scatter's gradient]
         self._note_detached_aliases(func, out, self._first_args.pop() if self._first_args else None)
         if self._behind_autograd:  # Note [Writes through a detached alias]
             pending, self._behind_autograd = self._behind_autograd, []

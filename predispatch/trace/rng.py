@@ -165,16 +165,17 @@ def refuse_generators_made_in_forward(gm: fx.GraphModule, visible: frozenset[int
                     "ran (made inside forward, or kept where export does not look): the program would "
                     "hold the one generator made at export and continue its stream from call to call, "
                     "while eager makes and seeds a new one at every call.",
-                    where=_stack_line(node) or f"{user_frame()} (the export call)",
+                    where=stack_line(node) or f"{user_frame()} (the export call)",
                     fix="make the generator outside forward and keep it on the module "
                     "(self.generator = torch.Generator().manual_seed(0) in __init__), or draw from "
                     "torch's default generator seeded outside forward.",
                 )
 
 
-def _stack_line(node: fx.Node) -> str | None:
-    """`file:line (code)` of the innermost frame in a node's recorded stack trace."""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', node.meta.get("stack_trace") or "")
+def stack_line(node: fx.Node) -> str | None:
+    """`file:line (code)` of the innermost frame in a node's recorded stack trace that is a file
+    (not code torch generated: dynamo's graph of flex_attention is `<eval_with_key>.N`)."""
+    frames = re.findall(r'File "([^"<]+)", line (\d+), in \S+\n\s*(.*)', node.meta.get("stack_trace") or "")
     if not frames:
         return None
     path, line, code = frames[-1]

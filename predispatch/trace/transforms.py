@@ -18,14 +18,14 @@ for the outer gradient, as eager differentiates through the transform:
     ->  t = aten.t(p_lin_weight); mm = aten.mm(x, t); add = aten.add(mm, p_lin_bias); sin = aten.sin(add)
 
 Below autograd, composites decompose (`linear` is `t` and `mm`) whatever the decomposition
-policy says, and a grad-mode change is not recorded as a region.  Refused by name instead of
+policy says, and a grad-mode change is not recorded as a region.  jacrev's basis and the
+gradient buffers vmap-over-vjp fills are writes through `as_strided` views, functionalized as
+`as_strided_scatter`, whose derivative torch gets wrong: the trace rewrites it (Note
+[as_strided_scatter's gradient] in trace/scatter_gradients.py; jacrev through a layer had twice
+eager's outer gradient before).  Refused by name instead of
 a program that could differ from eager (`UnsupportedConstructError`):
 - a grad-mode change by the user's code inside the transform (`torch.no_grad()`,
   `inference_mode`); the transform's own (grad's `enable_grad`) are its semantics;
-- `as_strided` / `as_strided_scatter` in what the transform computed (jacrev's basis and
-  functionalized gradient buffers): their gradient reads the memory layout of the tensor they
-  are applied to, which the program's gradient does not have (the outer gradient came out
-  doubled), so the outer gradient would be wrong;
 - any failure inside the transform (jvp under vmap, as in jacfwd and hessian), with torch's
   error kept.
 (torch's own pre-dispatch wrappers for jvp, `torch._functorch.predispatch`, recorded a graph
@@ -82,9 +82,6 @@ ENTRY_POINTS = (
     EntryPoint(torch._functorch.eager_transforms, "_vjp_with_argnums", "vjp (or jacrev)"),
     EntryPoint(torch._functorch.eager_transforms, "_jvp_with_argnums", "jvp (or jacfwd)"),
 )
-
-#: Ops whose gradient reads their input's memory layout (Note [torch.func in forward]).
-_LAYOUT_GRADIENT_OPS = (torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_scatter.default)
 
 _FUNCTORCH_DIR = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "_functorch") + os.sep
 #: Files between a grad-mode change and the code that asked for it (context managers).
@@ -148,7 +145,7 @@ def _below_autograd(entry: EntryPoint, original: Callable[..., Any], args: tuple
             ),
             exc,
         ) from None
-    _check_layout_gradients(entry, graph, last, where)
+    _mark_below_autograd(entry, graph, last)
     return out
 
 
@@ -162,20 +159,11 @@ def _last_node(graph: fx.Graph) -> fx.Node:
     return next(iter(reversed(graph.nodes)))
 
 
-def _check_layout_gradients(entry: EntryPoint, graph: fx.Graph, last: fx.Node, where: str | None) -> None:
-    """Refuse what the transform computed with ops whose gradient reads the memory layout; mark
-    the rest as computed below autograd (`_meta.BELOW_AUTOGRAD`)."""
+def _mark_below_autograd(entry: EntryPoint, graph: fx.Graph, last: fx.Node) -> None:
+    """Mark what the transform computed as computed below autograd (`_meta.BELOW_AUTOGRAD`)."""
     node = last.next
     while node is not graph._root:
         node.meta[_meta.BELOW_AUTOGRAD] = entry.transform
-        if node.target in _LAYOUT_GRADIENT_OPS:
-            raise UnsupportedConstructError(
-                f"forward calls torch.func.{entry.transform}, and what it computes uses {node.target}, whose "
-                "gradient depends on the memory layout of the tensor it is applied to; the program's gradient "
-                "through it would differ from eager's.",
-                where=where,
-                fix=_FIX,
-            )
         node = node.next
 
 

@@ -102,7 +102,9 @@ class _ForwardRecord:
 def capture_call(site: CallSite, fake_mode: ti.FakeTensorMode) -> CapturedCall:
     """Trace `site`'s forward once and its backward from what forward saved; see the module docstring."""
     needs_input_grad = tuple(is_differentiable(a) for a in site.args)
-    with ti.outside_trace():
+    # a real tensor the Function reads from outside its arguments (a global, another module's
+    # weight) is refused as before, not held as a constant of its subgraphs: `_READS_OUTSIDE`
+    with ti.outside_trace(), ti.fake_inputs_only(fake_mode):
         with fake_mode:
             operands = tuple(_fresh_fake(t) for t in site.operands())
         forward, record = _trace_forward(site, operands, needs_input_grad, fake_mode)
