@@ -374,7 +374,7 @@ graph module <root>, nodes[4] (add): calls aten.add_but_not_really.Tensor, which
   see docs/errors.md#serializationerror""")
 
     def test_target_outside_the_allow_list(self):
-        for target in ("builtins.eval", "os.system", "higher_order.flex_attention", "torch.ops.aten.add.Tensor", "aten.__class__.default"):
+        for target in ("builtins.eval", "os.system", "higher_order.triton_kernel_wrapper_mutation", "torch.ops.aten.add.Tensor", "aten.__class__.default"):
             def hostile(program, manifest, target=target):
                 node(program, "add")["target"] = target
 
