@@ -20,7 +20,7 @@ from torch._functorch._aot_autograd.functional_utils import (
 )
 from torch._higher_order_ops.effects import _EffectType
 from torch._ops import HigherOrderOperator, OpOverload
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import (
@@ -195,13 +195,14 @@ class _ForwardFrames:
     @staticmethod
     def extract(**_: Any) -> _ForwardFrames:
         frames = []
+        anchors = _stack_trace_anchors()
         frame = sys._getframe(1)
         while frame is not None:
             code = frame.f_code
             if (
                 code.co_name == "forward"
                 or code.co_filename.endswith("torch/__init__.py")
-                or (code.co_filename, code.co_name) in _stack_trace_anchors()
+                or (code.co_filename, code.co_name) in anchors
             ):
                 frames.append((code.co_filename, frame.f_lineno, code.co_name))
             frame = frame.f_back
@@ -272,8 +273,6 @@ def is_generator_argument_error(exc: BaseException) -> bool:
 
 def is_traced_tensor(value: Any) -> bool:
     """Whether `value` is a tensor of a running trace (fake or functional), not a real constant."""
-    from torch._subclasses.fake_tensor import is_fake
-
     return isinstance(value, torch.Tensor) and (is_fake(value) or isinstance(value, FunctionalTensor))
 # --- the joint forward-backward program (transforms/joint.py) ------------------------------------
 
