@@ -29,7 +29,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from run import _fmt, _verdict, time_exports  # noqa: E402  (a sibling file, not a package)
+import run  # noqa: E402  (a sibling file, not a package)
+from run import _fmt, _verdict, time_exports  # noqa: E402
 from timm_support import import_timm  # noqa: E402
 
 #: (timm name, whether it takes `img_size=`): one or two small members of each family that loads
@@ -120,7 +121,7 @@ def run_zoo(reps: int, size: int = 64, models: list[str] | None = None, modes: t
     timm = import_timm()
     zoo = [(n, s) for n, s in ZOO if not models or n in models]
     lines = [
-        f"`python benchmarks/vision.py --reps {reps} --size {size}`: timm {timm.__version__}, torch "
+        f"`python benchmarks/vision.py --reps {reps} --size {size}{'' if run.CLOCK is run.CLOCKS['wall'] else ' --clock cpu'}`: timm {timm.__version__}, torch "
         f"{torch.__version__}, torch threads {torch.get_num_threads()}; medians of {reps} warm exports, tools alternated.",
         "",
         "| model | mode | predispatch s | torch.export s | pd / torch.export | pd nodes | torch.export nodes | equal to eager |",
@@ -166,7 +167,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", help="only these timm names (default: the whole zoo)")
     parser.add_argument("--modes", nargs="*", default=["eval", "train"], choices=["eval", "train"])
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown here")
+    parser.add_argument("--clock", choices=sorted(run.CLOCKS), default="wall", help="cpu: the process's CPU time (see run.CLOCKS)")
     opts = parser.parse_args()
+    run.CLOCK = run.CLOCKS[opts.clock]
     lines, _, _ = run_zoo(opts.reps, opts.size, opts.models, tuple(opts.modes))
     text = "\n".join(lines) + "\n"
     print(text)

@@ -136,6 +136,9 @@ def _put_back(container: Any, saved: Any) -> None:
         container.update(saved)
 
 
+#: Values that hold nothing: `_find_tracers` passes them without counting them as visited.
+_ATOMS = frozenset({str, int, float, bool, bytes, complex, type(None)})
+
 #: How deep `OutsideState.leaks` looks into what an outside place holds, and how much it visits.
 _LEAK_DEPTH, _LEAK_VISITS = 6, 100_000
 
@@ -198,17 +201,25 @@ class OutsideState:
 
     def leaks(self) -> list[str]:
         """Where a tracer tensor is still reachable from an outside place after `restore`: what
-        it could not put back (an object's slots, a container of another type, deeper state)."""
-        found: list[str] = []
-        seen: set[int] = set()
+        it could not put back (an object's slots, a container of another type, deeper state).
+
+        A first walk only answers whether there is one, building no path (a model file's globals
+        hold configuration tables of thousands of entries: formatting a path for each was most of
+        the walk); only when it finds one does the walk run again, naming every place.  Both walks
+        visit the same values in the same order, so they agree."""
         roots = [
-            *((f"{name}.{key}", v) for name, ns in self.places.namespaces for key, v in list(ns.items())),
-            *((f"{c.__module__}.{c.__qualname__}.{key}", v) for c in self.places.classes for key, v in list(vars(c).items())),
-            *((f"{f.__module__}.{f.__qualname__}'s default argument", v) for f in self.places.functions
+            *(((name, ".", key), v) for name, ns in self.places.namespaces for key, v in list(ns.items())),
+            *(((f"{c.__module__}.{c.__qualname__}", ".", key), v) for c in self.places.classes for key, v in list(vars(c).items())),
+            *(((f"{f.__module__}.{f.__qualname__}", "'s default argument", None), v) for f in self.places.functions
               for v in (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values())),
         ]
-        for path, value in roots:
-            _find_tracers(value, path, 0, seen, found)
+        seen: set[int] = set()
+        if not any(_find_tracers(value, None, 0, seen, None) for _, value in roots):
+            return []
+        found: list[str] = []
+        seen.clear()
+        for (owner, joint, key), value in roots:
+            _find_tracers(value, f"{owner}{joint}{'' if key is None else key}", 0, seen, found)
         return found
 
 
@@ -225,24 +236,34 @@ def _containers_in(values: list[Any]) -> list[Any]:
     return found
 
 
-def _find_tracers(value: Any, path: str, depth: int, seen: set[int], found: list[str]) -> None:
-    """Append `path` (extended into containers and objects) of every tracer tensor in `value`."""
+def _find_tracers(value: Any, path: str | None, depth: int, seen: set[int], found: list[str] | None) -> bool:
+    """Whether `value` holds a tracer tensor; append `path` (extended into containers and objects)
+    of every one to `found`.  With `found=None` (and `path=None`) stop at the first one and format
+    no path."""
+    if type(value) in _ATOMS:
+        return False
     if ti.is_traced_tensor(value):
-        found.append(path)
-        return
+        if found is not None:
+            found.append(path)
+        return True
     if depth > _LEAK_DEPTH or id(value) in seen or len(seen) > _LEAK_VISITS or isinstance(value, (type, torch.Tensor)):
-        return
+        return False
     seen.add(id(value))
     if isinstance(value, dict):
-        children = [(f"{path}[{k!r}]", v) for k, v in list(value.items())]
+        children, step = list(value.items()), "[{!r}]"
     elif isinstance(value, (list, tuple, set, frozenset)) or type(value).__name__ == "deque":
-        children = [(f"{path}[{i}]", v) for i, v in enumerate(list(value))]
+        children, step = list(enumerate(list(value))), "[{}]"
     elif _is_plain_object(value):
-        children = [(f"{path}.{k}", v) for k, v in _attributes(value)]
+        children, step = _attributes(value), ".{}"
     else:
-        return
-    for child_path, child in children:
-        _find_tracers(child, child_path, depth + 1, seen, found)
+        return False
+    held = False
+    for key, child in children:
+        if _find_tracers(child, None if found is None else path + step.format(key), depth + 1, seen, found):
+            if found is None:
+                return True
+            held = True
+    return held
 
 
 def _is_plain_object(value: Any) -> bool:
@@ -286,9 +307,7 @@ def _put_back_attributes(owner: type, saved: dict[str, Any], holds: Callable[[An
 
 def _holds_tracer(value: Any) -> bool:
     """Whether a tracer tensor is reachable from `value` (`_find_tracers`'s bounded walk)."""
-    found: list[str] = []
-    _find_tracers(value, "", 0, set(), found)
-    return bool(found)
+    return _find_tracers(value, None, 0, set(), None)
 
 
 _MISSING = object()

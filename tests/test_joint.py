@@ -573,6 +573,24 @@ def test_program_with_shared_bodies_gives_eagers_gradients():
     assert len(calls) == 12
 
 
+def test_joint_graph_modules_are_plain():
+    """The joint's traces are lazy (no code until the graph is final) and its code is generated
+    once at the end: the joint program and its split bodies are plain GraphModules whose code
+    is there, as the forward program's are (test_decompose's check)."""
+    import test_dedup
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    torch.manual_seed(0)
+    ep = predispatch.export(_Mean(test_dedup.Stack(3, make=test_dedup.WideBlock)), (torch.randn(2, 3, 8),))
+    jp = ep.joint()
+    modules = [m for m in jp.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    assert len(modules) == 3  # the joint, the body's forward and its backward
+    assert not any(isinstance(m, _LazyGraphModule) for m in modules)
+    assert type(jp.graph_module).__name__ == "GraphModule"
+    assert "repeated_body_0_backward" in jp.graph_module.code
+    assert all("def forward" in m.code for m in modules)
+
+
 class Chain(nn.Module):
     """Four tanh layers of one linear, and a residual: a 17-op body, shared at the real threshold."""
 

@@ -139,6 +139,7 @@ from predispatch._torch_internals.switches import (  # noqa: F401
     undecided_setters,
 )
 from predispatch._torch_internals.tracing import (  # noqa: F401
+    fake_empty,
     _ForwardFrames,
     backends_off,
     current_tracer,
@@ -223,6 +224,7 @@ __all__ = [
     "traced_below_autograd",
     "dispatch_keys",
     "trace_differentiated",
+    "fake_empty",
     "forward_frames_only",
     "ProgramTrace",
     "track_tensor_tree",

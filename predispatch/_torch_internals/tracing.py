@@ -20,7 +20,7 @@ from torch._functorch._aot_autograd.functional_utils import (
 )
 from torch._higher_order_ops.effects import _EffectType
 from torch._ops import HigherOrderOperator, OpOverload
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import (
@@ -212,13 +212,14 @@ class _ForwardFrames:
     @staticmethod
     def extract(**_: Any) -> _ForwardFrames:
         frames = []
+        anchors = _stack_trace_anchors()
         frame = sys._getframe(1)
         while frame is not None:
             code = frame.f_code
             if (
                 code.co_name == "forward"
                 or code.co_filename.endswith("torch/__init__.py")
-                or (code.co_filename, code.co_name) in _stack_trace_anchors()
+                or (code.co_filename, code.co_name) in anchors
             ):
                 frames.append((code.co_filename, frame.f_lineno, code.co_name))
             frame = frame.f_back
@@ -302,10 +303,20 @@ def is_generator_argument_error(exc: BaseException) -> bool:
     )
 
 
+def fake_empty(fake_mode: FakeTensorMode, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.empty_strided(shape, stride, ...)` under `fake_mode`, made without dispatching:
+    torch's converter wraps a meta tensor of that metadata (as the fake mode's own factory
+    kernels end), a sixth of the cost of the dispatch (a replayed or split body call makes one
+    per output).  Symbolic sizes take the dispatch, which records them in the shape env."""
+    if all(type(x) is int for x in (*shape, *stride)):
+        meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, torch.device(device))
+    with fake_mode:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
 def is_traced_tensor(value: Any) -> bool:
     """Whether `value` is a tensor of a running trace (fake or functional), not a real constant."""
-    from torch._subclasses.fake_tensor import is_fake
-
     return isinstance(value, torch.Tensor) and (is_fake(value) or isinstance(value, FunctionalTensor))
 # --- the joint forward-backward program (transforms/joint.py) ------------------------------------
 
@@ -327,7 +338,9 @@ def trace_differentiated(fn: Callable[..., Any], args: tuple[torch.Tensor, ...],
             out = fn(*wrapped)
             return pytree.tree_map_only(FunctionalTensor, functional_value, out)
 
-    with fake_mode, enable_python_dispatcher(), torch.autograd.set_multithreading_enabled(False):
+    # lazy: no Python code until the caller has edited the graph (the joint splits bodies out of
+    # it, drops detaches, reorders, appends gradients) and generates it once (`generate_code`)
+    with fake_mode, enable_python_dispatcher(), torch.autograd.set_multithreading_enabled(False), _use_lazy_graph_module(True):
         return make_fx(functional)(*args)
 def pre_dispatch_modes() -> tuple[Any, Any]:
     """The modes in the PreDispatch key's two slots now: (proxy tracer, functional mode).

@@ -71,6 +71,7 @@ def joint_program(ep: Program, loss: str | None = None) -> tuple[fx.GraphModule,
     _tidy(gm)
     check_functional(gm)
     signature = _joint_signature(ep, gm, [w and g for w, g in zip(wants_grad, has_grad)])
+    ti.generate_code(gm)  # once, after every edit: the trace left it lazy
     return gm, signature
 
 
@@ -216,7 +217,6 @@ def _tidy(gm: fx.GraphModule) -> None:
             first_backward.prepend(node)
     gm.graph.lint()
     gm.__class__.__name__ = "GraphModule"
-    gm.recompile()
 
 
 def _joint_signature(ep: Program, gm: fx.GraphModule, has_grad: list[bool]) -> ExportSignature:
@@ -238,7 +238,6 @@ def _joint_signature(ep: Program, gm: fx.GraphModule, has_grad: list[bool]) -> E
                 new_outputs.append(node)
                 specs.append(OutputSpec(GRADIENT_KIND[spec.kind], node.name, name))
     gm.graph.output_node().args = (tuple(new_outputs),)
-    gm.recompile()
     forward_value = pytree.tree_unflatten([object()] * len(sig.output_leaves), sig.out_spec)
     grad_leaves = [Leaf(f"grads[{name!r}]", node is not None) for name, node in grads.items()]
     out_spec = pytree.tree_structure((forward_value, dict.fromkeys(grads, object())))

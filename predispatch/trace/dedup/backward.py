@@ -146,8 +146,7 @@ def _emit(tracer: Any, graph: _Graph) -> Emitted:
 
 
 def _fake(mode: Any, graph: _Graph, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    with mode:
-        return tuple(torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in graph.outputs)
+    return tuple(ti.fake_empty(mode, shape, stride, dtype, device) for shape, stride, dtype, device in graph.outputs)
 
 
 #: One call of a split body (or of a body none of whose operands requires grad).

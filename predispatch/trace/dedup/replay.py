@@ -48,11 +48,7 @@ def _emit(tracer: Any, shared: SharedBody) -> Emitted:
 def _fake(mode: Any, shared: SharedBody, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Fresh fake tensors with the recorded outputs' metadata (the body's input metadata is
     part of the key, so its outputs' metadata is the same)."""
-    with mode:
-        return tuple(
-            torch.empty_strided(shape, stride, dtype=dtype, device=device)
-            for shape, stride, dtype, device, _requires_grad in shared.outputs
-        )
+    return tuple(ti.fake_empty(mode, shape, stride, dtype, device) for shape, stride, dtype, device, _requires_grad in shared.outputs)
 
 
 block_call = TraceTimeHop(
