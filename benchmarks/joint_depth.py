@@ -9,9 +9,7 @@
 2. Llama-3 70B's shape on the meta device (80 layers, no weights), the module returning its
    loss: predispatch's export + joint against torch's
    `aot_export_joint_with_descriptors` (the joint torch's autoparallel starts from), in the
-   same process.  The inputs are CPU tensors for predispatch (as benchmarks/peak_memory.py
-   passes them) and their meta copies for torch, whose joint refuses a CPU input to a meta
-   model; both trace the same fake computation.
+   same process, both on the same meta inputs (every tensor on meta: nothing is computed).
 
 Times are medians of `--reps` warm repetitions (one untimed warm-up), the tools interleaved,
 so each ratio compares runs made under the same load; min and max of the per-repetition
@@ -112,7 +110,7 @@ def big_llama(size: str, reps: int) -> dict:
     meta_args = tuple(a.to("meta") for a in args)  # torch's joint refuses CPU inputs to a meta model
 
     def ours():
-        predispatch.export(model, args).joint()
+        predispatch.export(model, meta_args).joint()
 
     def torchs():
         from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
