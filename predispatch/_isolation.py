@@ -244,7 +244,7 @@ def _find_tracers(value: Any, path: str | None, depth: int, seen: set[int], foun
         return False
     if ti.is_traced_tensor(value):
         if found is not None:
-            found.append(path)
+            found.append(path or "")
         return True
     if depth > _LEAK_DEPTH or id(value) in seen or len(seen) > _LEAK_VISITS or isinstance(value, (type, torch.Tensor)):
         return False
@@ -259,7 +259,7 @@ def _find_tracers(value: Any, path: str | None, depth: int, seen: set[int], foun
         return False
     held = False
     for key, child in children:
-        if _find_tracers(child, None if found is None else path + step.format(key), depth + 1, seen, found):
+        if _find_tracers(child, None if found is None else (path or "") + step.format(key), depth + 1, seen, found):
             if found is None:
                 return True
             held = True
