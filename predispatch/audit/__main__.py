@@ -66,13 +66,10 @@ def confirmed_differences(shipped: AuditTable | None, fresh: AuditTable) -> list
     way and nothing else.  An op whose entry differs is audited again in a fresh child of its
     own; only differences that repeat there count.
     """
-    if shipped is None or not table_differences(shipped, fresh):
-        return table_differences(shipped, fresh)
-    differing = [key for key in set(shipped.entries) | set(fresh.entries)
-                 if shipped.entries.get(key) != fresh.entries.get(key)]
-    again = run_audit(ops=[key for key in differing if key in fresh.entries])
-    entries = {**fresh.entries, **again.entries}
-    return table_differences(shipped, dataclasses.replace(fresh, entries=entries))
+    again = [key for key in _differing_ops(shipped, fresh) if key in fresh.entries] if shipped else []
+    if again:
+        fresh = dataclasses.replace(fresh, entries={**fresh.entries, **run_audit(ops=again).entries})
+    return table_differences(shipped, fresh)
 
 
 def table_differences(shipped: AuditTable | None, fresh: AuditTable, limit: int = 20) -> list[str]:
@@ -86,11 +83,16 @@ def table_differences(shipped: AuditTable | None, fresh: AuditTable, limit: int 
         )
     if shipped.policy != fresh.policy:
         found.append("policy text differs")
-    for key in sorted(set(shipped.entries) | set(fresh.entries)):
-        old, new = shipped.entries.get(key), fresh.entries.get(key)
-        if old != new and not _same_failure(old, new):
-            found.append(f"{key}: shipped {_describe(old)}, fresh {_describe(new)}")
+    for key in _differing_ops(shipped, fresh):
+        found.append(f"{key}: shipped {_describe(shipped.entries.get(key))}, fresh {_describe(fresh.entries.get(key))}")
     return found[:limit] + ([f"... and {len(found) - limit} more"] if len(found) > limit else [])
+
+
+def _differing_ops(shipped: AuditTable, fresh: AuditTable) -> list[str]:
+    """The ops whose entries differ, beyond how one sample failed (`_same_failure`)."""
+    return [key for key in sorted(set(shipped.entries) | set(fresh.entries))
+            if shipped.entries.get(key) != fresh.entries.get(key)
+            and not _same_failure(shipped.entries.get(key), fresh.entries.get(key))]
 
 
 def _same_failure(old: AuditEntry | None, new: AuditEntry | None) -> bool:
@@ -103,9 +105,9 @@ def _same_failure(old: AuditEntry | None, new: AuditEntry | None) -> bool:
     """
     if old is None or new is None or old.verdict is not Verdict.UNVERIFIED:
         return False
-    prefix = old.evidence.split(" raised ", 1)[0] + " raised "
-    return (dataclasses.replace(old, evidence="") == dataclasses.replace(new, evidence="")
-            and " raised " in old.evidence and new.evidence.startswith(prefix))
+    sample, raised, _ = old.evidence.partition(" raised ")  # "schema:f32 (C++ kernel)", " raised "
+    return (bool(raised) and new.evidence.startswith(sample + raised)
+            and dataclasses.replace(old, evidence="") == dataclasses.replace(new, evidence=""))
 
 
 def _describe(entry: object) -> str:
