@@ -32,7 +32,7 @@ from torch import nn
 
 from predispatch.errors import DistributedError, user_frame
 
-__all__ = ["refuse_distributed_state", "refuse_wrapped"]
+__all__ = ["is_dtensor", "refuse_distributed_state", "refuse_wrapped"]
 
 _WHAT_WORKS = (
     "keep each rank's shard as a plain tensor (t.to_local() of a DTensor, as an nn.Parameter) and write "
@@ -52,23 +52,20 @@ def refuse_wrapped(module: nn.Module) -> None:
 def refuse_distributed_state(module: nn.Module, state: Any, user_tensors: list[torch.Tensor]) -> None:
     """Raise `DistributedError` for DTensor state or inputs left after the per-rank stand-in
     (frontend/per_rank.py) replaced a module's DTensor state: DTensor inputs."""
-    dtensor = _dtensor_class()
-    if dtensor is None:
-        return
     for lifted in state:
-        if isinstance(lifted.tensor, dtensor):
+        if is_dtensor(lifted.tensor):
             kind = lifted.spec.kind.name.lower().replace("_", " ")
             raise _dtensor_error(f"{kind} {lifted.spec.target!r}", lifted.tensor)
     for i, tensor in enumerate(user_tensors):
-        if isinstance(tensor, dtensor):
+        if is_dtensor(tensor):
             raise _dtensor_error(f"tensor input {i}", tensor)
 
 
-def _dtensor_class() -> type | None:
-    """torch's DTensor class, when torch.distributed.tensor has been imported (else none exist)."""
-    if "torch.distributed.tensor" not in sys.modules:
-        return None
-    return sys.modules["torch.distributed.tensor"].DTensor
+def is_dtensor(value: Any) -> bool:
+    """Whether `value` is a DTensor (none exist before torch.distributed.tensor is imported,
+    which this does not do)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def _dtensor_error(what: str, tensor: Any) -> DistributedError:

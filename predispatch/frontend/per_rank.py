@@ -51,6 +51,7 @@ from torch import nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import DistributedError, user_frame
+from predispatch.frontend.distributed import is_dtensor
 from predispatch.signature import StatePlacement
 
 __all__ = ["PerRankStep", "has_dtensor_state", "per_rank_module", "refuse_per_rank_options"]
@@ -61,7 +62,7 @@ _DOCS = "see docs/distributed.md (per-rank DTensor programs)."
 def has_dtensor_state(module: nn.Module) -> bool:
     """Whether any parameter or buffer of `module` is a DTensor (none exist before
     torch.distributed.tensor is imported)."""
-    return any(_is_dtensor(t) for t in _state(module).values())
+    return any(is_dtensor(t) for t in _state(module).values())
 
 
 def per_rank_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> tuple[nn.Module, tuple[StatePlacement, ...]]:
@@ -72,7 +73,7 @@ def per_rank_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes
     _refuse_graphs(graphs)
     state = _state(module)
     locals_ = _local_state(module, state)
-    placements = tuple(_placement(name, t) for name, t in state.items() if _is_dtensor(t))
+    placements = tuple(_placement(name, t) for name, t in state.items() if is_dtensor(t))
     return PerRankModule(module, locals_, graphs), placements
 
 
@@ -86,14 +87,6 @@ def refuse_per_rank_options(placements: tuple[StatePlacement, ...], overrides: t
             where=f"{user_frame()} (the export call)",
             fix="export without preserve= and decompose=; " + _DOCS,
         )
-
-
-def _is_dtensor(value: Any) -> bool:
-    """Whether `value` is a DTensor (none exist before torch.distributed.tensor is imported)."""
-    import sys
-
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(value, module.DTensor)
 
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -110,7 +103,7 @@ def _local_state(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str,
     out = {}
     for name, t in state.items():
         if id(t) not in made:
-            if _is_dtensor(t):
+            if is_dtensor(t):
                 local = t.to_local().detach()  # type: ignore[attr-defined]  # a DTensor's
                 made[id(t)] = nn.Parameter(local, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else local
             else:
@@ -167,7 +160,7 @@ def _refuse_inputs(args: tuple, kwargs: dict, dynamic_shapes: Any) -> None:
                 where=where,
                 fix="bind constants in the model (an attribute or a closure) and pass tensors; " + _DOCS,
             )
-        if _is_dtensor(leaf):
+        if is_dtensor(leaf):
             raise _dtensor_io_error(f"tensor input {i}", where)
 
 
