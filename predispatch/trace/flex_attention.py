@@ -27,7 +27,7 @@ from torch import fx
 from predispatch.errors import UnsupportedConstructError, user_frame
 from predispatch.frontend.inputs import PreparedInputs
 from predispatch.signature import InputKind
-from predispatch.trace.rng import stack_line
+from predispatch._meta import stack_line
 
 __all__ = ["refuse_differentiated_captures"]
 

@@ -30,7 +30,7 @@ from torch import fx, nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import OutsideWriteError, UnsupportedInputError, user_frame
-from predispatch.trace.rng import stack_line
+from predispatch._meta import stack_line
 
 __all__ = ["refuse_outside_tensor_uses", "refuse_write_into_real"]
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import re
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -45,6 +44,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from predispatch import _meta
 from predispatch import _torch_internals as ti
 from predispatch.errors import RngStateError, user_frame
 from predispatch.frontend.reachable import is_filled
@@ -165,21 +165,11 @@ def refuse_generators_made_in_forward(gm: fx.GraphModule, visible: frozenset[int
                     "ran (made inside forward, or kept where export does not look): the program would "
                     "hold the one generator made at export and continue its stream from call to call, "
                     "while eager makes and seeds a new one at every call.",
-                    where=stack_line(node) or f"{user_frame()} (the export call)",
+                    where=_meta.stack_line(node) or f"{user_frame()} (the export call)",
                     fix="make the generator outside forward and keep it on the module "
                     "(self.generator = torch.Generator().manual_seed(0) in __init__), or draw from "
                     "torch's default generator seeded outside forward.",
                 )
-
-
-def stack_line(node: fx.Node) -> str | None:
-    """`file:line (code)` of the innermost frame in a node's recorded stack trace that is a file
-    (not code torch generated: dynamo's graph of flex_attention is `<eval_with_key>.N`)."""
-    frames = re.findall(r'File "([^"<]+)", line (\d+), in \S+\n\s*(.*)', node.meta.get("stack_trace") or "")
-    if not frames:
-        return None
-    path, line, code = frames[-1]
-    return f"{path}:{line} ({code.strip()})"
 
 
 def _patch_changers(record: _Changes) -> list[tuple[Any, str, Any]]:
