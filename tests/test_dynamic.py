@@ -50,6 +50,19 @@ class DynamicShapes(TestCase):
         (symbol, _, _), = ep.signature.shapes.ranges
         assert ep.signature.shapes.names == ((symbol, "batch"),)
 
+    def test_dim_names_that_cannot_be_bound_stop_the_export(self):
+        """A torch whose reading of the spec no longer names our inputs: export stops, loudly,
+        rather than return a program that silently lost the names."""
+        from unittest import mock
+
+        from predispatch import _torch_internals as ti
+        from predispatch.errors import TorchDriftError
+
+        with mock.patch.object(ti, "named_dims", lambda *a: [(0, 0, "batch")]), self.assertRaises(TorchDriftError) as info:
+            self.export_mixer()
+        self.assertIn("the user's Dim names", str(info.exception))
+        self.assertIn("names Dim 'batch' on a tensor that is not an input", str(info.exception))
+
     def test_graph_is_symbolic_and_ranges_are_printed(self):
         text = str(self.export_mixer())
         assert "x: \"f32[s77, 8]\", y: \"f32[s17, 8]\"" in text and "s77 (batch): [2, 64]  (x.size()[0])" in text, text

@@ -63,6 +63,9 @@ def fake_dynamic_inputs(module: nn.Module, args: tuple, kwargs: dict, dynamic_sh
     return DynamicInputs(fake_mode, tuple(fake_args), dict(fake_kwargs), equalities, signature, shapes, names)
 
 
+DIM_NAMES = "the user's Dim names (torch.export.dynamic_shapes._process_dynamic_shapes)"
+
+
 def _dim_names(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,
                fakes: Any) -> tuple[tuple[Any, str], ...]:
     """The symbol each named `Dim` became, with its name: the program keeps the user's names
@@ -70,7 +73,9 @@ def _dim_names(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any
     fake_of = {id(real): fake for real, fake in zip(pytree.tree_leaves((args, kwargs)), pytree.tree_leaves(fakes))}
     names: dict[Any, str] = {}
     for tensor_id, dim, name in ti.named_dims(module, args, kwargs, dynamic_shapes):
-        size = fake_of[tensor_id].shape[dim] if tensor_id in fake_of else None
+        if tensor_id not in fake_of:  # torch's reading binds the spec to the inputs we fakified
+            raise ti.drift(DIM_NAMES, f"its reading of dynamic_shapes names Dim {name!r} on a tensor that is not an input")
+        size = fake_of[tensor_id].shape[dim]
         if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
             names.setdefault(size.node.expr, name)
     return tuple(names.items())
