@@ -344,6 +344,21 @@ def test_onnx_dim_names_without_giving_them_again(tmp_path):
         assert_close(torch.from_numpy(actual), model(x, y), **tolerance("mlp"))
 
 
+def test_onnx_dim_names_that_do_not_reach_the_axes_stop_to_onnx(monkeypatch):
+    """If torch.onnx stops naming axes after symbols, the rename misses: to_onnx raises rather
+    than return axes without the user's names."""
+    from torch.export import Dim
+    from torch.onnx._internal.exporter._onnx_program import ONNXProgram
+
+    from predispatch.errors import TorchDriftError
+
+    batch = Dim("batch", min=2, max=64)
+    ep = predispatch.export(Pooled(), (torch.randn(3, 5, 8), torch.randn(3, 8)), dynamic_shapes={"x": {0: batch}, "y": {0: batch}})
+    monkeypatch.setattr(ONNXProgram, "rename_axes", lambda self, mapping: None)
+    with pytest.raises(TorchDriftError, match=r"the dynamic axes \['batch'\] did not get their Dim names"):
+        ep.to_onnx()
+
+
 # ---- training routes (docs/comparison.md#training-routes)
 
 
