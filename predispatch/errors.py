@@ -241,6 +241,20 @@ class SerializationError(PredispatchError):
     anchor = "serializationerror"
 
 
+class DeviceUnavailableError(SerializationError):
+    """A file's program runs on a device this machine's torch cannot provide.
+
+    Cause: the program was exported on an accelerator (its state and the devices its graph
+    creates tensors on are `cuda:0`, say) and is loaded where torch has no such device (a CPU
+    build, no GPU, fewer GPUs).  The file is sound; a program is traced for its device, so load
+    does not move it.
+    Fix: load it on a machine with that device, or export the model on the device you will run
+    it on (`predispatch.export(model.cpu(), cpu_args)`) and save that program.
+    """
+
+    anchor = "deviceunavailableerror"
+
+
 class NotRepresentableError(PredispatchError):
     """`ep.to_torch()` met something a `torch.export.ExportedProgram` cannot hold.
 

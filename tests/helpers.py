@@ -151,6 +151,12 @@ def _backward(outputs: list[torch.Tensor]) -> None:
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+def subprocess_env(*paths: str) -> dict[str, str]:
+    """This process's environment with `paths` first on PYTHONPATH, keeping what was there (a
+    machine whose test packages come from PYTHONPATH), for tests that run a child interpreter."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [*map(str, paths), os.environ.get("PYTHONPATH")]))}
+
+
 #: The torch release the golden graphs are written on (the README's quick path).  A few graphs
 #: print differently on other releases (node order, alias nodes torch's autograd adds): those
 #: tests compare their golden on this release only, and their numeric checks on every release.

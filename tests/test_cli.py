@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from expecttest import TestCase
+from helpers import subprocess_env
 from torch import nn
 
 import predispatch
@@ -435,7 +436,7 @@ def test_every_command_has_help_with_exit_codes(capsys, command):
 
 
 def _subprocess(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env(ROOT / "tests")
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, check=False)
 
 
@@ -456,7 +457,7 @@ def test_python_dash_m_and_the_console_script():
 
 def _read_one_line_and_close(*argv: str) -> subprocess.CompletedProcess:
     """Run the CLI as `predispatch ARGS | head -1` does: the reader leaves after one line."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = subprocess_env(ROOT)
     proc = subprocess.Popen([sys.executable, "-m", "predispatch", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     first = proc.stdout.readline()
     proc.stdout.close()
@@ -487,7 +488,7 @@ def test_import_and_help_do_not_import_dynamo():
         "with contextlib.redirect_stdout(io.StringIO()): main(['--help'])\n"
         "print('torch._dynamo' in sys.modules)"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = subprocess_env(ROOT)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.stdout.strip() == "False", done.stderr
 
@@ -502,7 +503,7 @@ def test_import_and_help_do_not_import_torch():
         "with contextlib.redirect_stdout(io.StringIO()): main(['--help']); main(['export', '--help'])\n"
         "print('torch' in sys.modules, callable(predispatch.export), 'torch' in sys.modules)"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = subprocess_env(ROOT)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.stdout.strip() == "False True True", done.stderr
 
@@ -521,6 +522,6 @@ def test_show_imports_only_what_loading_needs(tmp_path):
         "names = ('torch._functorch.aot_autograd', 'torch._export.non_strict_utils', 'torch._dynamo')\n"
         "print([name in sys.modules for name in names])"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = subprocess_env(ROOT)
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env, timeout=300)
     assert done.stdout.strip() == "[False, False, True]", done.stderr

@@ -1200,7 +1200,9 @@ class GraphModule(torch.nn.Module):
         ep = predispatch.export(model, (self.x,))
         eager_x, program_x = self.x.clone().requires_grad_(), self.x.clone().requires_grad_()
         expected, actual = Ensemble()(eager_x), ep.module()(program_x)
-        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+        # the same bmm on the same strides as eager's vmap calls, but MKL's batched product can
+        # round by the buffers' alignment: 1 ulp apart on a 16-core AVX-512 machine, bitwise here
+        torch.testing.assert_close(actual, expected)
         expected.sum().backward(), actual.sum().backward()
         torch.testing.assert_close(program_x.grad, eager_x.grad)  # bmm's backward: summed in another order
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from expecttest import TestCase
-from helpers import assert_same_tree
+from helpers import assert_same_tree, subprocess_env
 from test_consumers import WhileModel
 from test_export import Batch, ConvBN, Counter, DictOut, Masked, ScaleInPlace, Tied, WithConstant
 from test_regions import CASES as REGION_CASES
@@ -807,7 +807,7 @@ def test_tables_name_every_hop_we_emit():
 
 def _run_attacks_subprocess(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """tests/load_attacks.py in a fresh interpreter: a crash fails the test, not the test run."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env(ROOT)
     return subprocess.run([sys.executable, os.path.join(TESTS, "load_attacks.py"), *argv], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -1037,7 +1037,7 @@ def test_while_loop_loads_in_a_fresh_process(tmp_path):
     model, (x, n), _ = WHILE_LOOPS["data_trip_count"]()
     predispatch.save(predispatch.export(model, (x, n)), tmp_path / "loop.pd")
     torch.save(x, tmp_path / "x.pt")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env(ROOT)
     result = subprocess.run(
         [sys.executable, "-c", _WHILE_LOOP_IN_A_FRESH_PROCESS, str(tmp_path / "loop.pd"), str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
         capture_output=True, text=True, timeout=300, env=env,
@@ -1365,3 +1365,36 @@ def test_state_order_round_trips_and_a_lying_one_is_refused(tmp_path):
         program["signature"]["state_order"].append("not.a.state")
 
     assert "'not.a.state', which is no lifted state" in load_error(rewrite(path.read_bytes(), lie))
+
+
+# --- a file from a GPU machine on one without ----------------------------------------------------
+
+#: Saved on an H100 machine (torch 2.11, cuda:0) by the device probe: an nn.Sequential(Linear,
+#: GELU) whose state is on CUDA, and a stateless forward that creates `torch.ones(8, device="cuda")`
+#: (only its graph names the device).
+CUDA_FILES = ("linear_gelu_cuda.pd", "device_const_cuda.pd")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has the device the files name")
+@pytest.mark.parametrize("name", CUDA_FILES)
+def test_a_cuda_program_on_a_machine_without_cuda_is_refused_by_name(name):
+    """Not "corrupted" (safetensors' own complaint), and not loaded to fail at the first call
+    inside a kernel: our error names the device and what to do."""
+    path = os.path.join(TESTS, "files", name)
+    with open(path, "rb") as f:
+        data = f.read()
+    with pytest.raises(predispatch.errors.DeviceUnavailableError) as info:
+        predispatch.load(path)
+    assert "cuda:0" in info.value.what and "corrupted" not in str(info.value)
+    assert "export the model on the device" in info.value.fix
+    assert os.path.basename(__file__) in (info.value.where or "")
+    with open(path, "rb") as f:
+        assert f.read() == data
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", CUDA_FILES)
+def test_a_cuda_program_loads_where_cuda_is(name):
+    module = predispatch.load(os.path.join(TESTS, "files", name)).module()
+    x = torch.randn(4, 8, device="cuda")
+    assert module(x).device.type == "cuda"

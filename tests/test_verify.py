@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from expecttest import TestCase
+from helpers import subprocess_env
 from torch import fx, nn
 
 import predispatch
@@ -362,7 +363,7 @@ def test_every_backward_kernel_argument_that_is_read_unchecked_is_decided():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run(
         [sys.executable, "-W", "ignore", "-m", "predispatch.serialize.kernel_inputs", "--probe"],
-        capture_output=True, text=True, timeout=900, cwd=root, env={**os.environ, "PYTHONPATH": root},
+        capture_output=True, text=True, timeout=900, cwd=root, env=subprocess_env(root),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     verdicts = json.loads(result.stdout)
@@ -525,7 +526,7 @@ def _in_subprocess(function: str, done: str) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     result = subprocess.run([sys.executable, "-W", "ignore", "-c", f"import sys; sys.path.insert(0, {here!r}); "
                              f"import test_verify; test_verify.{function}()"],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.path.dirname(here)})
+                            capture_output=True, text=True, timeout=300, env=subprocess_env(os.path.dirname(here)))
     assert result.returncode == 0 and done in result.stdout, result.stderr[-3000:]
 
 

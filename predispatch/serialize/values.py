@@ -29,7 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from predispatch.errors import SerializationError
+from predispatch.errors import DeviceUnavailableError, SerializationError, user_frame
 from predispatch.serialize.shapes import encode_size, encode_storage_offset, encode_symbolic
 
 #: Device types a stored tensor or tensor metadata may name: `meta` has no data, and a
@@ -45,7 +45,29 @@ def _torch_names(kind: type) -> dict[str, Any]:
 def parse_device(name: str) -> torch.device:
     if not isinstance(name, str) or not re.fullmatch(r"[a-z_]+(:\d{1,4})?", name):
         raise SerializationError(f"{name!r} is not a device name.")
-    return torch.device(name)
+    device = torch.device(name)
+    _check_available(device)
+    return device
+
+
+def _check_available(device: torch.device) -> None:
+    """Refuse a device this torch cannot provide, at load: a file from a GPU machine read on a
+    CPU one would otherwise fail inside safetensors (reported as a corrupted file) or, for a
+    device only the graph names, at the first call, inside a kernel."""
+    if device.type in ("cpu", "meta"):
+        return
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, torch.mps
+    count = backend.device_count() if backend is not None and backend.is_available() else 0
+    if count > (device.index or 0):
+        return
+    raise DeviceUnavailableError(
+        f"the file's program runs on {device}, which this machine's torch ({torch.__version__}) "
+        f"cannot provide ({count} {device.type} device(s) available): it was exported there, and a "
+        "program is traced for its device, so load does not move it.",
+        where=user_frame(),
+        fix=f"load it on a machine with a {device.type} device, or export the model on the device you "
+        "will run it on (predispatch.export(model.cpu(), cpu_args)) and save that program.",
+    )
 
 
 def _named_value(kind: type) -> tuple[type, Callable[[Any], str], Callable[[str], Any]]:
