@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -158,7 +159,8 @@ def trace_program(
             with torch_function_disabled():  # metadata reads only (see `torch_function_disabled`)
                 f_token, *wrapped = _to_functional((token, *inputs))
             mode._tokens = {effect: f_token for effect in _EffectType}
-            out = fn(*wrapped)
+            with frames_fixed_above(sys._getframe()):
+                out = fn(*wrapped)
             with torch_function_disabled():
                 changes = list(_mutations(wrapped, inputs))
             for i, (data_changed, meta_changed) in enumerate(changes):
@@ -211,22 +213,45 @@ class _ForwardFrames:
 
     @staticmethod
     def extract(**_: Any) -> _ForwardFrames:
-        frames = []
-        anchors = _stack_trace_anchors()
-        frame = sys._getframe(1)
-        while frame is not None:
-            code = frame.f_code
-            if (
-                code.co_name == "forward"
-                or code.co_filename.endswith("torch/__init__.py")
-                or (code.co_filename, code.co_name) in anchors
-            ):
-                frames.append((code.co_filename, frame.f_lineno, code.co_name))
-            frame = frame.f_back
-        return _ForwardFrames(frames)
+        return _ForwardFrames(_kept_frames(sys._getframe(1), getattr(_ABOVE, "frame", None)))
 
     def summary(self) -> traceback.StackSummary:
         return traceback.StackSummary.from_list([traceback.FrameSummary(*f) for f in reversed(self.frames)])
+
+
+#: The frame a trace calls the traced function from, in this thread, and the frames FX keeps
+#: from it up (see `frames_fixed_above`).
+_ABOVE = threading.local()
+
+
+def _kept_frames(frame: Any, stop: Any = None) -> list[tuple[str, int, str]]:
+    """The frames FX keeps from `frame` up the stack; at `stop`, the ones `frames_fixed_above`
+    found there (the same: those frames are suspended, their lines fixed)."""
+    frames = []
+    anchors = _stack_trace_anchors()
+    while frame is not None:
+        if frame is stop:
+            frames.extend(_ABOVE.kept)
+            break
+        code = frame.f_code
+        if code.co_name == "forward" or code.co_filename.endswith("torch/__init__.py") or (code.co_filename, code.co_name) in anchors:
+            frames.append((code.co_filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    return frames
+
+
+@contextlib.contextmanager
+def frames_fixed_above(frame: Any) -> Iterator[None]:
+    """Every node traced below `frame` (the traced function's caller) shares the frames above it:
+    walk them once, not for each node (the export's own frames, the user's script, a test
+    runner: half of a node's stack).  A stack without `frame` (another thread) is walked whole."""
+    saved = getattr(_ABOVE, "frame", None), getattr(_ABOVE, "kept", ())
+    _ABOVE.kept = _kept_frames(frame, saved[0])
+    _ABOVE.frame = frame
+    try:
+        yield
+    finally:
+        _ABOVE.frame, _ABOVE.kept = saved
 
 
 @contextlib.contextmanager
