@@ -13,6 +13,7 @@ Forward may also write outside the module, where the user's code keeps things: s
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -242,11 +243,13 @@ def _find_tracers(value: Any, path: str | None, depth: int, seen: set[int], foun
     no path."""
     if type(value) in _ATOMS:
         return False
-    if ti.is_traced_tensor(value):
+    if isinstance(value, torch.Tensor):  # a leaf of the walk: a tracer, or a real tensor
+        if not ti.is_traced_tensor(value):
+            return False
         if found is not None:
             found.append(path or "")
         return True
-    if depth > _LEAK_DEPTH or id(value) in seen or len(seen) > _LEAK_VISITS or isinstance(value, (type, torch.Tensor)):
+    if depth > _LEAK_DEPTH or id(value) in seen or len(seen) > _LEAK_VISITS or isinstance(value, type):
         return False
     seen.add(id(value))
     if isinstance(value, dict):
@@ -259,6 +262,8 @@ def _find_tracers(value: Any, path: str | None, depth: int, seen: set[int], foun
         return False
     held = False
     for key, child in children:
+        if type(child) in _ATOMS:  # the check `_find_tracers` makes first, without the call
+            continue
         if _find_tracers(child, None if found is None else (path or "") + step.format(key), depth + 1, seen, found):
             if found is None:
                 return True
@@ -276,11 +281,24 @@ def _is_plain_object(value: Any) -> bool:
 
 def _attributes(value: Any) -> list[tuple[str, Any]]:
     found = list(getattr(value, "__dict__", {}).items())
-    for klass in type(value).__mro__:
-        for slot in (lambda s: (s,) if isinstance(s, str) else s)(vars(klass).get("__slots__", ())):
-            if hasattr(value, slot):
-                found.append((slot, getattr(value, slot)))
+    for slot in _slots(type(value)):
+        if hasattr(value, slot):
+            found.append((slot, getattr(value, slot)))
     return found
+
+
+def _slots(klass: type) -> tuple[str, ...]:
+    """The slot names `klass` and its bases declare (a class's `__slots__` are fixed when it is
+    created: read once, not for each object the walk meets; held weakly by class)."""
+    slots = _SLOTS.get(klass)
+    if slots is None:
+        slots = _SLOTS[klass] = tuple(
+            slot for base in klass.__mro__ for slot in (lambda s: (s,) if isinstance(s, str) else s)(vars(base).get("__slots__", ()))
+        )
+    return slots
+
+
+_SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
 def _put_back_keys(namespace: dict[Any, Any], saved: dict[Any, Any], holds: Callable[[Any], bool]) -> None:

@@ -569,3 +569,92 @@ def test_model_output_of_transformers_keeps_its_type():
     assert type(out) is modeling_outputs.BaseModelOutput
     torch.testing.assert_close(out.last_hidden_state, x * 2, rtol=0, atol=0)
     torch.testing.assert_close(out.hidden_states[1], x + 1, rtol=0, atol=0)
+
+
+# --- fakifying state: the short way gives what torch's converter gives --------------------------
+
+
+def _plain_cases() -> dict[str, torch.Tensor]:
+    buffer = torch.arange(6.0).reshape(2, 3)
+    buffer._is_buffer, buffer.persistent = True, False  # as nn.Buffer marks one
+    return {
+        "parameter": nn.Parameter(torch.randn(4, 3)),
+        "frozen parameter": nn.Parameter(torch.randn(3), requires_grad=False),
+        "channels_last": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "transposed, whole storage": torch.randn(3, 4).t(),  # a view: the general path
+        "expanded (stride 0)": torch.randn(3, 1).expand(3, 4).contiguous(),
+        "empty": torch.empty(0, 3),
+        "bool": torch.tensor([True, False]),
+        "complex": torch.randn(2, dtype=torch.cfloat),
+        "int64 scalar": torch.tensor(7),
+        "requires_grad buffer": torch.randn(2, requires_grad=True),
+        "marked buffer": buffer,
+    }
+
+
+@pytest.mark.parametrize("name", list(_plain_cases()))
+def test_fake_of_plain_matches_from_tensor(name):
+    """Every property torch's `from_tensor` gives a fake, `ti.fake_of_plain` gives it too, and a
+    later `from_tensor` of the same tensor returns its fake (the converter's memo)."""
+    from predispatch import _torch_internals as ti
+
+    t = _plain_cases()[name]
+    expected = ti.new_fake_mode().from_tensor(t, static_shapes=True)
+    mode = ti.new_fake_mode()
+    fake = ti.fake_of_plain(mode, t)
+    if t._is_view():
+        assert fake is None  # views keep their base through the general path
+        return
+    assert fake is not None
+    for attr in ("shape", "dtype", "device", "layout", "requires_grad", "is_leaf"):
+        assert getattr(fake, attr) == getattr(expected, attr), attr
+    assert fake.stride() == expected.stride() and fake.storage_offset() == expected.storage_offset()
+    assert fake.untyped_storage().nbytes() == expected.untyped_storage().nbytes()
+    assert type(fake) is type(expected) and isinstance(fake, nn.Parameter) == isinstance(expected, nn.Parameter)
+    assert getattr(fake, "_is_buffer", False) == getattr(t, "_is_buffer", False)
+    assert torch._C._dispatch_keys(fake) == torch._C._dispatch_keys(expected)
+    assert mode.from_tensor(t, static_shapes=True) is fake
+
+
+def test_fake_of_plain_refuses_what_the_general_path_must_make():
+    """Views, storage offsets, a storage larger than the tensor, subclasses and meta tensors take
+    `from_tensor` (None here), which keeps what they share."""
+    from predispatch import _torch_internals as ti
+
+    base = torch.randn(4, 4)
+    refused = {
+        "view": base[1],
+        "offset, not a view": torch.empty(0).set_(base.untyped_storage(), 4, (3,), (1,)),
+        "larger storage": torch.empty(0).set_(base.untyped_storage(), 0, (3,), (1,)),
+        "meta": torch.empty(3, device="meta"),
+        "conj": torch.randn(2, dtype=torch.cfloat).conj(),
+        "non-leaf": torch.randn(2, requires_grad=True) * 2,
+    }
+    for name, t in refused.items():
+        assert ti.fake_of_plain(ti.new_fake_mode(), t) is None, name
+
+
+def test_state_sharing_storage_keeps_sharing_in_the_trace():
+    """Two buffers over one storage (not views of each other) are fakified together by torch's
+    converter: a write through one reaches the other in the program as in eager."""
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            storage = torch.zeros(4)
+            self.register_buffer("a", torch.empty(0).set_(storage.untyped_storage(), 0, (4,), (1,)))
+            self.register_buffer("b", torch.empty(0).set_(storage.untyped_storage(), 0, (4,), (1,)))
+
+        def forward(self, x):
+            self.a.add_(x)
+            return self.b * 1
+
+    from predispatch.frontend.inputs import _alone_in_storage
+
+    model = Shared()
+    alone = _alone_in_storage([model.a, model.b, torch.randn(4)])
+    assert id(model.a) not in alone and id(model.b) not in alone and len(alone) == 1  # the input alone
+    eager, x = copy.deepcopy(model), torch.ones(4)
+    program = predispatch.export(model, (x,)).module()
+    torch.testing.assert_close(program(x), eager(x), rtol=0, atol=0)
+    torch.testing.assert_close(program(x), eager(x), rtol=0, atol=0)

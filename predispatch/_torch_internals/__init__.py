@@ -140,6 +140,7 @@ from predispatch._torch_internals.switches import (  # noqa: F401
 )
 from predispatch._torch_internals.tracing import (  # noqa: F401
     fake_empty,
+    fake_of_plain,
     _ForwardFrames,
     backends_off,
     current_tracer,
@@ -225,6 +226,7 @@ __all__ = [
     "dispatch_keys",
     "trace_differentiated",
     "fake_empty",
+    "fake_of_plain",
     "forward_frames_only",
     "ProgramTrace",
     "track_tensor_tree",

@@ -340,6 +340,54 @@ def fake_empty(fake_mode: FakeTensorMode, shape: Any, stride: Any, dtype: torch.
         return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
+def fake_of_plain(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor | None:
+    """The fake of `t` as `fake_mode.from_tensor(t, static_shapes=True)` makes it, for a plain
+    dense leaf tensor that alone owns its whole storage: made from a meta tensor of its metadata
+    (`fake_empty`'s way) and entered in the converter's memo, so a later `from_tensor(t)` returns
+    it.  A seventh of `from_tensor`'s cost, which describes every tensor for the general case
+    (views, subclasses, symbolic sizes): a tenth of a CNN's export, one per parameter and buffer.
+
+    None when `t` is anything else; the caller takes `from_tensor`.  The caller vouches that no
+    other tensor it fakifies shares `t`'s storage (storage sharing is what the general path keeps)."""
+    if (
+        type(t) not in (torch.Tensor, torch.nn.Parameter)
+        or t.layout is not torch.strided
+        or t.is_meta
+        or t.is_quantized
+        or t.is_conj()
+        or t.is_neg()
+        or t._is_zerotensor()
+        or t._is_view()
+        or not t.is_leaf
+        or t.storage_offset() != 0
+        or (t.requires_grad and getattr(t, "grad_dtype", t.dtype) != t.dtype)
+        or t.untyped_storage().nbytes() != _extent(t) * t.element_size()
+        or not all(type(x) is int for x in (*t.shape, *t.stride()))
+    ):
+        return None
+    converter = fake_mode.fake_tensor_converter
+    memo = converter._get_memo(t)
+    if memo is not None:
+        return memo
+    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta", requires_grad=t.requires_grad)
+    fake = converter.from_meta_and_device(fake_mode, meta, t.device)
+    if type(t) is torch.nn.Parameter:  # as the meta converter marks it (a Parameter() would detach)
+        fake._is_param = True
+    if getattr(t, "_is_buffer", False):
+        fake._is_buffer = True
+        if hasattr(t, "persistent"):
+            fake.persistent = t.persistent
+    converter.set_tensor_memo(t, fake)
+    return fake
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from the first to one past the last a strided tensor reaches (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
 def is_traced_tensor(value: Any) -> bool:
     """Whether `value` is a tensor of a running trace (fake or functional), not a real constant."""
     return isinstance(value, torch.Tensor) and (is_fake(value) or isinstance(value, FunctionalTensor))

@@ -121,12 +121,13 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     dynamic = fake_dynamic_inputs(module, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
     fake_mode = dynamic.fake_mode if dynamic else ti.new_fake_mode(real_constants=True)  # Note [Tensors from outside the module]
     device = _inputs_device(flat)
-    fake_state = tuple(_fakify(fake_mode, s.tensor, s.spec.kind is InputKind.PARAMETER, device) for s in state)
+    alone = _alone_in_storage([s.tensor for s in state] if dynamic else [*(s.tensor for s in state), *tensors])
+    fake_state = tuple(_fakify(fake_mode, s.tensor, s.spec.kind is InputKind.PARAMETER, device, alone) for s in state)
     if dynamic:
         fake_flat = pytree.tree_leaves((dynamic.fake_args, dynamic.fake_kwargs))
         fake_user = tuple(x for x in fake_flat if isinstance(x, torch.Tensor))
     else:
-        fake_user = tuple(_fakify(fake_mode, x) for x in tensors)
+        fake_user = tuple(_fakify(fake_mode, x, alone=alone) for x in tensors)
     repeated = _repeated(tensors)
     fake_user = _one_twin_per_place(fake_mode, fake_user, repeated)
     user_specs = _user_input_specs(leaves, taken={s.spec.name for s in state})
@@ -492,19 +493,37 @@ def _inputs_device(leaves: list[Any]) -> torch.device:
     return next((x.device for x in tensors if not x.is_meta), torch.device("cpu"))
 
 
+def _alone_in_storage(tensors: list[torch.Tensor]) -> frozenset[int]:
+    """The ids of the tensors among `tensors` whose storage no other of them uses (a tensor
+    passed twice shares its own): `ti.fake_of_plain` may fakify those without the general
+    path, which keeps storage sharing."""
+    owners: dict[int, list[int]] = {}
+    for t in tensors:
+        if type(t) in (torch.Tensor, nn.Parameter) and t.layout is torch.strided and not t.is_meta:
+            owners.setdefault(t.untyped_storage()._cdata, []).append(id(t))
+    return frozenset(ids[0] for ids in owners.values() if len(ids) == 1)
+
+
 def _fakify(
-    fake_mode: ti.FakeTensorMode, tensor: torch.Tensor, parameter: bool = False, device: torch.device | None = None
+    fake_mode: ti.FakeTensorMode,
+    tensor: torch.Tensor,
+    parameter: bool = False,
+    device: torch.device | None = None,
+    alone: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """A fake twin with static shapes (dynamic dimensions are opted into, later).
 
     A tensor of another trace (an export nested in an export sees the outer trace's tensors)
     has no data to convert: its twin is made from its metadata alone.  A meta tensor (a model
     built under `torch.device("meta")`) gets its twin on `device`, where its real data will be.
+    A plain tensor alone in its storage (`alone`, by id) takes `ti.fake_of_plain`'s short way.
     """
     if tensor.is_meta and device is not None and type(tensor) in (torch.Tensor, nn.Parameter):
         fake = ti.fake_of_meta(fake_mode, tensor, device)
     elif type(tensor) in (torch.Tensor, nn.Parameter):
-        fake = fake_mode.from_tensor(tensor, static_shapes=True)
+        fake = ti.fake_of_plain(fake_mode, tensor) if id(tensor) in alone else None
+        if fake is None:
+            fake = fake_mode.from_tensor(tensor, static_shapes=True)
     else:
         fake = _fake_from_metadata(fake_mode, tensor)
     if parameter and not isinstance(fake, nn.Parameter):  # from_tensor keeps a Parameter's class already

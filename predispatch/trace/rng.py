@@ -272,7 +272,7 @@ def _visible_generators(module: nn.Module) -> list[torch.Generator]:
             values.extend(cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ()) if is_filled(cell))
         for value in values:
             for item in (value, *(_shallow_items(value))):
-                if isinstance(item, torch.Generator):
+                if issubclass(type(item), torch.Generator):  # isinstance runs torch's Python check
                     found.setdefault(ti.generator_identity(item), item)
     return list(found.values())
 
