@@ -107,8 +107,9 @@ class ObjectState:
                 seen.add(id(owner))
                 namespace = vars(owner)
                 namespaces.append((owner, dict(namespace)))
-                # the registries and hook tables: dicts and sets inside `__dict__`
-                containers.extend((v, _copy(v)) for v in namespace.values() if isinstance(v, (dict, set)))
+                # the registries and hook tables: dicts and sets inside `__dict__` (most are empty:
+                # no copy of those, see `_put_back`)
+                containers.extend((v, _copy(v) if v else None) for v in namespace.values() if isinstance(v, (dict, set)))
             containers.extend((c, _copy(c)) for c in beyond.containers if id(c) not in seen and not seen.add(id(c)))
         return cls(tuple(namespaces), tuple(containers))
 
@@ -124,8 +125,12 @@ def _copy(container: Any) -> Any:
 
 
 def _put_back(container: Any, saved: Any) -> None:
-    """Make `container` hold what `saved` holds, in place (others may hold a reference to it)."""
-    if isinstance(container, list):
+    """Make `container` hold what `saved` holds, in place (others may hold a reference to it);
+    `saved` None: it was empty."""
+    if saved is None:
+        if container:
+            container.clear()
+    elif isinstance(container, list):
         if len(container) != len(saved) or any(a is not b for a, b in zip(container, saved)):
             container[:] = saved
     elif isinstance(container, dict):

@@ -9,5 +9,6 @@ replaced by the stand-in one rank runs (per_rank.py, Note [Per-rank DTensor prog
 
 from predispatch.frontend.inputs import FunctionRoot, LiftedTensor, PreparedInputs, modules_of, prepare
 from predispatch.frontend.per_rank import refuse_per_rank_options
+from predispatch.frontend.reachable import walks_shared
 
-__all__ = ["FunctionRoot", "LiftedTensor", "PreparedInputs", "modules_of", "prepare", "refuse_per_rank_options"]
+__all__ = ["FunctionRoot", "LiftedTensor", "PreparedInputs", "modules_of", "prepare", "refuse_per_rank_options", "walks_shared"]

@@ -9,9 +9,11 @@ the variable's name, or the argument's name.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -118,9 +120,31 @@ class Beyond:
 
 def beyond_tree(root: nn.Module) -> Beyond:
     """Walk every module's plain attributes (see Note [Modules outside the registered tree])."""
+    memo = getattr(_SHARED, "memo", None)
+    if memo is not None and id(root) in memo and memo[id(root)][0] is root:
+        return memo[id(root)][1]
     walk = _Walk()
     walk.tree(root, "")
-    return Beyond(walk.modules, walk.tensors, tuple(walk.containers), tuple(walk.objects))
+    beyond = Beyond(walk.modules, walk.tensors, tuple(walk.containers), tuple(walk.objects))
+    if memo is not None:
+        memo[id(root)] = (root, beyond)
+    return beyond
+
+
+_SHARED = threading.local()
+
+
+@contextlib.contextmanager
+def walks_shared() -> Iterator[dict[int, tuple[nn.Module, Beyond]]]:
+    """While active (in this thread), `beyond_tree` walks each root once: an export asks twice
+    before forward runs (isolation's snapshot, then lifting the state), when nothing between has
+    changed the module.  Yields the memo: clear it before anything runs that may change it."""
+    outer = getattr(_SHARED, "memo", None)
+    _SHARED.memo = {}
+    try:
+        yield _SHARED.memo
+    finally:
+        _SHARED.memo = outer
 
 
 class _Walk:
@@ -299,6 +323,8 @@ class _CodeWalk:
                 self.callable(value)
 
     def callable(self, value: Any) -> None:
+        if type(value) in _NOT_CODE or isinstance(value, types.ModuleType):  # most names code reads
+            return
         value = getattr(value, "__func__", value)  # staticmethod, classmethod, bound method
         if isinstance(value, property):
             for accessor in (value.fget, value.fset):
@@ -325,6 +351,10 @@ class _CodeWalk:
         namespace = function.__globals__
         if id(namespace) not in self.namespaces:
             self.namespaces[id(namespace)] = (namespace.get("__name__", "?"), namespace)
+
+
+#: Values a name in code may hold that are neither functions, caches nor properties.
+_NOT_CODE = frozenset({str, int, float, bool, bytes, complex, type(None), tuple, list, dict, set, frozenset})
 
 
 def _is_lru_cache(value: Any) -> bool:
