@@ -518,6 +518,7 @@ def _fakify(
     built under `torch.device("meta")`) gets its twin on `device`, where its real data will be.
     A plain tensor alone in its storage (`alone`, by id) takes `ti.fake_of_plain`'s short way.
     """
+    fake: torch.Tensor | None
     if tensor.is_meta and device is not None and type(tensor) in (torch.Tensor, nn.Parameter):
         fake = ti.fake_of_meta(fake_mode, tensor, device)
     elif type(tensor) in (torch.Tensor, nn.Parameter):

@@ -230,7 +230,7 @@ def _tensor_leaves(func: Any, args: tuple, kwargs: dict) -> Iterable[Any]:
     a fifth of this hook's cost per op; anything else (a higher-order op) is walked whole."""
     if not isinstance(func, torch._ops.OpOverload):
         return pytree.tree_leaves((args, kwargs))
-    leaves = []
+    leaves: list[Any] = []
     for value in (*args, *kwargs.values()):
         if isinstance(value, (list, tuple)):
             leaves.extend(value)
