@@ -589,11 +589,12 @@ def _plain_cases() -> dict[str, torch.Tensor]:
         "int64 scalar": torch.tensor(7),
         "requires_grad buffer": torch.randn(2, requires_grad=True),
         "marked buffer": buffer,
+        **({"cuda parameter": nn.Parameter(torch.randn(4, 3, device="cuda"))} if torch.cuda.is_available() else {}),
     }
 
 
 @pytest.mark.parametrize("name", list(_plain_cases()))
-def test_fake_of_plain_matches_from_tensor(name):
+def test_fake_of_plain_matches_from_tensor(name):  # on a CUDA machine, a CUDA parameter too
     """Every property torch's `from_tensor` gives a fake, `ti.fake_of_plain` gives it too, and a
     later `from_tensor` of the same tensor returns its fake (the converter's memo)."""
     from predispatch import _torch_internals as ti
