@@ -13,7 +13,7 @@
 
 Times are medians of `--reps` warm repetitions (one untimed warm-up), the tools interleaved,
 so each ratio compares runs made under the same load; min and max of the per-repetition
-ratios are shown too.  Appends (or replaces) the "Joint of deep models" section of `--out`.
+ratios are shown too.  With `--out FILE`, also appends (or replaces) its "Joint of deep models" section.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--sizes", nargs="*", default=["70b"], choices=sorted(SIZES))
-    parser.add_argument("--out", type=Path, default=HERE / "results.md")
+    parser.add_argument("--out", type=Path, default=None, help="also replace this section of a results file (results.md keeps curated history: off by default)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: the process's CPU time, which other processes' load inflates less")
     args = parser.parse_args()
     global CLOCK
@@ -171,7 +171,8 @@ def main() -> None:
     big = [big_llama(size, args.reps) for size in args.sizes]
     lines = table(rows, big, args.reps)
     print("\n".join(lines))
-    write_section(args.out, lines)
+    if args.out:
+        write_section(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Two measurements (issue 25, items 1 and 2):
 
 `--threads` sets torch's intra-op threads (1 by default: on a shared machine a second thread
 mostly adds waiting, which both tools pay alike and which hides the per-call difference).
-Prints a markdown section and writes it into `--out` (replacing its earlier version there, or
+Prints a markdown section; with `--out FILE`, also writes it there (replacing its earlier version, or
 appended; benchmarks/run.py keeps it when it rewrites the file).
 """
 
@@ -173,12 +173,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results.md")
+    parser.add_argument("--out", type=Path, default=None, help="also replace this section of a results file (results.md keeps curated history: off by default)")
     options = parser.parse_args(argv)
     torch.set_num_threads(options.threads)
     text = report(options.mib, options.reps, options.calls)
     sys.stdout.write(text)
-    write_section(options.out, text)
+    if options.out:
+        write_section(options.out, text)
 
 
 if __name__ == "__main__":
