@@ -659,3 +659,23 @@ def test_state_sharing_storage_keeps_sharing_in_the_trace():
     program = predispatch.export(model, (x,)).module()
     torch.testing.assert_close(program(x), eager(x), rtol=0, atol=0)
     torch.testing.assert_close(program(x), eager(x), rtol=0, atol=0)
+
+
+def test_fake_of_plain_stops_when_torch_makes_another_fake(monkeypatch):
+    """The once-per-process comparison with torch's converter: a fake that differs in anything
+    it compares stops the export with TorchDriftError, before any trace."""
+    from predispatch import _torch_internals as ti
+    from predispatch._torch_internals import tracing
+
+    monkeypatch.setattr(tracing, "_PLAIN_FAKES_CHECKED", False)
+    real = tracing._plain_fake
+
+    def no_requires_grad(fake_mode, t):
+        return real(fake_mode, t.detach())  # a fake that lost the parameter's requires_grad
+
+    monkeypatch.setattr(tracing, "_plain_fake", no_requires_grad)
+    with pytest.raises(predispatch.errors.TorchDriftError, match="ti.fake_of_plain.*from_tensor.s"):
+        ti.fake_of_plain(ti.new_fake_mode(), nn.Parameter(torch.randn(2)))
+    monkeypatch.setattr(tracing, "_plain_fake", real)
+    assert ti.fake_of_plain(ti.new_fake_mode(), nn.Parameter(torch.randn(2))) is not None
+    assert tracing._PLAIN_FAKES_CHECKED

@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 
 from predispatch._torch_internals.codegen import torch_function_disabled
 from predispatch._torch_internals.functional import functional_value, MODULE_CALLS, outside_trace
-from predispatch._torch_internals.mechanism import Hook, patched, require
+from predispatch._torch_internals.mechanism import Hook, drift, patched, require
 from predispatch._torch_versions import HAS
 
 
@@ -365,6 +365,12 @@ def fake_of_plain(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor | 
         or not all(type(x) is int for x in (*t.shape, *t.stride()))
     ):
         return None
+    if not _PLAIN_FAKES_CHECKED:
+        _check_plain_fakes()
+    return _plain_fake(fake_mode, t)
+
+
+def _plain_fake(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     converter = fake_mode.fake_tensor_converter
     memo = converter._get_memo(t)
     if memo is not None:
@@ -379,6 +385,39 @@ def fake_of_plain(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor | 
             fake.persistent = t.persistent
     converter.set_tensor_memo(t, fake)
     return fake
+
+
+_PLAIN_FAKES_CHECKED = False
+
+#: What a fake made the short way must share with `from_tensor`'s, checked once per process.
+_FAKE_PROPERTIES: dict[str, Callable[[torch.Tensor], Any]] = {
+    "class": type,
+    "Parameter-ness": lambda f: isinstance(f, torch.nn.Parameter),
+    "shape": lambda f: tuple(f.shape),
+    "stride": lambda f: f.stride(),
+    "dtype": lambda f: f.dtype,
+    "device": lambda f: f.device,
+    "requires_grad": lambda f: f.requires_grad,
+    "is_leaf": lambda f: f.is_leaf,
+    "storage bytes": lambda f: f.untyped_storage().nbytes(),
+    "dispatch keys": lambda f: str(torch._C._dispatch_keys(f)),
+}
+
+
+def _check_plain_fakes() -> None:
+    """The short way's fakes are torch's own on this torch: compare a parameter and a buffer
+    made both ways once, and stop (`TorchDriftError`) rather than trace on a fake that differs
+    (a torch release whose converter sets something new on every fake)."""
+    global _PLAIN_FAKES_CHECKED
+    for t in (torch.nn.Parameter(torch.zeros(2, 3)), torch.zeros(3, 2).t().contiguous()):
+        ours, torchs = _plain_fake(FakeTensorMode(), t), FakeTensorMode().from_tensor(t, static_shapes=True)
+        for name, read in _FAKE_PROPERTIES.items():
+            if read(ours) != read(torchs):
+                raise drift(
+                    "fakifying state without torch's converter (ti.fake_of_plain)",
+                    f"its fake's {name} is {read(ours)}, from_tensor's {read(torchs)}",
+                )
+    _PLAIN_FAKES_CHECKED = True
 
 
 def _extent(t: torch.Tensor) -> int:

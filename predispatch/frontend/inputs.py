@@ -497,11 +497,11 @@ def _alone_in_storage(tensors: list[torch.Tensor]) -> frozenset[int]:
     """The ids of the tensors among `tensors` whose storage no other of them uses (a tensor
     passed twice shares its own): `ti.fake_of_plain` may fakify those without the general
     path, which keeps storage sharing."""
-    owners: dict[int, list[int]] = {}
+    owners: dict[int | None, list[int]] = {}
     for t in tensors:
         if type(t) in (torch.Tensor, nn.Parameter) and t.layout is torch.strided and not t.is_meta:
-            owners.setdefault(t.untyped_storage()._cdata, []).append(id(t))
-    return frozenset(ids[0] for ids in owners.values() if len(ids) == 1)
+            owners.setdefault(ti.storage_key(t), []).append(id(t))
+    return frozenset(ids[0] for key, ids in owners.items() if key is not None and len(ids) == 1)
 
 
 def _fakify(
