@@ -3,6 +3,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# cuBLAS reads this when it starts, before any test runs a CUDA product: its deterministic
+# workspaces make tests/test_cuda.py's bitwise comparisons with eager meaningful.  It changes
+# nothing on a machine without CUDA.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 
 import pytest  # noqa: E402
 

@@ -120,8 +120,9 @@ def test_saved_on_cuda_loads_and_runs_on_cuda():
 # --- the joint program, attention kernels, custom backwards, RNG and files on CUDA ---------------
 #
 # Bitwise where eager and the program call the same CUDA kernels: cuDNN and cuBLAS are pinned to
-# their deterministic algorithms (CUBLAS_WORKSPACE_CONFIG must be set before cuBLAS starts; the
-# fixture skips otherwise), so a difference is ours, not the kernels' scheduling.
+# their deterministic algorithms (CUBLAS_WORKSPACE_CONFIG, which conftest.py sets before cuBLAS
+# starts; the fixture skips where something set another), so a difference is ours, not the
+# kernels' scheduling.
 
 
 @pytest.fixture
