@@ -90,7 +90,11 @@ def _export_with_policy(
 # (`ti.patched`, the `Function.apply` interception, trace/rng.py's generator changers) serves the
 # exporting thread only and gives every other thread torch's own; the generators other threads
 # draw from are never rewound (Note [Another thread's draws during an export]); and exports
-# themselves are serialised by this lock.
+# themselves are serialised by this lock.  One effect is process-wide: the cyclic garbage
+# collector is paused for the length of the trace (`_no_garbage_collection` in
+# trace/functional.py: a finalizer it would run is Python code, executed inside the trace) and
+# resumed after, if it was on; `gc.collect()` still collects, and reference counting frees as
+# usual.
 _ONE_EXPORT_AT_A_TIME = threading.RLock()
 
 
