@@ -23,7 +23,7 @@ from torch import nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import OutsideWriteError, user_frame
-from predispatch.frontend.reachable import Outside, beyond_tree, outside_places
+from predispatch.frontend.reachable import ATOMS, Outside, beyond_tree, outside_places
 
 #: Every device type's autocast state, not only CPU's and CUDA's (forward may enter any).
 _AUTOCAST_DEVICES = ti.AUTOCAST_DEVICE_TYPES
@@ -142,9 +142,6 @@ def _put_back(container: Any, saved: Any) -> None:
         container.update(saved)
 
 
-#: Values that hold nothing: `_find_tracers` passes them without counting them as visited.
-_ATOMS = frozenset({str, int, float, bool, bytes, complex, type(None)})
-
 #: How deep `OutsideState.leaks` looks into what an outside place holds, and how much it visits.
 _LEAK_DEPTH, _LEAK_VISITS = 6, 100_000
 
@@ -246,7 +243,7 @@ def _find_tracers(value: Any, path: str | None, depth: int, seen: set[int], foun
     """Whether `value` holds a tracer tensor; append `path` (extended into containers and objects)
     of every one to `found`.  With `found=None` (and `path=None`) stop at the first one and format
     no path."""
-    if type(value) in _ATOMS:
+    if type(value) in ATOMS:
         return False
     if isinstance(value, torch.Tensor):  # a leaf of the walk: a tracer, or a real tensor
         if not ti.is_traced_tensor(value):
@@ -267,7 +264,7 @@ def _find_tracers(value: Any, path: str | None, depth: int, seen: set[int], foun
         return False
     held = False
     for key, child in children:
-        if type(child) in _ATOMS:  # the check `_find_tracers` makes first, without the call
+        if type(child) in ATOMS:  # the check `_find_tracers` makes first, without the call
             continue
         if _find_tracers(child, None if found is None else (path or "") + step.format(key), depth + 1, seen, found):
             if found is None:

@@ -495,12 +495,12 @@ def _inputs_device(leaves: list[Any]) -> torch.device:
 
 def _alone_in_storage(tensors: list[torch.Tensor]) -> frozenset[int]:
     """The ids of the tensors among `tensors` whose storage no other of them uses (a tensor
-    passed twice shares its own): `ti.fake_of_plain` may fakify those without the general
-    path, which keeps storage sharing."""
+    passed twice shares its own; every kind of tensor counts, so a subclass over a plain
+    tensor's storage keeps that one off the short way): `ti.fake_of_plain` may fakify those
+    without the general path, which keeps storage sharing."""
     owners: dict[int | None, list[int]] = {}
     for t in tensors:
-        if type(t) in (torch.Tensor, nn.Parameter) and t.layout is torch.strided and not t.is_meta:
-            owners.setdefault(ti.storage_key(t), []).append(id(t))
+        owners.setdefault(ti.storage_key(t), []).append(id(t))
     return frozenset(ids[0] for key, ids in owners.items() if key is not None and len(ids) == 1)
 
 

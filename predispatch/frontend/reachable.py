@@ -353,8 +353,12 @@ class _CodeWalk:
             self.namespaces[id(namespace)] = (namespace.get("__name__", "?"), namespace)
 
 
+#: Values that hold nothing: walks pass them without a visit (here and in the leak walk,
+#: predispatch/_isolation.py).
+ATOMS = frozenset({str, int, float, bool, bytes, complex, type(None)})
+
 #: Values a name in code may hold that are neither functions, caches nor properties.
-_NOT_CODE = frozenset({str, int, float, bool, bytes, complex, type(None), tuple, list, dict, set, frozenset})
+_NOT_CODE = ATOMS | {tuple, list, dict, set, frozenset}
 
 
 def _is_lru_cache(value: Any) -> bool:
