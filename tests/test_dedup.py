@@ -7,6 +7,7 @@ eager (`check_gradients`, bitwise), so a wrong share shows as a wrong number.
 from __future__ import annotations
 
 import copy
+import enum
 from types import SimpleNamespace
 
 import pytest
@@ -698,3 +699,37 @@ def test_folded_calls_record_the_module_stack_as_torch_does():
         stack = call.meta["nn_module_stack"]
         assert list(stack.values())[-1][1] == "test_dedup.RegionBlock", call.name
         assert all(isinstance(path, str) and isinstance(cls, str) for path, cls in stack.values()), call.name
+
+
+class _Mode(enum.Enum):
+    SYMMETRIC = 1
+    ASYMMETRIC = 2
+
+
+class _ModeConfig:
+    """A config like torchao's fake-quantize config: an enum member behind a property."""
+
+    def __init__(self, mode: _Mode):
+        self.mode = mode
+
+    @property
+    def symmetric(self) -> bool:
+        return self.mode == _Mode.SYMMETRIC
+
+
+class _ModeBlock(Block):
+    def __init__(self, layer_idx: int = 0):
+        super().__init__(config=_ModeConfig(_Mode.ASYMMETRIC if layer_idx == 4 else _Mode.SYMMETRIC), layer_idx=layer_idx)
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out if self.config.symmetric else out * 2
+
+
+def test_an_enum_read_in_forward_keys_the_block():
+    """Forward reading an enum member through a property (torchao's QAT config does): the enum is
+    a constant of the key, not an object to follow (its class cannot be extended)."""
+    torch.manual_seed(0)
+    model = Stack(5, make=_ModeBlock)
+    ep = check_gradients(model, (torch.randn(2, 3, 8),))
+    assert _replayed(ep) == ["layers.2", "layers.3"]  # layers.4 reads ASYMMETRIC: a key of its own

@@ -100,8 +100,8 @@ def _follows(value: Any) -> bool:
     """Whether reads on `value` are logged too: modules and plain Python objects with a `__dict__`."""
     if isinstance(value, nn.Module):
         return True
-    if isinstance(value, (type, types.FunctionType, types.MethodType, types.ModuleType, torch.Tensor)):
-        return False
+    if isinstance(value, (type, types.FunctionType, types.MethodType, types.ModuleType, torch.Tensor, enum.Enum)):
+        return False  # an enum member is a constant: snapshotted, and its class cannot be extended
     return hasattr(value, "__dict__") and type(value).__module__ != "builtins" and not callable(value)
 
 
@@ -198,7 +198,7 @@ def _instrument(obj: Any, path: tuple[str, ...]) -> None:
         return
     try:
         object.__setattr__(obj, "__class__", _recording_class(cls))
-    except TypeError:
+    except (TypeError, AttributeError):  # a class that refuses subclasses or the swap
         if isinstance(obj, nn.Module) or not hasattr(obj, "__dict__"):
             log.unkeyable = log.unkeyable or f"reads on {'.'.join(path) or 'the block'} cannot be observed"
         else:
