@@ -17,7 +17,7 @@ from torch import fx
 
 from predispatch import _torch_internals as ti
 
-__all__ = ["FUNCTION_APPLY", "FunctionApply", "keep_history"]
+__all__ = ["FUNCTION_APPLY", "FunctionApply", "keep_history", "subclass_gradient_barrier"]
 
 
 @torch.library.custom_op("predispatch::keep_history", mutates_args=())
@@ -37,6 +37,37 @@ def _keep_history_backward(ctx, grad: torch.Tensor):
 
 
 keep_history.register_autograd(_keep_history_backward)
+
+
+@torch.library.custom_op("predispatch::subclass_gradient_barrier", mutates_args=())
+def subclass_gradient_barrier(value: torch.Tensor) -> torch.Tensor:
+    """`value`'s data, where a plain tensor enters a tensor subclass's `__torch_dispatch__`: a
+    gradient reaching it raises, since eager computes that gradient above the subclass, where it
+    can be a subclass (Note [Gradients of plain tensors through a subclass] in
+    trace/subclass_reads.py).  Without a gradient (inference, a frozen tensor) it is a copy."""
+    return value.clone()
+
+
+@subclass_gradient_barrier.register_fake
+def _subclass_gradient_barrier_fake(value: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(value)
+
+
+def _subclass_gradient_barrier_backward(ctx: Any, grad: torch.Tensor) -> Any:
+    from predispatch.errors import UnsupportedConstructError
+
+    raise UnsupportedConstructError(
+        "a gradient reached a plain tensor that forward combined with a tensor subclass inside the subclass's "
+        "__torch_dispatch__. Eager computes that tensor's gradient with the subclass's own backward (for "
+        "torch's TwoTensor it is a TwoTensor); the program computes on the subclass's parts, where it would "
+        "be the sum over the parts: not eager's gradient, so none is given.",
+        fix="detach that tensor (or freeze what it is computed from: requires_grad_(False)) where its gradient "
+        "is not needed, or make it a tensor of the subclass too; a frozen subclass weight with plain "
+        "activations, or a library computing on the subclass's parts in __torch_function__ (torchao), is fine.",
+    )
+
+
+subclass_gradient_barrier.register_autograd(_subclass_gradient_barrier_backward)
 
 
 class FunctionApply(ti.HigherOrderOperator):

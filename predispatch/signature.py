@@ -72,6 +72,9 @@ class InputSpec:
         for a user input, its pytree path in the call (`x`, `batch['ids']`).
     aliases: other fully qualified names bound to the same tensor (tied weights).
     persistent: for buffers, whether the buffer is in the module's state_dict.
+    inner: for one plain tensor inside a tensor subclass (Note [Tensor subclasses] in
+        frontend/subclasses.py), its attribute path in the subclass (`qdata`, `a.scale` for a
+        subclass inside a subclass); "" for a tensor that is the whole input.
     """
 
     kind: InputKind
@@ -79,6 +82,7 @@ class InputSpec:
     target: str
     aliases: tuple[str, ...] = ()
     persistent: bool | None = None
+    inner: str = ""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -99,11 +103,14 @@ class OutputSpec:
     name: the graph node it returns.
     target: for a mutation, the fully qualified name of the mutated parameter/buffer, or the
         placeholder name of the mutated user input; for a user output, its pytree path.
+    inner: for one plain tensor inside a tensor subclass, its attribute path (as
+        `InputSpec.inner`): a mutation of that tensor of the state, or that piece of an output.
     """
 
     kind: OutputKind
     name: str
     target: str
+    inner: str = ""
 
 
 @dataclass(frozen=True)
@@ -114,11 +121,104 @@ class Leaf:
     is_tensor: the leaf is a graph input/output: a tensor, or (outputs only) a scalar computed
         from data such as `x.sum().item()`; the other leaves are constants baked in.
     value: the constant's value (None for tensor leaves).
+    layout: for a tensor subclass leaf, how it is made of plain tensors: the graph takes (or
+        returns) one tensor per `layout.paths()`, in order; None for a plain tensor.
     """
 
     path: str
     is_tensor: bool
     value: Any = None
+    layout: SubclassLayout | None = None
+
+    @property
+    def width(self) -> int:
+        """How many graph inputs (or outputs) the leaf is: its subclass's plain tensors, or one."""
+        return len(self.layout.paths()) if self.layout is not None else int(self.is_tensor)
+
+
+@dataclass(frozen=True, eq=False)
+class SubclassLayout:
+    """How a traceable wrapper subclass tensor (torchao's `Int8Tensor`, torch's `TwoTensor`) is
+    made of plain tensors, as its `__tensor_flatten__` says (Note [Tensor subclasses] in
+    frontend/subclasses.py): the program computes on those tensors; this record takes a subclass
+    apart into them at a call and builds it again from them.
+
+    cls: the subclass.
+    context: what `__tensor_flatten__` returns beside the attribute names (block sizes, dtypes,
+        a config); the program was traced for this context, so a call must bring an equal one.
+    inner: each tensor attribute's name, with its own layout when it is a subclass too.
+    size, stride: the subclass tensor's outer size and stride.
+    """
+
+    cls: type
+    context: Any
+    inner: tuple[tuple[str, SubclassLayout | None], ...]
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def __deepcopy__(self, memo: dict) -> SubclassLayout:
+        """Itself: an immutable record whose class and context belong to the user's code."""
+        return self
+
+    def paths(self) -> tuple[str, ...]:
+        """Every plain tensor's attribute path, depth first (`a`, `b`; `x.qdata` when nested)."""
+        return tuple(
+            path
+            for name, layout in self.inner
+            for path in ((name,) if layout is None else (f"{name}.{p}" for p in layout.paths()))
+        )
+
+    @property
+    def class_name(self) -> str:
+        return f"{self.cls.__module__}.{self.cls.__qualname__}"
+
+    def mismatch(self, t: Any) -> str | None:
+        """Why `t` is not a tensor of this layout (another class, other attributes, another
+        context, another size), or None when it is."""
+        if type(t) is not self.cls:
+            return f"a {type(t).__name__}, not a {self.cls.__name__}"
+        names, context = t.__tensor_flatten__()
+        if tuple(names) != tuple(name for name, _ in self.inner):
+            return f"a {self.cls.__name__} made of {list(names)}, not {[name for name, _ in self.inner]}"
+        if not same_context(context, self.context):
+            return f"a {self.cls.__name__} whose flatten context is {context!r}, not {self.context!r}"
+        if tuple(t.shape) != self.size:
+            return f"a {self.cls.__name__} of size {list(t.shape)}, not {list(self.size)}"
+        for name, layout in self.inner:
+            why = layout.mismatch(getattr(t, name)) if layout is not None else None
+            if why is not None:
+                return f"its {name} is {why}"
+        return None
+
+    def flatten(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The plain tensors of `t`, in `paths()` order (`t` already checked by `mismatch`)."""
+        out: list[torch.Tensor] = []
+        for name, layout in self.inner:
+            value = getattr(t, name)
+            out.extend([value] if layout is None else layout.flatten(value))
+        return out
+
+    def unflatten(self, tensors: Any) -> torch.Tensor:
+        """The subclass tensor made of `tensors` (an iterator or sequence in `paths()` order)."""
+        it = iter(tensors)
+        inner = {name: next(it) if layout is None else layout.unflatten(it) for name, layout in self.inner}
+        return self.cls.__tensor_unflatten__(inner, self.context, self.size, self.stride)
+
+    def __str__(self) -> str:
+        parts = ", ".join(name if layout is None else f"{name}={layout}" for name, layout in self.inner)
+        return f"{self.class_name}({parts})"
+
+
+def same_context(a: Any, b: Any) -> bool:
+    """Whether two flatten contexts are equal; a context whose `==` raises or is not a bool
+    (a tensor inside it) is equal only to itself."""
+    if a is b:
+        return True
+    try:
+        equal = a == b
+    except Exception:  # noqa: BLE001 - a context of any type; its == may raise
+        return False
+    return equal if isinstance(equal, bool) else False
 
 
 @dataclass(frozen=True)
@@ -225,6 +325,9 @@ class ExportSignature:
         their siblings.  Empty for a function export and for files written before the field.
     placements: for a per-rank DTensor program, each DTensor state tensor's mesh and placements
         (the program's state is the rank's shard); empty otherwise.
+    subclass_state: for each lifted tensor that is a tensor subclass, its target and layout:
+        the graph takes its plain tensors (the inputs whose spec has `inner`), `module()` holds
+        the subclass itself and takes it apart at each call.
     """
 
     inputs: tuple[InputSpec, ...]
@@ -240,6 +343,7 @@ class ExportSignature:
     outside_tree: tuple[str, ...] = ()
     state_order: tuple[str, ...] = ()
     placements: tuple[StatePlacement, ...] = ()
+    subclass_state: tuple[tuple[str, SubclassLayout], ...] = ()
 
     def __deepcopy__(self, memo: dict) -> ExportSignature:
         """A deep copy sharing the pytree specs, which are immutable: copying one makes a new
@@ -261,12 +365,18 @@ class ExportSignature:
     def __str__(self) -> str:
         lines = ["Inputs:"]
         for s in self.inputs:
-            extra = f" (tied: {', '.join(s.aliases)})" if s.aliases else ""
+            extra = f" inner={s.inner!r}" if s.inner else ""
+            extra += f" (tied: {', '.join(s.aliases)})" if s.aliases else ""
             extra += " (non-persistent)" if s.persistent is False else ""
             lines.append(f"    {s.name}: {s.kind.name} target={s.target!r}{extra}")
         lines.append("Outputs:")
         for s in self.outputs:
-            lines.append(f"    {s.name}: {s.kind.name} target={s.target!r}")
+            inner = f" inner={s.inner!r}" if s.inner else ""
+            lines.append(f"    {s.name}: {s.kind.name} target={s.target!r}{inner}")
+        subclasses = [*self.subclass_state, *((leaf.path, leaf.layout) for leaf in (*self.input_leaves, *self.output_leaves) if leaf.layout)]
+        if subclasses:
+            lines.append("Tensor subclasses (the graph computes on their parts):")
+            lines.extend(f"    {target}: {layout}" for target, layout in subclasses)
         constants = [leaf for leaf in self.input_leaves if not leaf.is_tensor and not _is_module(leaf.value)]
         if constants:
             lines.append("Constant inputs:")

@@ -289,10 +289,10 @@ def test_format_covers_every_field():
     fields = {cls.__name__: [f.name for f in cls.__dataclass_fields__.values()] for cls in records}
     assert fields == {
         "ExportedProgram": ["graph_module", "signature", "state_dict", "constants", "decompositions", "live_root", "hooks", "state_dict_owner"],
-        "ExportSignature": ["inputs", "outputs", "in_spec", "out_spec", "input_leaves", "output_leaves", "grad_mode_on_exit", "arg_names", "shapes", "training_flags", "outside_tree", "state_order", "placements"],
-        "InputSpec": ["kind", "name", "target", "aliases", "persistent"],
-        "OutputSpec": ["kind", "name", "target"],
-        "Leaf": ["path", "is_tensor", "value"],
+        "ExportSignature": ["inputs", "outputs", "in_spec", "out_spec", "input_leaves", "output_leaves", "grad_mode_on_exit", "arg_names", "shapes", "training_flags", "outside_tree", "state_order", "placements", "subclass_state"],
+        "InputSpec": ["kind", "name", "target", "aliases", "persistent", "inner"],
+        "OutputSpec": ["kind", "name", "target", "inner"],
+        "Leaf": ["path", "is_tensor", "value", "layout"],
         "DecompositionLog": ["decisions"],
     }, "update predispatch/serialize/archive.py and docs/format.md (and VERSION if old files change meaning)"
     assert ShapeRecord.__dataclass_fields__  # saved field by field, whatever its fields

@@ -28,7 +28,7 @@ import torch._decomp.decompositions  # noqa: F401  (registers Python CIA kernels
 from torch._dispatch.python import enable_python_dispatcher
 from torch._ops import OpOverload
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
@@ -120,6 +120,10 @@ from predispatch._torch_internals.functional import (  # noqa: F401
     probe_register_hook,
     REGION_CAPTURE,
     set_functional_value,
+    SUBCLASS_DISPATCH,
+    subclass_dispatch,
+    in_subclass_dispatch,
+    inside_subclass_dispatch,
     TENSOR_HOOKS,
     unwrap_effects,
     view_creation_meta,
@@ -162,6 +166,8 @@ from predispatch._torch_internals.tracing import (  # noqa: F401
     pre_dispatch_modes,
     ProgramTrace,
     reparametrize,
+    SUBCLASS_CONSTRUCTORS,
+    subclass_constructors_unrecorded,
     trace_differentiated,
     trace_functional,
     trace_program,
@@ -283,7 +289,7 @@ __all__ = [
 ]
 
 
-__all__ += ["PyTreeCodeGen", "PyTreeInfo", "USER_PRESERVED_ATTRIBUTES", "LazyGraphModule", "invoke_subgraph"]
+__all__ += ["PyTreeCodeGen", "PyTreeInfo", "USER_PRESERVED_ATTRIBUTES", "LazyGraphModule", "invoke_subgraph", "is_traceable_wrapper_subclass"]
 
 
 #: Names whose modules import torch._dynamo (about 1 s of CPU): imported on first use, so

@@ -6,6 +6,7 @@ tensors' values, and the tensor facts `ep.module()`'s write checks and shared st
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch._functorch._aot_autograd.functional_utils import has_data_mutation as
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch, OpOverload
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.export._remove_effect_tokens_pass import _replace_with_effects_node
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass_type
 
 from predispatch._torch_internals.audit import CIA
 from predispatch._torch_internals.decomposition import ask as ask_decompose, pristine_dispatch
@@ -137,6 +138,68 @@ def functional_rewrites(table: dict[OpOverload, tuple[Callable[..., Any], tuple[
         return __torch_dispatch__
 
     with patched(FunctionalTensorMode, "__torch_dispatch__", rewriting, mechanism=FUNCTIONAL_REWRITES) as hook:
+        yield hook
+
+
+SUBCLASS_DISPATCH = "tensor subclass dispatch at PreDispatch (FunctionalTensorMode.__torch_dispatch__)"
+
+#: The tensor types FunctionalTensorMode handles itself (torch's `_has_unrecognized_tensor_types`).
+_FUNCTIONAL_TYPES = (torch.Tensor, torch._subclasses.FakeTensor, FunctionalTensor)
+
+
+_DISPATCH = threading.local()
+
+
+@contextlib.contextmanager
+def in_subclass_dispatch() -> Iterator[None]:
+    """Mark code a tensor subclass runs on its own tensors (its `__torch_dispatch__`, and
+    predispatch taking one apart), as opposed to forward's code (`inside_subclass_dispatch`)."""
+    _DISPATCH.depth = getattr(_DISPATCH, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _DISPATCH.depth -= 1
+
+
+def inside_subclass_dispatch() -> bool:
+    """Whether this thread runs inside `in_subclass_dispatch`."""
+    return getattr(_DISPATCH, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def subclass_dispatch(
+    prepare: Callable[[Any, tuple, dict], tuple[tuple, dict]] = lambda func, args, kwargs: (args, kwargs),
+) -> Iterator[Hook]:
+    """Run a tensor subclass's own `__torch_dispatch__` for an op that reaches the pre-dispatch
+    FunctionalTensorMode with a subclass argument, with the mode active again, so the ops the
+    subclass runs on its plain tensors are functionalized and traced like any other.
+
+    Below autograd, where AOTAutograd takes subclasses apart, the mode answers NotImplemented and
+    the dispatcher calls the subclass next; at the PreDispatch key torch's handler returns that
+    NotImplemented as the op's result ("Unable to cast NotImplemented to Tensor").  So the mode
+    makes that next call itself (Note [Tensor subclasses] in frontend/subclasses.py).  `prepare(func,
+    args, kwargs)`, run in the mode, gives the arguments of each such op forward runs (not of those
+    a subclass runs inside its own).
+    """
+
+    def dispatching(original):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            subclasses = [t for t in types if t not in _FUNCTIONAL_TYPES and is_traceable_wrapper_subclass_type(t)]
+            if not self.pre_dispatch or not subclasses:
+                return original(self, func, types, args, kwargs)
+            with self:
+                if not inside_subclass_dispatch():  # an op forward runs, not one a subclass runs inside its own
+                    args, kwargs = prepare(func, args, kwargs or {})
+                with in_subclass_dispatch():
+                    for subclass in subclasses:
+                        out = subclass.__torch_dispatch__(func, types, args, kwargs or {})
+                        if out is not NotImplemented:
+                            return out
+            return NotImplemented
+
+        return __torch_dispatch__
+
+    with patched(FunctionalTensorMode, "__torch_dispatch__", dispatching, mechanism=SUBCLASS_DISPATCH) as hook:
         yield hook
 
 

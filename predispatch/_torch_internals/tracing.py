@@ -88,6 +88,29 @@ def exporting_flags() -> Iterator[None]:
         compiler._is_compiling_flag, compiler._is_exporting_flag = old
 
 
+#: The hook that keeps a tensor subclass's constructor out of the graph (`subclass_constructors_unrecorded`).
+SUBCLASS_CONSTRUCTORS = "tensor subclass constructors (torch._export.wrappers._maybe_find_pre_dispatch_tf_mode_for_export)"
+
+
+@contextlib.contextmanager
+def subclass_constructors_unrecorded() -> Iterator[Hook]:
+    """A subclass constructor torch marks exportable (`mark_subclass_constructor_exportable_experimental`:
+    TwoTensor, DTensor) records itself as a `flat_apply` node holding the subclass when it runs under a
+    pre-dispatch export; predispatch's program computes on the plain tensors inside subclasses
+    (Note [Tensor subclasses] in frontend/subclasses.py), so the construction is plain Python here,
+    as under AOTAutograd: the wrapper finds no export mode to record into."""
+    import torch._export.wrappers as wrappers
+
+    with patched(
+        wrappers,
+        "_maybe_find_pre_dispatch_tf_mode_for_export",
+        lambda original: lambda: None,
+        mechanism=SUBCLASS_CONSTRUCTORS,
+        probe=lambda: wrappers._maybe_find_pre_dispatch_tf_mode_for_export(),
+    ) as hook:
+        yield hook
+
+
 # --- custom autograd.Function capture (custom_backward/autograd_function.py) ---------------------------
 
 def trace_functional(

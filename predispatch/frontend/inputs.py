@@ -20,6 +20,7 @@ from predispatch.frontend.per_rank import has_dtensor_state, per_rank_module
 from predispatch.frontend.dynamic import DynamicInputs, fake_dynamic_inputs
 from predispatch.frontend.reachable import Beyond, beyond_tree, modules_reached, resolve
 from predispatch.frontend.shared_storage import StorageView, with_storage_views
+from predispatch.frontend.subclasses import SubclassPart, is_subclass, layout_of, part_name, refuse_opaque_subclass
 from predispatch.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, Leaf, StatePlacement
 
 #: Leaf types that are baked into the program as constants instead of becoming graph inputs.
@@ -42,6 +43,14 @@ class LiftedTensor:
     #: where it lies in another lifted tensor's memory, when it shares that memory (Note [State
     #: that shares storage] in frontend/shared_storage.py): the trace binds it as a view of that base
     view_of: StorageView | None = None
+    #: the subclass tensor it is a part of (Note [Tensor subclasses] in frontend/subclasses.py):
+    #: `tensor` is then one plain tensor inside the module's subclass tensor `part.whole`
+    part: SubclassPart | None = None
+
+    @property
+    def owned(self) -> torch.Tensor:
+        """The module's own tensor at the spec's target: the subclass for a part, else `tensor`."""
+        return self.part.whole if self.part is not None else self.tensor
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,9 @@ class PreparedInputs:
     dynamic: torch's dynamic-shape bookkeeping when `dynamic_shapes` was given, else None.
     placements: for a module with DTensor state, each DTensor's mesh and placements; `module`
         is then the stand-in holding the rank's shards (Note [Per-rank DTensor programs]).
+    subclass_inputs: for each tensor subclass input, its position among `input_leaves` and the
+        parts the user's tensor holds without grad though the trace gives them grad
+        (Note [Reading a subclass's tensors in forward] in trace/subclass_reads.py).
     """
 
     module: nn.Module
@@ -77,11 +89,16 @@ class PreparedInputs:
     dynamic: DynamicInputs | None = None
     repeated: tuple[tuple[int, int], ...] = ()
     placements: tuple[StatePlacement, ...] = ()
+    subclass_inputs: tuple[tuple[int, frozenset[str]], ...] = ()
 
     def call_args(self, user_tensors: tuple[torch.Tensor, ...]) -> tuple[tuple, dict]:
-        """Rebuild `(args, kwargs)` from tensors for the tensor leaves and the recorded constants."""
+        """Rebuild `(args, kwargs)` from tensors for the tensor leaves and the recorded constants
+        (a subclass leaf from its parts: Note [Tensor subclasses])."""
         tensors = iter(user_tensors)
-        leaves = [next(tensors) if leaf.is_tensor else leaf.value for leaf in self.input_leaves]
+        leaves = [
+            leaf.layout.unflatten(tensors) if leaf.layout is not None else next(tensors) if leaf.is_tensor else leaf.value
+            for leaf in self.input_leaves
+        ]
         return pytree.tree_unflatten(leaves, self.in_spec)
 
 
@@ -113,16 +130,17 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     if has_dtensor_state(module):  # Note [Per-rank DTensor programs]
         module, placements = per_rank_module(module, args, kwargs, dynamic_shapes)
     leaves, in_spec = _named_leaves(signature_of, args, kwargs)
-    state = with_storage_views(lift_state(module, beyond_tree(module)))
+    state = with_storage_views(subclass_parts(lift_state(module, beyond_tree(module))))
     _check_state(state)
     flat = pytree.tree_leaves((args, kwargs))
-    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    tensors = _parts_of_inputs(flat, leaves)
+    _refuse_dynamic_subclass_inputs(leaves, dynamic_shapes)
     refuse_distributed_state(module, state, tensors)  # Note [Distributed state]
     dynamic = fake_dynamic_inputs(module, args, kwargs, dynamic_shapes) if dynamic_shapes is not None else None
     fake_mode = dynamic.fake_mode if dynamic else ti.new_fake_mode(real_constants=True)  # Note [Tensors from outside the module]
     device = _inputs_device(flat)
     alone = _alone_in_storage([s.tensor for s in state] if dynamic else [*(s.tensor for s in state), *tensors])
-    fake_state = tuple(_fakify(fake_mode, s.tensor, s.spec.kind is InputKind.PARAMETER, device, alone) for s in state)
+    fake_state = tuple(_fake_state(fake_mode, s, device, alone) for s in state)
     if dynamic:
         fake_flat = pytree.tree_leaves((dynamic.fake_args, dynamic.fake_kwargs))
         fake_user = tuple(x for x in fake_flat if isinstance(x, torch.Tensor))
@@ -130,11 +148,25 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
         fake_user = tuple(_fakify(fake_mode, x, alone=alone) for x in tensors)
     repeated = _repeated(tensors)
     fake_user = _one_twin_per_place(fake_mode, fake_user, repeated)
+    fake_user, subclass_inputs = _parts_with_grad(flat, leaves, fake_user)
     user_specs = _user_input_specs(leaves, taken={s.spec.name for s in state})
     arg_names = tuple(_parameter_names(signature_of, args))
     return PreparedInputs(
-        module, state, user_specs, arg_names, leaves, in_spec, fake_mode, fake_state, fake_user, dynamic, repeated, placements
+        module, state, user_specs, arg_names, leaves, in_spec, fake_mode, fake_state, fake_user, dynamic, repeated,
+        placements, subclass_inputs,
     )
+
+
+def _fake_state(fake_mode: ti.FakeTensorMode, lifted: LiftedTensor, device: torch.device, alone: frozenset[int]) -> torch.Tensor:
+    """The fake twin of a lifted tensor.  A part of a subclass parameter that requires grad is
+    traced as requiring grad where its dtype can (the subclass's floating tensors), as
+    AOTAutograd traces a subclass's inner tensors: the gradient reaches the subclass through them."""
+    if lifted.part is None:
+        return _fakify(fake_mode, lifted.tensor, lifted.spec.kind is InputKind.PARAMETER, device, alone)
+    fake = _fakify(fake_mode, lifted.tensor, False, device, alone)
+    if lifted.part.whole.requires_grad and (fake.is_floating_point() or fake.is_complex()):
+        fake.requires_grad_(True)
+    return fake
 
 
 def _repeated(tensors: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
@@ -315,7 +347,8 @@ def _named_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tu
         label = _label(names, path)
         if isinstance(value, torch.Tensor):
             _check_tensor_input(label, value)
-            leaves.append(Leaf(label, True))
+            refuse_opaque_subclass(value, f"input {label!r}")
+            leaves.append(Leaf(label, True, layout=layout_of(value, label) if is_subclass(value) else None))
         elif isinstance(value, (*CONSTANT_TYPES, nn.Module)):  # modules: lifted by FunctionRoot
             leaves.append(Leaf(label, False, value))
         else:
@@ -395,12 +428,82 @@ def _parameter_names(fn: Callable[..., Any], args: tuple) -> list[str]:
 
 
 def _user_input_specs(leaves: tuple[Leaf, ...], taken: set[str]) -> tuple[InputSpec, ...]:
+    """One USER_INPUT spec per graph input: a tensor leaf's, or each part of a subclass leaf's."""
     specs = []
     for leaf in leaves:
-        if leaf.is_tensor:
+        if leaf.layout is not None:
+            name = unique_identifier(leaf.path, set(taken))
+            for path in leaf.layout.paths():
+                specs.append(InputSpec(InputKind.USER_INPUT, unique_identifier(part_name(name, path), taken), leaf.path, inner=path))
+        elif leaf.is_tensor:
             name = unique_identifier(leaf.path, taken)
             specs.append(InputSpec(InputKind.USER_INPUT, name, leaf.path))
     return tuple(specs)
+
+
+def _parts_of_inputs(flat: list[Any], leaves: tuple[Leaf, ...]) -> list[torch.Tensor]:
+    """The graph's user tensors: each tensor leaf, a subclass leaf as its parts (Note [Tensor subclasses])."""
+    tensors: list[torch.Tensor] = []
+    for value, leaf in zip(flat, leaves):
+        if leaf.layout is not None:
+            tensors.extend(leaf.layout.flatten(value))
+        elif isinstance(value, torch.Tensor):
+            tensors.append(value)
+    return tensors
+
+
+def _parts_with_grad(
+    flat: list[Any], leaves: tuple[Leaf, ...], fakes: tuple[torch.Tensor, ...]
+) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[int, frozenset[str]], ...]]:
+    """The fakes of a subclass input that requires grad get it on its floating parts, as the
+    state's do (`_fake_state`); and which of those parts the user's tensor holds without grad."""
+    fakes_list, position, found = list(fakes), 0, []
+    for index, (value, leaf) in enumerate(zip(flat, leaves)):
+        if leaf.layout is None:
+            position += int(leaf.is_tensor)
+            continue
+        width = len(leaf.layout.paths())
+        if value.requires_grad:
+            stored = dict(zip(leaf.layout.paths(), leaf.layout.flatten(value)))
+            names = set()
+            for offset, path in enumerate(leaf.layout.paths()):
+                fake = fakes_list[position + offset]
+                if (fake.is_floating_point() or fake.is_complex()) and not fake.requires_grad:
+                    fakes_list[position + offset] = fake.detach().requires_grad_(True)
+                    names.add(path)
+            found.append((index, frozenset(n for n in names if not stored[n].requires_grad)))
+        position += width
+    return tuple(fakes_list), tuple(found)
+
+
+def _refuse_dynamic_subclass_inputs(leaves: tuple[Leaf, ...], dynamic_shapes: Any) -> None:
+    subclass = next((leaf for leaf in leaves if leaf.layout is not None), None)
+    if subclass is not None and dynamic_shapes is not None:
+        raise UnsupportedInputError(
+            f"input {subclass.path!r} is a tensor subclass ({subclass.layout.cls.__qualname__}) and dynamic_shapes "
+            "is given; tensor subclass inputs are exported with static shapes.",
+            where=user_frame(),
+            fix="export without dynamic_shapes, or pass the plain tensors the subclass holds as inputs.",
+        )
+
+
+def subclass_parts(state: tuple[LiftedTensor, ...]) -> tuple[LiftedTensor, ...]:
+    """Each lifted tensor subclass replaced by its plain tensors (Note [Tensor subclasses]), in
+    place, each named after the subclass and the attribute; other state as it is."""
+    taken = {lifted.spec.name for lifted in state}
+    out: list[LiftedTensor] = []
+    for lifted in state:
+        tensor, spec = lifted.tensor, lifted.spec
+        refuse_opaque_subclass(tensor, f"{spec.kind.name.lower().replace('_', ' ')} {spec.target!r}")
+        if not is_subclass(tensor):
+            out.append(lifted)
+            continue
+        layout = layout_of(tensor, spec.target)
+        for index, (path, part) in enumerate(zip(layout.paths(), layout.flatten(tensor))):
+            name = unique_identifier(part_name(spec.name, path), taken)
+            part_spec = dataclasses.replace(spec, name=name, inner=path)
+            out.append(dataclasses.replace(lifted, spec=part_spec, tensor=part, part=SubclassPart(layout, tensor, index)))
+    return tuple(out)
 
 
 _FX_RESERVED = ti.fx_reserved_names()

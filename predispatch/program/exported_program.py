@@ -16,7 +16,7 @@ from predispatch.frontend.hooks import HookRecord, hook_changes, record_hooks
 from predispatch.frontend.reachable import tree_exit
 from predispatch.passes import check_functional, name_placeholders, remove_copies, shared_bodies, wrap_regions
 from predispatch.program.printing import format_graph, format_program
-from predispatch.signature import ExportSignature, InputKind, InputSpec, OutputKind, OutputSpec, state_names
+from predispatch.signature import ExportSignature, InputKind, InputSpec, OutputKind, OutputSpec, SubclassLayout, state_names
 
 if TYPE_CHECKING:  # the program stage consumes the earlier stages' values, never their code
     from predispatch.frontend import PreparedInputs
@@ -188,9 +188,14 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
         _mutation_spec(inputs[i], node, i in traced.metadata_mutated)
         for i, node in zip(traced.mutated_inputs, output_nodes)
     ]
-    user_paths = [leaf.path for leaf in traced.output_leaves if leaf.is_tensor]
+    user_paths = [
+        (leaf.path, inner)
+        for leaf in traced.output_leaves
+        if leaf.is_tensor
+        for inner in (leaf.layout.paths() if leaf.layout is not None else ("",))
+    ]
     user_nodes = output_nodes[len(traced.mutated_inputs):]
-    outputs += [OutputSpec(OutputKind.USER_OUTPUT, _node_name(n), p) for n, p in zip(user_nodes, user_paths)]
+    outputs += [OutputSpec(OutputKind.USER_OUTPUT, _node_name(n), p, inner) for n, (p, inner) in zip(user_nodes, user_paths)]
     signature = ExportSignature(
         tuple(inputs),
         tuple(outputs),
@@ -206,14 +211,22 @@ def build_program(prepared: PreparedInputs, traced: TracedGraph, *, live: bool =
         () if isinstance(prepared.module, FunctionRoot) else outside_tree(prepared.module, inputs),
         () if isinstance(prepared.module, FunctionRoot) else state_order(prepared.module, inputs),
         prepared.placements,
+        _subclass_state(prepared),
     )
     gm.meta["storage_groups"] = _storage_groups(prepared)
-    state = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is not InputKind.CONSTANT_TENSOR}
-    constants = {s.spec.target: s.tensor for s in prepared.state if s.spec.kind is InputKind.CONSTANT_TENSOR}
+    state = {s.spec.target: s.owned for s in prepared.state if s.spec.kind is not InputKind.CONSTANT_TENSOR}
+    constants = {s.spec.target: s.owned for s in prepared.state if s.spec.kind is InputKind.CONSTANT_TENSOR}
     live_root = prepared.module if live or isinstance(prepared.module, FunctionRoot) else None
     hooks = record_hooks(prepared.module)
     owner = prepared.module if hooks.has_state_dict_hooks and live_root is None else None
     return ExportedProgram(gm, signature, state, constants, traced.decompositions, live_root, hooks, owner)
+
+
+def _subclass_state(prepared: PreparedInputs) -> tuple[tuple[str, SubclassLayout], ...]:
+    """The target and layout of each lifted tensor subclass (Note [Tensor subclasses])."""
+    return tuple(
+        (s.spec.target, s.part.layout) for s in prepared.state if s.part is not None and s.part.index == 0
+    )
 
 
 def _storage_groups(prepared: PreparedInputs) -> tuple[tuple[str, ...], ...]:
@@ -257,7 +270,7 @@ def _mutation_spec(mutated: InputSpec, node: fx.Node, metadata: bool = False) ->
     too (only user inputs get here: the trace refuses it for state)."""
     target = mutated.name if mutated.kind is InputKind.USER_INPUT else mutated.target
     kind = OutputKind.USER_INPUT_METADATA_MUTATION if metadata else _MUTATION_KIND[mutated.kind]
-    return OutputSpec(kind, node.name, target)
+    return OutputSpec(kind, node.name, target, "" if mutated.kind is InputKind.USER_INPUT else mutated.inner)
 
 
 def _node_name(node: object) -> str:

@@ -33,6 +33,7 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
 from predispatch.frontend.reachable import in_tree, resolve
+from predispatch.frontend.subclasses import has_own_rules
 from predispatch.runtime.call_structure import describe_mismatch
 from predispatch.runtime.modes import (
     PT2E_MODE_ATTRIBUTES,
@@ -41,7 +42,7 @@ from predispatch.runtime.modes import (
     check_pt2e_mode_switch,
     refuse_copy,
 )
-from predispatch.signature import InputKind, Leaf, OutputKind, ShapeRecord
+from predispatch.signature import InputKind, Leaf, OutputKind, ShapeRecord, SubclassLayout
 from predispatch.runtime.writes import (
     PLAIN_TENSOR_TYPES,
     WritePlan,
@@ -74,6 +75,9 @@ class CallContract:
     training_flags: the `training` flags at export (`.train()`/`.eval()` to another mode is refused).
     storage_groups: state targets that shared memory at export, one group per base: the graph
         writes each group back consistently, so their overlap is no aliasing of the call.
+    state_parts: per entry of `state`, the attribute path of the plain tensor it is inside a
+        tensor subclass ("" for a whole tensor): Note [Tensor subclasses] in frontend/subclasses.py.
+    subclass_state: the layout each tensor subclass of the state must keep, by target.
     """
 
     in_spec: pytree.TreeSpec
@@ -86,6 +90,8 @@ class CallContract:
     write_plans: tuple[WritePlan, ...] = ()
     training_flags: tuple[tuple[str, bool], ...] = ()
     storage_groups: tuple[tuple[str, ...], ...] = ()
+    state_parts: tuple[str, ...] = ()
+    subclass_state: tuple[tuple[str, SubclassLayout], ...] = ()
 
 
 class ProgramModule(fx.GraphModule):
@@ -297,9 +303,11 @@ def _plan_calls(module: ProgramModule) -> _CallPlan:
     """Make and keep the module's `_CallPlan` (a copy of the module makes its own)."""
     contract = module.call_contract
     names = [target for target, _ in contract.state]
+    parts = list(contract.state_parts) or [""] * len(names)
+    keys = list(zip(names, parts))
     plan = _CallPlan(
-        _state_reader(module, names),
-        tuple(len(names) + w if isinstance(w, int) else names.index(w) for w in contract.writes),
+        _parts_of_state(_state_reader(module, names), names, parts, dict(contract.subclass_state)),
+        tuple(len(names) + w if isinstance(w, int) else keys.index(w if isinstance(w, tuple) else (w, "")) for w in contract.writes),
         contract.write_plans,
         _positional_check(contract),
         _enables_grad(module),
@@ -308,6 +316,29 @@ def _plan_calls(module: ProgramModule) -> _CallPlan:
     )
     module.__dict__["_call_plan"] = plan
     return plan
+
+
+def _parts_of_state(
+    read: Callable[[], tuple[torch.Tensor, ...]], names: list[str], parts: list[str], layouts: dict[str, SubclassLayout]
+) -> Callable[[], tuple[torch.Tensor, ...]]:
+    """`read`, with each tensor subclass of the state checked against its layout and replaced by
+    the part each position stands for (Note [Tensor subclasses])."""
+    if not layouts:
+        return read
+
+    def read_parts() -> tuple[torch.Tensor, ...]:
+        found = list(read())
+        taken: dict[str, dict[str, torch.Tensor]] = {}
+        for i, (name, part) in enumerate(zip(names, parts)):
+            if part:
+                if name not in taken:
+                    layout = layouts[name]
+                    check_subclass(f"state {name!r}", found[i], layout)
+                    taken[name] = dict(zip(layout.paths(), layout.flatten(found[i])))
+                found[i] = taken[name][part]
+        return tuple(found)
+
+    return read_parts
 
 
 def _shared_positions(names: list[str], groups: tuple[tuple[str, ...], ...]) -> dict[int, frozenset[int]]:
@@ -385,7 +416,7 @@ def _positional_check(contract: CallContract) -> Callable[[tuple], list[torch.Te
     that is such a call (no kwargs, plain tensors), returning its tensors when each has the
     exported dtype, shape and device, None for `check_inputs` to check it (and word the error)."""
     n = len(contract.input_leaves)
-    if contract.shapes.is_dynamic or not all(leaf.is_tensor for leaf in contract.input_leaves):
+    if contract.shapes.is_dynamic or not all(leaf.is_tensor and leaf.layout is None for leaf in contract.input_leaves):
         return None
     if contract.in_spec != pytree.tree_flatten((tuple(range(n)), {}))[1] or None in contract.tensor_meta:
         return None
@@ -469,7 +500,12 @@ def check_inputs(contract: CallContract, args: tuple, kwargs: dict) -> list[torc
     tensors = []
     examples = iter(contract.tensor_meta)
     for leaf, value in zip(contract.input_leaves, flat):
-        if leaf.is_tensor:
+        if leaf.layout is not None:  # Note [Tensor subclasses]: the program takes its parts
+            check_subclass(f"input {leaf.path!r}", value, leaf.layout)
+            for path, part in zip(leaf.layout.paths(), leaf.layout.flatten(value)):
+                _check_tensor(f"{leaf.path}.{path}", part, next(examples))
+                tensors.append(part)
+        elif leaf.is_tensor:
             _check_tensor(leaf.path, value, next(examples))
             tensors.append(value)
         elif type(value) is not type(leaf.value) or (value is not leaf.value and value != leaf.value):
@@ -479,7 +515,7 @@ def check_inputs(contract: CallContract, args: tuple, kwargs: dict) -> list[torc
                 where=user_frame(),
                 fix="call with the exported value, or export again with this one.",
             )
-    if contract.shapes.is_dynamic:
+    if contract.shapes.is_dynamic:  # no subclass leaf here: they are exported with static shapes
         paths = [leaf.path for leaf in contract.input_leaves if leaf.is_tensor]
         _check_symbols(contract.shapes, paths, tensors)
     return tensors
@@ -549,6 +585,15 @@ def _check_tensor(path: str, value: Any, example: tuple[torch.dtype, tuple[int |
         raise InputMismatchError(
             f"input {path!r} was a tensor at export and has type {type(value).__name__} now.", where=user_frame()
         )
+    if has_own_rules(value):  # eager would run its rules; the graph computes plain ops
+        raise InputMismatchError(
+            f"input {path!r} was a plain tensor at export and is a {type(value).__module__}.{type(value).__qualname__} "
+            "now, a tensor subclass with rules of its own (__torch_function__/__torch_dispatch__): eager would run "
+            "them, the program's graph computes plain ops.",
+            where=user_frame(),
+            fix="pass the plain tensor, or export with the subclass (a traceable one, with __tensor_flatten__, is "
+            "taken apart and its rules traced: docs/subclasses.md).",
+        )
     if example is None:
         return
     dtype, shape, device = example
@@ -566,6 +611,79 @@ def _check_tensor(path: str, value: Any, example: tuple[torch.dtype, tuple[int |
             f"input {path!r} was exported as {dtype} {exported} and is {value.dtype} {tuple(value.shape)} now.".replace("'?'", "?"),
             where=user_frame(),
             fix="call with the exported shape and dtype, export again, or mark the dimension dynamic.",
+        )
+
+
+def check_subclass(what: str, value: Any, layout: SubclassLayout) -> None:
+    """Refuse a tensor subclass (an input, or the module's state) unlike the one traced: the
+    program computes on the parts of that class, for that flatten context and size."""
+    why = layout.mismatch(value)
+    if why is not None:
+        raise InputMismatchError(
+            f"{what} was a {layout} at export and is {why} now; the program was traced through that "
+            "class's own rules for that layout.",
+            where=user_frame(),
+            fix="pass (or keep in the module) a tensor of the exported class and layout, or export again with this one.",
+        )
+
+
+# --- tensor subclasses in the generated code (Note [Tensor subclasses]) -------------------------
+
+
+def subclass_parts(t: torch.Tensor, layout: SubclassLayout) -> tuple[torch.Tensor, ...]:
+    """The plain tensors of a subclass state tensor or input, for the graph.  Where a gradient
+    must reach the subclass (it requires grad, grad mode on), through `_TakeApart`, whose backward
+    builds the subclass's gradient from its parts' gradients, as eager's autograd would give it."""
+    if torch.is_grad_enabled() and t.requires_grad:
+        return _TakeApart.apply(layout, t)
+    return tuple(layout.flatten(t))
+
+
+def subclass_of(layout: SubclassLayout, *parts: torch.Tensor) -> torch.Tensor:
+    """A subclass output built from the graph's parts; through `_Assemble` where a gradient must
+    flow back into the parts."""
+    if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
+        return _Assemble.apply(layout, *parts)
+    return layout.unflatten(parts)
+
+
+class _TakeApart(torch.autograd.Function):
+    """A subclass into its parts (views, so the subclass's own tensors keep no autograd history)."""
+
+    @staticmethod
+    def forward(ctx: Any, layout: SubclassLayout, t: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        parts = layout.flatten(t)
+        ctx.layout = layout
+        ctx.parts = [(p.shape, p.dtype, p.device) for p in parts]
+        return tuple(part.view_as(part) for part in parts)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        if all(g is None for g in grads):
+            return None, None
+        # a part no gradient reached (an integer `qdata`) has a zero gradient
+        full = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device) for g, (shape, dtype, device) in zip(grads, ctx.parts)]
+        return None, ctx.layout.unflatten(full)
+
+
+class _Assemble(torch.autograd.Function):
+    """Parts into a subclass output; its gradient is taken apart into the parts' gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, layout: SubclassLayout, *parts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.layout = layout
+        return layout.unflatten(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        layout = ctx.layout
+        if layout.mismatch(grad) is None:
+            return (None, *layout.flatten(grad))
+        raise InputMismatchError(
+            f"the gradient of a {layout} output is a {type(grad).__name__} of another layout; the program "
+            "can only take apart a gradient of the output's own layout.",
+            where=user_frame(),
+            fix="compute the loss from the subclass output with the subclass's own ops, as in eager.",
         )
 
 

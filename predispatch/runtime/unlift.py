@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 import warnings
 from typing import Any
 
@@ -54,10 +55,11 @@ def module_of(ep: Program) -> ProgramModule:
     sig = ep.signature
     placeholders = graph.find_nodes(op="placeholder")
     n_state = len(sig.inputs_of(*_STATE_KINDS))
-    user = _placeholders_per_leaf(graph, sig, placeholders[n_state:])
-    state = _unlift_state(graph, sig, placeholders[:n_state], ep.live_root)
+    layouts = _SubclassLayouts(source)
+    user, by_name = _placeholders_per_leaf(graph, sig, placeholders[n_state:], layouts)
+    state = _unlift_state(graph, sig, placeholders[:n_state], ep.live_root, layouts)
     plans = plan_writes(ep.graph_module, sig)
-    _write_back_and_return(graph, sig, state, user, plans)
+    _write_back_and_return(graph, sig, state, by_name, plans, layouts)
     bodies = _region_bodies(source)
     for gm in list(source.modules()):
         if isinstance(gm, fx.GraphModule):
@@ -91,13 +93,65 @@ def _opaque_objects(gm: fx.GraphModule) -> dict[str, Any]:
     return found
 
 
-def _placeholders_per_leaf(graph: fx.Graph, sig: Any, tensor_placeholders: list[fx.Node]) -> list[fx.Node]:
-    """One placeholder per leaf of the call, in pytree order, first in the graph."""
+class _SubclassLayouts:
+    """The layouts of the program's tensor subclasses, as attributes of the module's graph
+    (`_subclass_layout_0`), read by `get_attr` where the generated code takes a subclass apart or
+    builds one (Note [Tensor subclasses] in frontend/subclasses.py)."""
+
+    def __init__(self, source: fx.GraphModule):
+        self.source = source
+        self.count = 0
+
+    def node(self, graph: fx.Graph, layout: Any) -> fx.Node:
+        name = f"_subclass_layout_{self.count}"
+        self.count += 1
+        self.source.__dict__[name] = layout  # shared with module(): `_opaque_objects`
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a plain attribute, not a submodule, parameter or buffer
+            return graph.get_attr(name)
+
+
+def _take_apart(
+    graph: fx.Graph, whole: fx.Node, layout: Any, layouts: _SubclassLayouts, parts: list[fx.Node], after: fx.Node | None = None
+) -> list[fx.Node]:
+    """After `whole` (a subclass; or after `after`), the call taking it apart, and one item per
+    part; each part's old placeholder is replaced by its item.  Returns the items."""
+    with graph.inserting_after(after or whole):
+        layout_node = layouts.node(graph, layout)
+    with graph.inserting_after(layout_node):
+        call = graph.call_function(runner.subclass_parts, (whole, layout_node))
+    items = []
+    anchor = call
+    for i, part in enumerate(parts):
+        with graph.inserting_after(anchor):
+            item = graph.call_function(operator.getitem, (call, i))
+        item.meta = dict(part.meta)
+        part.replace_all_uses_with(item)
+        graph.erase_node(part)
+        items.append(item)
+        anchor = item
+    return items
+
+
+def _placeholders_per_leaf(
+    graph: fx.Graph, sig: Any, tensor_placeholders: list[fx.Node], layouts: _SubclassLayouts
+) -> tuple[list[fx.Node], dict[str, fx.Node]]:
+    """One placeholder per leaf of the call, in pytree order, first in the graph; and the node
+    standing for each USER_INPUT spec, by its name (a subclass leaf's parts: items of its
+    `subclass_parts` call)."""
     tensors = iter(tensor_placeholders)
-    ordered = []
+    specs = iter(sig.inputs_of(InputKind.USER_INPUT))
+    ordered, by_name, apart = [], {}, []
     for leaf in sig.input_leaves:
-        if leaf.is_tensor:
+        if leaf.layout is not None:
+            parts = [next(tensors) for _ in leaf.layout.paths()]
+            node = graph.placeholder(_identifier(leaf.path))
+            node.meta["val"] = None
+            apart.append((node, leaf.layout, parts, [next(specs).name for _ in parts]))
+            ordered.append(node)
+        elif leaf.is_tensor:
             ordered.append(next(tensors))
+            by_name[next(specs).name] = ordered[-1]
         else:
             node = graph.placeholder(_identifier(leaf.path))
             node.meta["val"] = leaf.value
@@ -109,16 +163,31 @@ def _placeholders_per_leaf(graph: fx.Graph, sig: Any, tensor_placeholders: list[
                 first.prepend(node)
         else:
             ordered[i - 1].append(node)
-    return ordered
+    for node, layout, parts, names in apart:
+        by_name.update(zip(names, _take_apart(graph, node, layout, layouts, parts, after=_last_placeholder(graph))))
+    return ordered, by_name
 
 
-def _unlift_state(graph: fx.Graph, sig: Any, placeholders: list[fx.Node], live_root: nn.Module | None) -> dict[str, fx.Node]:
+def _last_placeholder(graph: fx.Graph) -> fx.Node:
+    return graph.find_nodes(op="placeholder")[-1]
+
+
+def _unlift_state(
+    graph: fx.Graph, sig: Any, placeholders: list[fx.Node], live_root: nn.Module | None, layouts: _SubclassLayouts
+) -> dict[Any, fx.Node]:
     """Each state placeholder becomes a `get_attr` of its fully qualified name (under the live
     root of a function export); by that name.  Live state kept outside the registered tree
-    (`helpers.0.weight` in a plain list) is read by `runner.read_state`, which walks containers."""
+    (`helpers.0.weight` in a plain list) is read by `runner.read_state`, which walks containers.
+    The parts of a tensor subclass are items of one `subclass_parts` call on the subclass,
+    by `(name, inner)`."""
     anchor = graph.find_nodes(op="placeholder")
-    by_target = {}
-    for spec, node in zip(sig.inputs_of(*_STATE_KINDS), placeholders):
+    by_target: dict[Any, fx.Node] = {}
+    specs = sig.inputs_of(*_STATE_KINDS)
+    layouts_of = dict(sig.subclass_state)
+    i = 0
+    while i < len(specs):
+        spec = specs[i]
+        width = len(layouts_of[spec.target].paths()) if spec.inner else 1
         where = graph.inserting_after(anchor[-1]) if anchor else graph.inserting_before(next(iter(graph.nodes)))
         with where, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the attribute is installed once the graph is complete
@@ -130,31 +199,49 @@ def _unlift_state(graph: fx.Graph, sig: Any, placeholders: list[fx.Node], live_r
                 root = graph.get_attr(runner.LIVE_ROOT)
                 with graph.inserting_after(root):
                     attr = graph.call_function(runner.read_state, (root, spec.target))
-        attr.meta = dict(node.meta)
-        node.replace_all_uses_with(attr)
-        graph.erase_node(node)
-        anchor = [attr]
-        by_target[spec.target] = attr
+        if spec.inner:
+            parts = placeholders[i : i + width]
+            items = _take_apart(graph, attr, layouts_of[spec.target], layouts, parts)
+            by_target.update(((spec.target, s.inner), item) for s, item in zip(specs[i : i + width], items))
+            anchor = [items[-1]]
+        else:
+            node = placeholders[i]
+            attr.meta = dict(node.meta)
+            node.replace_all_uses_with(attr)
+            graph.erase_node(node)
+            anchor = [attr]
+            by_target[spec.target] = attr
+        i += width
     return by_target
 
 
-def _write_back_and_return(graph: fx.Graph, sig: Any, state: dict[str, fx.Node], user: list[fx.Node], plans: tuple) -> None:
-    """The write-back call, grad mode for the caller, and every output leaf in pytree order."""
+def _write_back_and_return(
+    graph: fx.Graph, sig: Any, state: dict[Any, fx.Node], by_name: dict[str, fx.Node], plans: tuple, layouts: _SubclassLayouts
+) -> None:
+    """The write-back call, grad mode for the caller, and every output leaf in pytree order (a
+    subclass output built again from its parts)."""
     output = graph.output_node()
     values = list(output.args[0])
     mutations = sig.mutations
-    tensor_inputs = [node for leaf, node in zip(sig.input_leaves, user) if leaf.is_tensor]
-    by_name = {spec.name: node for spec, node in zip(sig.inputs_of(InputKind.USER_INPUT), tensor_inputs)}
     with graph.inserting_before(output):
         if mutations:
-            targets = tuple(by_name[s.target] if s.kind in runner.WRITES_TO_USER_INPUT else state[s.target] for s in mutations)
+            targets = tuple(
+                by_name[s.target] if s.kind in runner.WRITES_TO_USER_INPUT else state[(s.target, s.inner) if s.inner else s.target]
+                for s in mutations
+            )
             _read_written_targets_through_runner(graph, targets)
             writers = tuple(runner.writer_of(plan) for plan in plans)
             graph.call_function(runner.apply_mutations, (writers, targets, tuple(values[: len(mutations)])))
         if sig.grad_mode_on_exit is not None:
             graph.call_function(torch._C._set_grad_enabled, (sig.grad_mode_on_exit,))
-    results = iter(values[len(mutations) :])
-    leaves = [next(results) if leaf.is_tensor else leaf.value for leaf in sig.output_leaves]
+        results = iter(values[len(mutations) :])
+        leaves = []
+        for leaf in sig.output_leaves:
+            if leaf.layout is not None:
+                parts = tuple(next(results) for _ in leaf.layout.paths())
+                leaves.append(graph.call_function(runner.subclass_of, (layouts.node(graph, leaf.layout), *parts)))
+            else:
+                leaves.append(next(results) if leaf.is_tensor else leaf.value)
     output.args = (leaves,)
 
 
@@ -293,7 +380,10 @@ def _contract(ep: Program, plans: tuple[WritePlan, ...]) -> CallContract:
     sig = ep.signature
     placeholders = ep.graph.find_nodes(op="placeholder")[len(sig.inputs_of(*_STATE_KINDS)) :]
     user_index = {spec.name: i for i, spec in enumerate(sig.inputs_of(InputKind.USER_INPUT))}
-    writes = tuple(user_index[s.target] if s.kind in runner.WRITES_TO_USER_INPUT else s.target for s in sig.mutations)
+    writes = tuple(
+        user_index[s.target] if s.kind in runner.WRITES_TO_USER_INPUT else (s.target, s.inner) if s.inner else s.target
+        for s in sig.mutations
+    )
     return CallContract(
         in_spec=sig.in_spec,
         input_leaves=sig.input_leaves,
@@ -305,6 +395,8 @@ def _contract(ep: Program, plans: tuple[WritePlan, ...]) -> CallContract:
         write_plans=plans,
         training_flags=sig.training_flags,
         storage_groups=ep.graph_module.meta.get("storage_groups", ()),
+        state_parts=tuple(s.inner for s in sig.inputs_of(*_STATE_KINDS)) if sig.subclass_state else (),
+        subclass_state=sig.subclass_state,
     )
 
 

@@ -554,6 +554,13 @@ OUTPUT_RULES: dict[str, Callable[[Any, Any, str], str | None]] = {
 }
 
 
+def _part(tensor: Any, inner: str) -> Any:
+    """The plain tensor at attribute path `inner` of a subclass tensor (`tensor` itself for "")."""
+    for name in inner.split(".") if inner else ():
+        tensor = getattr(tensor, name, None)
+    return tensor
+
+
 def _signature_problems(ep: Program) -> Iterator[Problem]:
     """The signature, the graph and the state describe one program."""
     sig = ep.signature
@@ -568,10 +575,10 @@ def _signature_problems(ep: Program) -> Iterator[Problem]:
     resized = resized_targets(ep.graph_module, sig)
     for node, spec in zip(placeholders, sig.inputs):
         if spec.target in stored and spec.kind != InputKind.USER_INPUT and node.name == spec.name:
-            why = _same_metadata(_val(node), stored[spec.target], resizable=spec.target in resized)
+            why = _same_metadata(_val(node), _part(stored[spec.target], spec.inner), resizable=spec.target in resized)
             if why:
                 yield Problem(f"signature input {spec.name} ({spec.kind.name} {spec.target!r})", why)
-    tensor_leaves = sum(leaf.is_tensor for leaf in sig.input_leaves)
+    tensor_leaves = sum(leaf.width for leaf in sig.input_leaves)
     if sig.in_spec.num_leaves != len(sig.input_leaves) or tensor_leaves != len(sig.inputs_of(InputKind.USER_INPUT)):
         yield Problem("signature input_leaves", "the input spec, input leaves and user inputs disagree")
     yield from _outside_tree_problems(sig)
@@ -632,7 +639,7 @@ def _output_problems(ep: Program) -> Iterator[Problem]:
             yield Problem(where, f"no rule checks output kind {spec.kind.name}; add one to OUTPUT_RULES in predispatch/serialize/verify.py")
         elif (why := rule(ep, value, spec.target)) is not None:
             yield Problem(where, why)
-    if sig.out_spec.num_leaves != len(sig.output_leaves) or sum(leaf.is_tensor for leaf in sig.output_leaves) != user_outputs:
+    if sig.out_spec.num_leaves != len(sig.output_leaves) or sum(leaf.width for leaf in sig.output_leaves) != user_outputs:
         yield Problem("signature output_leaves", "the output spec, output leaves and user outputs disagree")
 
 

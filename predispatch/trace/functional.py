@@ -30,6 +30,7 @@ from predispatch.frontend import PreparedInputs
 from predispatch.frontend.dynamic import check_constraints
 from predispatch.frontend.inputs import CONSTANT_TYPES, hf_cache_fix, is_hf_cache, register_dataclasses
 from predispatch.frontend.reachable import in_tree, resolve
+from predispatch.frontend.subclasses import is_subclass, layout_of
 from predispatch.signature import InputKind, Leaf
 from predispatch.custom_backward.autograd_function import capture_autograd_functions
 from predispatch.trace.collectives import COLLECTIVE_REWRITES
@@ -56,6 +57,7 @@ from predispatch.trace.transforms import transforms_below_autograd
 from predispatch.trace.flex_attention import refuse_differentiated_captures
 from predispatch.trace.outside_tensors import refuse_outside_tensor_uses
 from predispatch.trace.scatter_gradients import rewrite_as_strided_scatters
+from predispatch.trace.subclass_reads import eager_part_reads, guard_plain_gradients
 from predispatch.trace.rng import refuse_generators_made_in_forward, refusing_rng_changes
 
 
@@ -123,11 +125,7 @@ class _Program:
             stack.enter_context(keeper)  # Note [Mutations inside grad regions]
             self.observer, self.keeper = stack.enter_context(keeper.observer()), keeper
             state = _bind_storage_views(prepared, inputs)  # Note [State that shares storage]
-            bound = {
-                fqn: tensor
-                for lifted, tensor in zip(prepared.state, state)
-                for fqn in (*lifted.spec.names, *lifted.bind_also)
-            }
+            bound, subclasses = _bindings(prepared, state)
             inside, beyond = _split_by_reach(prepared.module, bound)
             stack.enter_context(ti.reparametrize(prepared.module, inside))
             stack.enter_context(_bound_beyond(prepared.module, beyond))
@@ -135,13 +133,54 @@ class _Program:
             stack.enter_context(capture_autograd_functions())
             assigned = stack.enter_context(_buffer_assignments())
             self.sharing = stack.enter_context(share_repeated_blocks(prepared.module, self._dedup))
+            stack.enter_context(eager_part_reads([*subclasses, *_input_subclasses(prepared, args, kwargs)]))
             out = prepared.module(*args, **kwargs)
             _record_reassigned_buffers(prepared, state, assigned)
             _write_storage_views(prepared, inputs)
         self.grad_mode_on_exit = torch.is_grad_enabled() if keeper.open_regions > 0 else None
         self.input_metadata_write = keeper.input_metadata_write
         self.outputs = _output_leaves(out, prepared.module)
-        return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, _GRAPH_OUTPUT_TYPES) and not _is_static(x))
+        flat = pytree.tree_leaves(out)
+        return tuple(
+            part
+            for x, leaf in zip(flat, self.outputs[0])
+            if leaf.is_tensor
+            for part in (leaf.layout.flatten(x) if leaf.layout is not None else (x,))
+        )
+
+
+def _bindings(prepared: PreparedInputs, state: tuple[torch.Tensor, ...]) -> tuple[dict[str, torch.Tensor], list[tuple]]:
+    """Every name of the lifted state bound to its traced tensor; a subclass's parts are built
+    into the subclass again, bound at the subclass's names (Note [Tensor subclasses]).  Also
+    each subclass built, with its layout and the module's own subclass tensor."""
+    bound: dict[str, torch.Tensor] = {}
+    subclasses: list[tuple] = []
+    parts: list[torch.Tensor] = []
+    for lifted, tensor in zip(prepared.state, state):
+        if lifted.part is not None:
+            parts.append(tensor)
+            if len(parts) < len(lifted.part.layout.paths()):
+                continue
+            tensor, parts = lifted.part.layout.unflatten(parts), []
+            subclasses.append((tensor, _stored_without_grad(tensor, lifted.part.layout, lifted.part.whole)))
+        bound.update((fqn, tensor) for fqn in (*lifted.spec.names, *lifted.bind_also))
+    return bound, subclasses
+
+
+def _stored_without_grad(traced: torch.Tensor, layout: Any, stored: torch.Tensor) -> frozenset[str]:
+    """The parts of a subclass the module stores without grad though the trace gives them grad."""
+    return frozenset(
+        name for name, inner in layout.inner
+        if inner is None and not getattr(stored, name).requires_grad and getattr(traced, name).requires_grad
+    )
+
+
+def _input_subclasses(prepared: PreparedInputs, args: tuple, kwargs: dict) -> list[tuple]:
+    """Each subclass input as the trace builds it, with the parts forward reads detached."""
+    if not prepared.subclass_inputs:
+        return []
+    traced = pytree.tree_leaves((args, kwargs))
+    return [(traced[index], names) for index, names in prepared.subclass_inputs]
 
 
 def _bind_storage_views(prepared: PreparedInputs, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -316,6 +355,8 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
         stack.enter_context(naming_property_errors())
         stack.enter_context(transforms_below_autograd())  # Note [torch.func in forward]
         stack.enter_context(ti.exporting_flags())
+        stack.enter_context(ti.subclass_constructors_unrecorded())  # Note [Tensor subclasses]
+        stack.enter_context(ti.subclass_dispatch(guard_plain_gradients))  # Note [Gradients of plain tensors through a subclass]
         stack.enter_context(ti.flex_attention_index_inline())
         stack.enter_context(_no_backend_heuristics())
         stack.enter_context(
@@ -500,7 +541,9 @@ def _output_leaves(out: Any, module: torch.nn.Module) -> tuple[tuple[Leaf, ...],
     leaves = []
     for path, value in with_path:
         label = "output" + pytree.keystr(path)
-        if isinstance(value, _GRAPH_OUTPUT_TYPES) and not _is_static(value):
+        if is_subclass(value):  # Note [Tensor subclasses]: returned as its parts
+            leaves.append(Leaf(label, True, layout=layout_of(value, label)))
+        elif isinstance(value, _GRAPH_OUTPUT_TYPES) and not _is_static(value):
             leaves.append(Leaf(label, True))
         elif _is_static(value):
             leaves.append(Leaf(label, False, _SCALAR_TYPE[type(value)](value)))

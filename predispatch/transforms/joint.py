@@ -84,11 +84,14 @@ def _check_not_joint(ep: Program) -> None:
         )
 
 
-def _loss_position(ep: Program, loss: str | None) -> int:
-    """The position, among the graph outputs, of the loss: the one output, or the named leaf."""
+def _loss_position(ep: Program, loss: str | None) -> tuple[int, ...]:
+    """The positions, among the graph outputs, of the loss: the one output, or the named leaf
+    (a tensor subclass loss: each of its parts)."""
     sig = ep.signature
     user = [(i, spec) for i, spec in enumerate(sig.outputs) if spec.kind is OutputKind.USER_OUTPUT]
     paths = [spec.target for _, spec in user]
+    if loss is None and len(sig.output_leaves) == 1 and sig.output_leaves[0].layout is not None:
+        return _subclass_loss(ep, user)
     if loss is None:
         if len(sig.output_leaves) != 1 or len(user) != 1:
             raise JointError(
@@ -108,7 +111,15 @@ def _loss_position(ep: Program, loss: str | None) -> int:
             )
         position = matches[0]
     _check_scalar(ep, position, sig.outputs[position].target)
-    return position
+    return (position,)
+
+
+def _subclass_loss(ep: Program, user: list[tuple[int, Any]]) -> tuple[int, ...]:
+    """A tensor subclass loss (a `TwoTensor` scalar): its parts' positions.  Eager's
+    `loss.backward()` seeds each part with one, which is differentiating their sum."""
+    for position, spec in user:
+        _check_scalar(ep, position, f"{spec.target}.{spec.inner}")
+    return tuple(position for position, _ in user)
 
 
 def _short_path(path: str) -> str:
@@ -132,9 +143,10 @@ def _check_scalar(ep: Program, position: int, path: str) -> None:
 
 
 def _differentiable(ep: Program, spec: Any) -> bool:
-    """Gradients are wanted for parameters that require grad and for floating user inputs."""
+    """Gradients are wanted for parameters that require grad and for floating user inputs (for a
+    tensor subclass, for its floating parts: Note [Tensor subclasses] in frontend/subclasses.py)."""
     if spec.kind is InputKind.PARAMETER:
-        return ep.state_dict[spec.target].requires_grad
+        return ep.state_dict[spec.target].requires_grad and (not spec.inner or _example(ep, spec).is_floating_point())
     if spec.kind is InputKind.USER_INPUT:
         return _example(ep, spec).is_floating_point()
     return False
@@ -146,7 +158,7 @@ def _example(ep: Program, spec: Any) -> torch.Tensor:
 
 
 def _trace_joint(
-    ep: Program, loss_position: int, wants_grad: list[bool], where: str | None
+    ep: Program, loss_position: tuple[int, ...], wants_grad: list[bool], where: str | None
 ) -> tuple[fx.GraphModule, list[bool]]:
     """Trace forward + `autograd.grad` of the program below autograd, functionalized
     (`ti.trace_differentiated`).
@@ -169,8 +181,8 @@ def _trace_joint(
 
     def forward(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outputs = program(*inputs)
-        if not outputs[loss_position].requires_grad:
-            _no_gradient(ep.signature.outputs[loss_position].target, where)
+        if not any(outputs[p].requires_grad for p in loss_position):
+            _no_gradient(ep.signature.outputs[loss_position[0]].target, where)
         return outputs
 
     got_grad: list[bool] = []
@@ -178,7 +190,8 @@ def _trace_joint(
     def joint(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outputs = forward(*inputs)
         differentiable = [t for t, wants in zip(inputs, wants_grad) if wants]
-        grads = torch.autograd.grad(outputs[loss_position], differentiable, allow_unused=True)
+        losses = [outputs[p] for p in loss_position if outputs[p].requires_grad]
+        grads = torch.autograd.grad(losses, differentiable, allow_unused=True)
         got_grad[:] = [False] * len(inputs)
         positions = [i for i, wants in enumerate(wants_grad) if wants]
         for i, grad in zip(positions, grads):
@@ -223,23 +236,24 @@ def _joint_signature(ep: Program, gm: fx.GraphModule, has_grad: list[bool]) -> E
     """The forward's signature with the gradient outputs appended, and `out_spec` for `(outputs, grads)`."""
     sig = ep.signature
     outputs = list(gm.graph.output_node().args[0])
-    specs = [OutputSpec(spec.kind, _name(node), spec.target) for spec, node in zip(sig.outputs, outputs)]
+    specs = [OutputSpec(spec.kind, _name(node), spec.target, spec.inner) for spec, node in zip(sig.outputs, outputs)]
     grad_nodes = iter(outputs[len(sig.outputs):])
-    grads: dict[str, Any] = {}
+    grads: dict[str, tuple[list[Any], Any]] = {}  # name -> (gradient nodes, subclass layout)
+    layouts = dict(sig.subclass_state)
     new_outputs: list[Any] = list(outputs[: len(sig.outputs)])
     for spec, got in zip(sig.inputs, has_grad):
-        wanted = _differentiable(ep, spec)
-        if not wanted:
+        if not _differentiable(ep, spec):
             continue
         node = next(grad_nodes) if got else None
         for name in spec.names:
-            grads[name] = node
+            nodes, _ = grads.setdefault(name, ([], layouts.get(spec.target) if spec.inner else None))
+            nodes.append(node)
             if node is not None:
                 new_outputs.append(node)
-                specs.append(OutputSpec(GRADIENT_KIND[spec.kind], node.name, name))
+                specs.append(OutputSpec(GRADIENT_KIND[spec.kind], node.name, name, spec.inner))
     gm.graph.output_node().args = (tuple(new_outputs),)
     forward_value = pytree.tree_unflatten([object()] * len(sig.output_leaves), sig.out_spec)
-    grad_leaves = [Leaf(f"grads[{name!r}]", node is not None) for name, node in grads.items()]
+    grad_leaves = [_gradient_leaf(name, nodes, layout) for name, (nodes, layout) in grads.items()]
     out_spec = pytree.tree_structure((forward_value, dict.fromkeys(grads, object())))
     return ExportSignature(
         sig.inputs,
@@ -255,7 +269,24 @@ def _joint_signature(ep: Program, gm: fx.GraphModule, has_grad: list[bool]) -> E
         outside_tree=sig.outside_tree,
         state_order=sig.state_order,
         placements=sig.placements,
+        subclass_state=sig.subclass_state,
     )
+
+
+def _gradient_leaf(name: str, nodes: list[Any], layout: Any) -> Leaf:
+    """The `grads[name]` leaf: a tensor, None (no gradient reached it), or for a tensor subclass
+    parameter the subclass built from its parts' gradients, as eager's `.grad` is one."""
+    if layout is None or all(node is None for node in nodes):
+        return Leaf(f"grads[{name!r}]", nodes[0] is not None)
+    if None in nodes or len(nodes) != len(layout.paths()):
+        raise JointError(
+            f"the gradient of the tensor subclass parameter {name!r} ({layout}) reaches only some of its parts "
+            "(integer parts get none); the joint cannot build a gradient of that class.",
+            where=user_frame(),
+            fix="freeze the parameter (requires_grad_(False)) as quantized weights are, or train through a "
+            "subclass whose parts are all floating (torchao's QAT fake-quantizes plain weights).",
+        )
+    return Leaf(f"grads[{name!r}]", True, layout=layout)
 
 
 def _name(node: object) -> str:

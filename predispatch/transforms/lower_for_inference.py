@@ -21,11 +21,11 @@ ops (a straight-through estimator's gradient becomes 0).  That is why only
 predispatch/custom_backward/autograd_function/__init__.py for what the HOP holds.
 
 `drop_history`: `predispatch.keep_history(value, history)` (Note [Mutations inside grad
-regions]) becomes `aten.clone(value)`, its value; it only routes gradients, and inference
-consumers (ONNX, ExecuTorch) do not know the op.
+regions]) and `predispatch.subclass_gradient_barrier(value)` become `aten.clone(value)`, their
+value; they only route gradients, and inference consumers (ONNX, ExecuTorch) do not know them.
 
 Pre: `gm` is a copy the caller owns (the passes edit it and its subgraphs in place).
-Post: no `autograd_function_apply` and no `keep_history` node in `gm` or any subgraph.
+Post: no `autograd_function_apply`, `keep_history` or `subclass_gradient_barrier` node in `gm` or any subgraph.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 from torch import fx
 
 from predispatch import _torch_internals as ti
+from predispatch import ops  # noqa: F401 - registers predispatch's ops
 
 
 def inline_function_forwards(gm: fx.GraphModule) -> list[str]:
@@ -89,13 +90,19 @@ def _adopt(gm: fx.GraphModule, owner: fx.GraphModule, target: str) -> str:
     return name
 
 
+#: predispatch's ops that only route (or stop) gradients: for inference, the clone of their first argument.
+_GRADIENT_ONLY = (torch.ops.predispatch.keep_history.default, torch.ops.predispatch.subclass_gradient_barrier.default)
+
+
 def drop_history(gm: fx.GraphModule) -> int:
-    """Replace every `keep_history(value, history)` by `clone(value)`; how many there were."""
+    """Replace every `keep_history(value, history)` and `subclass_gradient_barrier(value)` (Note
+    [Gradients of plain tensors through a subclass]) by `clone(value)`; how many there were."""
     count = 0
     for module in list(gm.modules()):
         if isinstance(module, fx.GraphModule):
-            for node in module.graph.find_nodes(op="call_function", target=torch.ops.predispatch.keep_history.default):
-                node.target, node.args, node.kwargs = torch.ops.aten.clone.default, node.args[:1], {}
-                count += 1
+            for op in _GRADIENT_ONLY:
+                for node in module.graph.find_nodes(op="call_function", target=op):
+                    node.target, node.args, node.kwargs = torch.ops.aten.clone.default, node.args[:1], {}
+                    count += 1
             module.recompile()
     return count
