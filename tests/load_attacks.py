@@ -7,11 +7,13 @@ started the subprocess instead of killing the test run.  The subprocess prints o
 per case, `{"case", "class", "outcome", "message"}`, flushed before the next case starts.
 
 Classes (the issue's list): io, unsafe_constructor, mutable, global_state, uninitialised,
-output_type_lie, hop_operand_lie, duplicate_key, compression_bomb, registration.
+output_type_lie, hop_operand_lie, duplicate_key, compression_bomb, registration; names,
+function_structure, kernels (issue 21); classes (issue 40: classes the user did not allow).
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import hashlib
@@ -48,14 +50,26 @@ class Attack:
     expect: tuple[str, ...]
     run_after: bool = True  # if it loads anyway, run the program (a crash must show)
     args: tuple = ()  # what to run it on (default: one 4x3 tensor)
+    types: tuple = ()  # the classes the loading user allows: load(..., types=types)
+    never_opened: str | None = None  # a file neither the load nor the run may open
 
 
 @dataclass
 class Unregistered:
     """A dataclass no one registered as a pytree node: a file naming it must not register it
-    unless the whole file is good."""
+    unless the user allows it and the whole file is good."""
 
     a: torch.Tensor
+
+
+class NotPlain(collections.namedtuple("NotPlain", "a")):
+    """A namedtuple class whose constructor runs code of its own: a file naming it must not
+    make load build it."""
+
+    def __new__(cls, *values):
+        with open(MARKER, "w"):
+            pass
+        return super().__new__(cls, *values)
 
 
 # --------------------------------------------------------------------------- crafting
@@ -415,20 +429,83 @@ def _with_duplicate(members: dict[str, bytes], name: str) -> bytes:
 
 
 def registration_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    """A dataclass the user allows (types=) in a file refused for another reason: not registered."""
     data = bases["autograd_functions"]
-    spec = {"type": f"{__name__}:Unregistered", "context": ["a"], "children": [None]}
+    spec = {"type": f"{__name__}:Unregistered", "context": [["a"], []], "children": [None]}
 
     def lie(p):
         p["signature"]["out_spec"] = spec
         call(p, "add_2", "aten.from_file.default", ["/etc/passwd", True, 4096])
 
-    yield Attack("registration", "an unregistered dataclass in a file refused later", edited(data, lie), ("node add_2", "(io:"))
+    yield Attack("registration", "an unregistered dataclass in a file refused later", edited(data, lie), ("node add_2", "(io:"),
+                 types=(Unregistered,))
 
     def bad_spec_only(p):
         p["signature"]["out_spec"] = {**spec, "children": [None, None]}
 
     yield Attack("registration", "an unregistered dataclass in an inconsistent signature", edited(data, bad_spec_only),
-                 ("the output spec, output leaves and user outputs disagree",))
+                 ("the output spec, output leaves and user outputs disagree",), types=(Unregistered,))
+
+
+#: A file of the user's that a crafted program would read into its output (never opened: `run_attack`).
+SECRET = os.path.join(os.environ.get("PD_ATTACK_DIR", "/tmp"), "predispatch_attack_secret.json")
+#: torch's dataclass whose `__post_init__` reads the JSON file at the path it is given.
+PROCESS_FAILURE = "torch.distributed.elastic.multiprocessing.errors:ProcessFailure"
+
+
+def output_of(class_name: str, fields: dict) -> Callable[[dict], None]:
+    """The program's one tensor output (`add_2`) made the first field of a `class_name`
+    dataclass whose other fields are constants: `fields` (name -> value, None for the tensor)."""
+    def edit(p):
+        sig = p["signature"]
+        sig["out_spec"] = {"type": class_name, "context": [list(fields), []], "children": [None] * len(fields)}
+        sig["output_leaves"] = [{"path": f"output.{name}", "is_tensor": value is None, "value": value} for name, value in fields.items()]
+    return edit
+
+
+def read_file_output(path: str) -> Callable[[dict], None]:
+    """The issue's file: the output a torch `ProcessFailure` whose `error_file` is `path`, so that
+    building it (`ep.module()`'s result) reads that file into `.message` and `.error_file_data`."""
+    return output_of(PROCESS_FAILURE, {"local_rank": None, "pid": 1, "exitcode": 1, "error_file": path})
+
+
+def namedtuple_output(class_name: str) -> Callable[[dict], None]:
+    """The program's one tensor output the field `a` of the namedtuple class `class_name`."""
+    def edit(p):
+        p["signature"]["out_spec"] = {"type": "collections:namedtuple", "context": {"class": class_name}, "children": [None]}
+        p["signature"]["output_leaves"] = [{"path": "output.a", "is_tensor": True, "value": None}]
+    return edit
+
+
+def class_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    """Files naming classes the user did not allow (issue 40): each refused naming the class and
+    the types= that allows it, nothing built, read or registered."""
+    import torch.distributed.elastic.multiprocessing.errors  # noqa: F401 - a process that has it imported
+
+    with open(SECRET, "w") as f:
+        json.dump({"message": "the contents of a file of the user's", "timestamp": 1}, f)
+    data, fix = bases["autograd_functions"], "fix: if you trust"
+    yield Attack("classes", "torch's ProcessFailure, whose __post_init__ reads the file it names (the issue's file)",
+                 edited(data, read_file_output(SECRET)),
+                 ("signature out_spec", f"the class {PROCESS_FAILURE};", "runs the class's code",
+                  f"types=[{PROCESS_FAILURE.replace(':', '.')}]"), never_opened=SECRET)
+    yield Attack("classes", "a dataclass the user did not allow", edited(data, output_of(f"{__name__}:Unregistered", {"a": None})),
+                 ("signature out_spec", f"{__name__}:Unregistered", fix))
+    yield Attack("classes", "a namedtuple class whose __new__ runs code", edited(data, namedtuple_output(f"{__name__}:NotPlain")),
+                 ("signature out_spec context", f"{__name__}:NotPlain", "this one's is not", fix))
+    yield Attack("classes", "a class that is no namedtuple as a namedtuple's", edited(data, namedtuple_output("subprocess:Popen")),
+                 ("signature out_spec context", "subprocess:Popen", fix))
+    yield Attack("classes", "a function as a node type", edited(data, output_of("os:system", {"a": None})), ("signature out_spec", "os:system", fix))
+    yield Attack("classes", "a class of a module not imported", edited(data, output_of("never_imported_module:Out", {"a": None})),
+                 ("never_imported_module:Out", "after `import never_imported_module`", "importing it runs its code"))
+    yield Attack("classes", "a name that is no class name", edited(data, output_of("os:system; rm", {"a": None})),
+                 ("signature out_spec", "is not a class name (module:qualname)"))
+
+    def factory(p):
+        p["signature"]["out_spec"] = {"type": "collections:defaultdict", "context": [{"class": "os:system"}, ["a"]], "children": [None]}
+
+    yield Attack("classes", "a defaultdict whose factory is no builtin", edited(data, factory),
+                 ("signature out_spec context", "is not a defaultdict factory a file may name"))
 
 
 # --------------------------------------------------------------------------- names (issue 21)
@@ -729,6 +806,7 @@ ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[A
     "duplicate_key": duplicate_key_attacks,
     "compression_bomb": compression_bomb_attacks,
     "registration": registration_attacks,
+    "classes": class_attacks,
     "names": name_attacks,
     "function_structure": function_structure_attacks,
     "kernels": kernel_attacks,
@@ -748,11 +826,28 @@ def global_registrations() -> tuple:
     return (frozenset(pytree.SUPPORTED_NODES), frozenset(vars(torch.ops)), len(torch._C._dispatch_get_all_op_names()))
 
 
+#: Every path this process opened since `record_opens` (Python's audit hook sees each `open`).
+OPENED: list[str] = []
+
+
+def record_opens() -> None:
+    """Record the paths `open` is called with, from now on (an audit hook cannot be removed:
+    only the attack subprocess installs it)."""
+    def hook(event: str, args: tuple) -> None:
+        if event == "open" and args and isinstance(args[0], str):
+            OPENED.append(args[0])
+
+    if not getattr(record_opens, "installed", False):
+        sys.addaudithook(hook)
+        record_opens.installed = True  # type: ignore[attr-defined]
+
+
 def run_attack(attack: Attack) -> dict:
     before = global_registrations()
     to_torch = None
+    OPENED.clear()
     try:
-        loaded = predispatch.load(io.BytesIO(attack.data))
+        loaded = predispatch.load(io.BytesIO(attack.data), types=attack.types)
     except SerializationError as exc:
         outcome, message = "refused", str(exc)
     except BaseException as exc:  # noqa: BLE001 - reported, the test fails on it
@@ -769,6 +864,8 @@ def run_attack(attack: Attack) -> dict:
                 if attack.klass == "kernels":
                     to_torch = _through_torch(loaded, attack.args)
     changed = global_registrations() != before
+    if attack.never_opened is not None and attack.never_opened in OPENED:
+        outcome, message = "read a file", f"opened {attack.never_opened}; {message}"
     return {"class": attack.klass, "case": attack.name, "outcome": outcome, "message": message,
             "missing": [e for e in attack.expect if e not in message], "registered": changed, "to_torch": to_torch}
 
@@ -834,6 +931,7 @@ def main() -> None:
         with open(sys.argv[3], "rb") as f:
             print(json.dumps(measure_load(sys.argv[2], f.read())), flush=True)
         return
+    record_opens()
     for attack in all_attacks():
         print(json.dumps({"class": attack.klass, "case": attack.name, "outcome": "started"}), flush=True)
         print(json.dumps(run_attack(attack)), flush=True)

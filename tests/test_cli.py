@@ -7,6 +7,7 @@ reaches stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -323,7 +324,10 @@ def test_save_then_show(tmp_path, capsys):
 
 _OUTPUT_CLASSES = """\
 import dataclasses
+import pathlib
 import torch
+
+pathlib.Path("imported.marker").touch()  # where a process imports this module (cwd: the test's folder)
 
 @dataclasses.dataclass
 class Out:
@@ -335,27 +339,170 @@ class Net(torch.nn.Module):
 """
 
 
-def test_show_and_draw_import_what_the_program_is_made_of(tmp_path, monkeypatch, capsys):
-    """A saved program whose output class lives in a module the shell's process has not
-    imported (a Hugging Face `ModelOutput`): the error names `--import MODULE`, which works."""
+def _fresh(folder: Path, *argv: str, script: bool = False) -> subprocess.CompletedProcess:
+    """The command line in a new process started in `folder`, as a shell user's: the installed
+    `predispatch` script (a copy of what pip writes, in a folder of its own) or `python -m predispatch`."""
+    if script:
+        launcher = folder.parent / "bin" / "predispatch"
+        launcher.parent.mkdir(exist_ok=True)
+        launcher.write_text("import re\nimport sys\nfrom predispatch.cli import main\nif __name__ == '__main__':\n"
+                            "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n    sys.exit(main())\n")
+        command = [sys.executable, str(launcher)]
+    else:
+        command = [sys.executable, "-m", "predispatch"]
+    return subprocess.run([*command, *argv], capture_output=True, text=True, cwd=folder, timeout=300, check=False,
+                          env=subprocess_env(ROOT))
+
+
+def test_show_and_draw_build_no_class_the_program_names(tmp_path, monkeypatch, capsys):
+    """Issue 38: a saved program whose output class lives in a module the shell's process has not
+    imported (a Hugging Face `ModelOutput`) is shown and drawn without `--import`: the class is
+    shown by name, and its module is never imported nor the class built."""
     (tmp_path / "output_classes_for_cli.py").write_text(_OUTPUT_CLASSES)
     monkeypatch.chdir(tmp_path)
-    code, _, _ = run(capsys, "export", "output_classes_for_cli:Net", "--inputs", "f32[2]", "--save", "p.pd", "--quiet")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, printed, _ = run(capsys, "export", "output_classes_for_cli:Net", "--inputs", "f32[2]", "--save", "p.pd")
     assert code == ExitCode.OK
-
-    def fresh(*argv: str) -> subprocess.CompletedProcess:  # a new process, as a shell user's
-        return subprocess.run([sys.executable, "-m", "predispatch", *argv], capture_output=True, text=True,
-                              cwd=tmp_path, timeout=300, check=False)
-
-    done = fresh("show", "p.pd")
-    assert done.returncode == ExitCode.REFUSED
-    assert "fix: rerun with --import output_classes_for_cli" in done.stderr, done.stderr
-    done = fresh("show", "p.pd", "--import", "output_classes_for_cli")
-    assert done.returncode == ExitCode.OK and "USER_OUTPUT target='output.y'" in done.stdout, done.stderr
-    done = fresh("draw", "p.pd", "--import", "output_classes_for_cli", "-o", "p.html")
-    assert done.returncode == ExitCode.OK and (tmp_path / "p.html").exists(), done.stderr
-    done = fresh("show", "p.pd", "--import", "no_such_module_here")
+    (tmp_path / "imported.marker").unlink()
+    for script in (False, True):
+        done = _fresh(tmp_path, "show", "p.pd", script=script)
+        assert done.returncode == ExitCode.OK and done.stdout == printed, done.stderr
+        done = _fresh(tmp_path, "draw", "p.pd", "-o", "p.html", script=script)
+        assert done.returncode == ExitCode.OK and (tmp_path / "p.html").exists(), done.stderr
+    assert not (tmp_path / "imported.marker").exists()
+    done = _fresh(tmp_path, "show", "p.pd", "--import", "no_such_module_here")
     assert done.returncode == ExitCode.USAGE and "--import no_such_module_here" in done.stderr
+
+
+def test_a_displayed_program_cannot_run(tmp_path):
+    """What `show` and `draw` read is no runnable program: no module(), no save, and its classes
+    are names pytree cannot unflatten and nobody can build."""
+    import torch.utils._pytree as pytree
+
+    from predispatch._files import load_for_display
+    from predispatch.errors import NotAProgramError, SerializationError
+    from predispatch.serialize.classes import DisplayedClass, displayed_name
+
+    predispatch.save(predispatch.export(ReturnsOut(), (torch.randn(2),)), tmp_path / "p.pd")
+    before = frozenset(pytree.SUPPORTED_NODES)
+    shown = load_for_display(tmp_path / "p.pd")
+    assert frozenset(pytree.SUPPORTED_NODES) == before
+    out_type = shown.signature.out_spec.type
+    assert issubclass(out_type, DisplayedClass) and displayed_name(out_type) == "test_cli:Out"
+    assert not any(hasattr(shown, name) for name in ("module", "joint", "to_torch", "to_onnx"))
+    with pytest.raises(NotAProgramError, match="display only"):
+        predispatch.save(shown, tmp_path / "q.pd")
+    with pytest.raises(KeyError):
+        pytree.tree_unflatten([torch.ones(2)], shown.signature.out_spec)
+    with pytest.raises(SerializationError, match="read for display only"):
+        out_type(torch.ones(2))
+    assert str(shown) == str(predispatch.load(tmp_path / "p.pd"))
+
+
+#: What a file may hold to take over the terminal that prints it: OSC 52 (write the clipboard),
+#: CSI 2 J (clear the screen), OSC 0 (the window title), a one-byte C1 CSI, a carriage return.
+ESCAPES = {"\x1b]52;c;cHduZWQ=\x07": "\\x1b]52;c;cHduZWQ=\\x07", "\x1b[2J": "\\x1b[2J",
+           "\x1b]0;pwned\x07": "\\x1b]0;pwned\\x07", "\x9b2J": "\\x9b2J", "\r": "\\x0d"}
+
+
+def _with_escapes(data: bytes) -> bytes:
+    """`data` (Tiny, exported with a dynamic batch and a constant `scale`) with every escape in
+    ESCAPES in the constant input's path, a shape guard and a symbol's origin (load refuses a
+    stack trace with control characters)."""
+    import load_attacks
+
+    text = "".join(ESCAPES)
+
+    def edit(p):
+        sig = p["signature"]
+        sig["input_leaves"][1]["path"] += text
+        sig["shapes"]["guards"] = {"tuple": [f"s77 >= 2{text}"]}
+        sig["shapes"]["origins"]["tuple"][0]["tuple"][1] += text
+
+    return load_attacks.edited(data, edit)
+
+
+def test_show_and_draw_make_a_files_escape_sequences_visible(tmp_path, capsys):
+    """Issue 40: every string from a file reaches the terminal with its control characters shown
+    (`\\x1b`), never run: in the program `show` prints, in a picture, in an error."""
+    ep = predispatch.export(Tiny(), (torch.randn(3, 4), 2.0), dynamic_shapes=({0: torch.export.Dim("batch")}, None))
+    path = tmp_path / "p.pd"
+    path.write_bytes(_with_escapes(_saved(ep)))
+    code, out, err = run(capsys, "show", str(path))
+    assert code == ExitCode.OK, err
+    shown = "".join(ESCAPES.values())  # a carriage return, last, also ends a line for textwrap's indent
+    for where in ("scale", "s77 >= 2", "(x.size()[0]"):
+        assert where + shown in out, out
+    assert not _controls(out)
+    for output in ("p.dot", "p.html"):
+        code, _, err = run(capsys, "draw", str(path), "-o", str(tmp_path / output))
+        assert code == ExitCode.OK and not _controls((tmp_path / output).read_text()), err
+    bad = tmp_path / "bad.pd"
+    bad.write_bytes(_refused_with_escapes(_saved(ep)))
+    code, _, err = run(capsys, "show", str(bad))
+    assert code == ExitCode.REFUSED and "\\x1b]0;pwned\\x07" in err and not _controls(err), err
+
+
+def test_visible_writes_every_control_character_as_its_escape():
+    from predispatch.cli.terminal import visible
+
+    assert visible("a\x1b[2Jb\x9b\u202ec\x7f\x00\r\tkept\n") == "a\\x1b[2Jb\\x9b\\u202ec\\x7f\\x00\\x0d\tkept\n"
+
+
+def _refused_with_escapes(data: bytes) -> bytes:
+    """A file refused with a message quoting its own text: a call of an op named with an escape."""
+    import load_attacks
+
+    return load_attacks.edited(data, lambda p: load_attacks.node(p, "mul_4").update(target="aten.mul\x1b]0;pwned\x07.Tensor"))
+
+
+def _controls(text: str) -> list[str]:
+    """The characters of `text` a terminal would act on (all but the newline)."""
+    return [c for c in text if c != "\n" and (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0)]
+
+
+def _saved(ep) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    predispatch.save(ep, buffer)
+    return buffer.getvalue()
+
+
+_LOCAL_MODULES = {
+    "typing_extensions.py": 'open("typing_extensions.ran", "w").close()\n',
+    "json.py": 'open("json.ran", "w").close()\n',
+}
+
+
+def test_import_never_runs_the_current_folders_modules(tmp_path, capsys):
+    """Issue 40: `predispatch show model.pd --import json` in a downloaded model's folder that
+    holds its own `json.py` and `typing_extensions.py` imports the installed ones, as an
+    installed command finds them: the folder's files never run (the script and `python -m`)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    predispatch.save(predispatch.export(Tiny(), (torch.randn(2, 4),)), folder / "model.pd")
+    for name, code in _LOCAL_MODULES.items():
+        (folder / name).write_text(code)
+    for script in (True, False):
+        done = _fresh(folder, "show", "model.pd", "--import", "json", script=script)
+        assert done.returncode == ExitCode.OK and done.stdout.startswith("ExportedProgram:"), done.stderr
+        assert sorted(p.name for p in folder.glob("*.ran")) == [], ("script" if script else "python -m", done.stderr)
+
+
+def test_import_says_what_it_runs(capsys):
+    code, out, _ = run(capsys, "show", "--help")
+    assert code == ExitCode.OK and "importing runs that package's code" in " ".join(out.split())
+
+
+class ReturnsOut(nn.Module):
+    def forward(self, x):
+        return Out(x + 1)
+
+
+@dataclasses.dataclass
+class Out:
+    y: torch.Tensor
 
 
 def test_show_refuses_a_file_that_is_not_a_program(tmp_path, capsys):

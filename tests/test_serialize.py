@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 import zipfile
 
 import pytest
@@ -411,15 +413,15 @@ graph module <root>, nodes[4] (add): calls aten.add_but_not_really.Tensor, which
         finally:
             sys.modules["test_export"] = module
         self.assertExpectedInline(message, """\
-signature in_spec[0][0]: the program names 'Batch' from module 'test_export', which is not imported; load never imports modules a file names.
-  fix: import test_export before predispatch.load(...).
+signature in_spec[0][0]: the file names the class test_export:Batch; load builds a class only when you allow it, since building it runs the class's code (its __new__, __init__ and __post_init__, or its pytree unflatten function) on values from the file. It allows the classes you pass in types= and those your code or a library you imported registered as pytree nodes.
+  fix: if you trust test_export.Batch, allow it: predispatch.load(path, types=[test_export.Batch]) after `import test_export` (load never imports a module a file names; importing it runs its code).
   see docs/errors.md#serializationerror""")
 
     def test_class_that_is_not_a_pytree_node(self):
         def hostile(program, manifest):
             program["signature"]["out_spec"] = {"type": "os:system", "context": None, "children": []}
 
-        self.assertIn("os:system is not a pytree node type", load_error(rewrite(self.data, hostile)))
+        self.assertIn("signature out_spec: the file names the class os:system;", load_error(rewrite(self.data, hostile)))
 
     def test_namedtuple_context_must_be_a_namedtuple(self):
         def hostile(program, manifest):
@@ -427,7 +429,7 @@ signature in_spec[0][0]: the program names 'Batch' from module 'test_export', wh
                 "type": "collections:namedtuple", "context": {"class": "subprocess:Popen"}, "children": [None]
             }
 
-        self.assertIn("subprocess:Popen is not a class a pytree spec may name here", load_error(rewrite(self.data, hostile)))
+        self.assertIn("signature out_spec context: the file names the class subprocess:Popen;", load_error(rewrite(self.data, hostile)))
 
     def test_inconsistent_signature(self):
         def dropped_input(program, manifest):
@@ -816,7 +818,7 @@ ROOT = os.path.dirname(TESTS)
 ATTACK_CLASSES = (
     "io", "unsafe_constructor", "mutable", "global_state", "uninitialised", "output_type_lie",
     "hop_operand_lie", "duplicate_key", "compression_bomb", "registration", "names",
-    "function_structure", "kernels",
+    "function_structure", "kernels", "classes",
 )
 
 
@@ -943,14 +945,111 @@ def test_dataclass_is_registered_only_once_the_file_is_verified():
         def io_op(program, manifest):
             node(program, "mul").update(target="aten.from_file.default", args=["/etc/passwd", True, 4096])
 
-        assert "(io:" in load_error(rewrite(data, io_op))
+        assert "(io:" in load_error(rewrite(data, io_op), types=[FreshOutput])
         assert FreshOutput not in pytree.SUPPORTED_NODES  # a refused file registered nothing
-        loaded = predispatch.load(io.BytesIO(data))
+        loaded = predispatch.load(io.BytesIO(data), types=[FreshOutput])
         assert FreshOutput in pytree.SUPPORTED_NODES  # a verified one registers it, as export does
         assert_same_tree(loaded.module()(x), FreshOutput(x * 2))
     finally:
         if FreshOutput not in pytree.SUPPORTED_NODES:
             pytree.register_dataclass(FreshOutput)
+
+
+def test_a_registered_dataclass_loads_without_types():
+    """A class the user's code registered as a pytree node (here: export did) is the user's choice."""
+    x = torch.randn(3)
+    loaded = predispatch.load(io.BytesIO(saved(predispatch.export(ReturnsFresh(), (x,)))))
+    assert_same_tree(loaded.module()(x), FreshOutput(x * 2))
+
+
+def test_a_file_naming_torchs_file_reading_dataclass_is_refused(tmp_path):
+    """Issue 40: torch's `ProcessFailure` dataclass reads the JSON file at the path it is given
+    (`__post_init__`).  A file naming it is refused at load and registers nothing; the user who
+    allows it (types=) gets what the class builds (here: that file's contents)."""
+    import load_attacks
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"message": "the user's file", "timestamp": 1}))
+    data = load_attacks.edited(saved(export_case("autograd_functions")[0]), load_attacks.read_file_output(str(secret)))
+    before = frozenset(pytree.SUPPORTED_NODES)
+    message = load_error(data)
+    assert frozenset(pytree.SUPPORTED_NODES) == before and ProcessFailure not in pytree.SUPPORTED_NODES
+    assert message.startswith(f"signature out_spec: the file names the class {load_attacks.PROCESS_FAILURE};"), message
+    assert "fix: if you trust torch.distributed.elastic.multiprocessing.errors.ProcessFailure, allow it: predispatch.load(path, types=[torch." in message
+    try:
+        out = predispatch.load(io.BytesIO(data), types=[ProcessFailure]).module()(torch.randn(4, 3))
+        assert isinstance(out, ProcessFailure) and out.message == "the user's file"
+    finally:
+        if ProcessFailure in pytree.SUPPORTED_NODES:
+            pytree._deregister_pytree_node(ProcessFailure)
+
+
+class Pair(typing.NamedTuple):
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+Plain = collections.namedtuple("Plain", "first second")
+
+
+class Noisy(Plain):
+    """A namedtuple subclass with its own constructor: building it runs its code."""
+
+    built = 0
+
+    def __new__(cls, *values):
+        Noisy.built += 1
+        return super().__new__(cls, *values)
+
+
+class WithInit(collections.namedtuple("WithInit", "first second")):
+    def __init__(self, *values):
+        super().__init__()
+
+
+class Meta(type):
+    def __call__(cls, *args):
+        return super().__call__(*args)
+
+
+class ReturnsTuples(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x):
+        return self.kind(x + 1, x * 2)
+
+
+def test_namedtuples_whose_constructor_runs_nothing_else_load_without_types():
+    x = torch.randn(3)
+    for kind in (Pair, Plain):
+        loaded = predispatch.load(io.BytesIO(saved(predispatch.export(ReturnsTuples(kind), (x,)))))
+        out = loaded.module()(x)
+        assert type(out) is kind and torch.equal(out.second, x * 2)
+
+
+def test_a_namedtuple_with_its_own_constructor_needs_types():
+    from predispatch.serialize.classes import is_plain_namedtuple
+
+    x = torch.randn(3)
+    data = saved(predispatch.export(ReturnsTuples(Noisy), (x,)))
+    built = Noisy.built
+    message = load_error(data)
+    assert Noisy.built == built, "load built the class"
+    assert "signature out_spec context: the file names the class test_serialize:Noisy;" in message
+    assert "this one's is not" in message and "types=[test_serialize.Noisy]" in message
+    out = predispatch.load(io.BytesIO(data), types=[Noisy]).module()(x)
+    assert type(out) is Noisy and Noisy.built == built + 1
+    assert [is_plain_namedtuple(c) for c in (Pair, Plain, Noisy, WithInit, Meta("M", (tuple,), dict(vars(Plain))))] == [True, True, False, False, False]
+
+
+def test_types_must_be_classes_load_can_build():
+    data = saved(export_case("autograd_functions")[0])
+    assert "types=: 'Out' is not a class." in load_error(data, types=["Out"])
+    assert "types=: test_serialize:ReturnsFresh is neither a dataclass, a namedtuple class nor a registered pytree node type" in load_error(
+        data, types=[ReturnsFresh])
 
 
 def test_files_of_the_first_version_1_writers_still_load():

@@ -1,8 +1,9 @@
 """`predispatch COMMAND ...`: parse the command line, call the library, print the result.
 
 Every command is a short function over library calls: `predispatch.export`, `predispatch.save`
-and `load`, `predispatch.render`, `predispatch.audit`.  Failures become one message and an
-exit code (see `failures.ExitCode`); `--traceback` shows where they came from.
+and `load_for_display`, `predispatch.render`, `predispatch.audit`.  Failures become one message
+and an exit code (see `failures.ExitCode`); `--traceback` shows where they came from.  Text a
+file may hold reaches the terminal only through `terminal.visible` (`_out`, `_err`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import contextlib
 import inspect
 import logging
 import os
-import re
 import shutil
 import sys
 import traceback
@@ -21,11 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import predispatch
 from predispatch.cli.failures import EXIT_CODES_HELP, CommandError, ExitCode, MissingError, UsageError
+from predispatch.cli.terminal import visible
 from predispatch.errors import PredispatchError
 
 if TYPE_CHECKING:  # torch and what needs it are imported by the commands, not by `--help`
     from predispatch.cli.specs import ParsedInputs
     from predispatch.cli.targets import Target
+    from predispatch.program.displayed import DisplayedProgram
+    from predispatch.signature import Program
 
 _DRAW_FORMATS = {".svg": "svg", ".html": "html", ".htm": "html", ".dot": "dot", ".gv": "dot"}
 
@@ -72,7 +75,7 @@ def export_command(ns: argparse.Namespace) -> int:
     save = _library("save") if ns.save else None  # before exporting, which may take a while
     ep = _export(ns)
     if not ns.quiet:
-        print(ep)
+        _out(str(ep))
     if save is not None:
         with _writing(ns.save):
             save(ep, ns.save)
@@ -81,7 +84,7 @@ def export_command(ns: argparse.Namespace) -> int:
 
 
 def show_command(ns: argparse.Namespace) -> int:
-    print(_load(ns.file, ns.imports))
+    _out(str(_load(ns.file, ns.imports)))
     return ExitCode.OK
 
 
@@ -95,12 +98,12 @@ def draw_command(ns: argparse.Namespace) -> int:
         if ns.inputs is not None or ns.kwargs is not None or ns.dim or ns.mode:
             raise UsageError(f"{ns.source!r} is a saved program; --inputs, --kwargs, --dim, --train and --eval "
                              "apply to MODULE:ATTR only")
-        ep = _load(ns.source, ns.imports)
+        ep: Program = _load(ns.source, ns.imports)
     else:
         ep = _export(ns)
     pic = picture(ep, title=ns.title or ns.source)
     render: dict[str, Callable[[Any], str]] = {"svg": lambda p: to_svg(to_dot(p)), "html": to_html, "dot": to_dot}
-    text = render[fmt](pic)
+    text = visible(render[fmt](pic))  # a picture is text too: `cat model.dot` must not run the file's escapes
     with _writing(ns.output), open(ns.output, "w", encoding="utf-8") as f:
         f.write(text)
     regions = sum(c.kind is not ClusterKind.SUBGRAPH for c in pic.clusters)
@@ -120,7 +123,7 @@ def audit_command(ns: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         raise MissingError(f"no audit table is shipped with this install ({exc.filename} is missing)",
                            fix="generate it with `python -m predispatch.audit --write`") from exc
-    print(table.render_markdown() if ns.markdown else render_summary(table, show=ns.show))
+    _out(table.render_markdown() if ns.markdown else render_summary(table, show=ns.show))
     return ExitCode.OK
 
 
@@ -244,52 +247,29 @@ def _check_op(name: str) -> None:
                          fix=f"its overloads: {', '.join(sorted(packet.overloads()))}")
 
 
-def _load(path: str, imports: list[str] | None = None) -> predispatch.ExportedProgram:
+def _load(path: str, imports: list[str] | None = None) -> DisplayedProgram:
+    """The program in `path`, read for display only: its classes are kept by name, none is
+    imported or built (`load_for_display`), so no `--import` is needed to show it."""
+    from predispatch._files import load_for_display
+
     if not os.path.isfile(path):
         raise UsageError(f"no such file: {path!r}", fix="give the path of a program saved with `predispatch export --save`")
     _import_modules(imports or [])
-    try:
-        return _library("load")(path)
-    except PredispatchError as exc:
-        raise _with_import_fix(exc) from exc
+    return load_for_display(path)
 
 
 def _import_modules(names: list[str]) -> None:
-    """Import what `--import` names, before loading: a file's classes (transformers'
-    `ModelOutput`s) must be importable by name, and `load` never imports what a file names.
-
-    transformers' `DynamicCache` also needs its pytree registration, which `export` made in the
-    exporting process (frontend/inputs.py: `register_hf_cache`); it is made again here when a
-    transformers module is imported.
-    """
+    """Import what `--import` names, as the user asked: with the search path an installed
+    command has (predispatch/_paths.py), never the current folder first, so a downloaded
+    model's folder cannot put its own `json.py` in the place of the module named."""
     import importlib
 
-    if names and "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as for MODULE:ATTR (cli/targets.py): the current directory first
     for name in names:
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - any failure to import is the user's to fix
             raise UsageError(f"--import {name}: {type(exc).__name__}: {exc}",
-                             fix="name an importable module, as Python's import statement takes it") from exc
-    if any(name == "transformers" or name.startswith("transformers.") for name in names):
-        from predispatch.frontend.inputs import register_hf_caches
-
-        register_hf_caches()
-
-
-#: What `load` says when a file names a class from a module this process has not imported.
-_NOT_IMPORTED = re.compile(r"from module '([\w.]+)', which is not imported|(transformers\.[\w.]+):\w+ is not a pytree node")
-
-
-def _with_import_fix(exc: PredispatchError) -> PredispatchError:
-    """`exc`, with the fix a shell user can apply (`--import M`) when a module is missing."""
-    found = _NOT_IMPORTED.search(exc.what)
-    if found is None:
-        return exc
-    module = found.group(1) or found.group(2)
-    return type(exc)(exc.what, where=exc.where,
-                     fix=f"rerun with --import {module} (the command line imports only the modules you name).")
+                             fix="name a module installed for this Python (PYTHONPATH=DIR adds DIR to the search)") from exc
 
 
 def _library(name: str) -> Callable[..., Any]:
@@ -341,8 +321,18 @@ def _writing(path: str) -> Iterator[None]:
                          fix="give a path in an existing directory that you can write to") from exc
 
 
+def _out(text: str) -> None:
+    """Print `text` to stdout, its control characters made visible (terminal.py)."""
+    print(visible(text))
+
+
+def _err(text: str) -> None:
+    """Print `text` to stderr, its control characters made visible (terminal.py)."""
+    print(visible(text), file=sys.stderr)
+
+
 def _status(message: str) -> None:
-    print(message, file=sys.stderr)
+    _err(message)
 
 
 def _report(exc: Exception, ns: argparse.Namespace) -> int:
@@ -350,7 +340,7 @@ def _report(exc: Exception, ns: argparse.Namespace) -> int:
     from predispatch.render import GraphvizNotFoundError
 
     if ns.traceback:
-        traceback.print_exception(exc, file=sys.stderr)
+        _err("".join(traceback.format_exception(exc)).rstrip("\n"))
     prog = f"predispatch {ns.command}"
     if isinstance(exc, PredispatchError):
         code, message = ExitCode.REFUSED, str(exc)
@@ -364,7 +354,7 @@ def _report(exc: Exception, ns: argparse.Namespace) -> int:
                    "  this is a bug in predispatch: please report it with the command line that caused it")
     if code in (ExitCode.REFUSED, ExitCode.MODEL, ExitCode.INTERNAL) and not ns.traceback:
         message += "\n  (rerun with --traceback to see the traceback)"
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    _err(f"{prog}: error: {message}")  # messages quote file text
     return code
 
 
@@ -470,8 +460,9 @@ def _add_show(commands: Any, common: argparse.ArgumentParser) -> None:
 
 def _add_import_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--import", dest="imports", action="append", metavar="MODULE",
-                   help="import MODULE before loading (repeatable): the classes a saved program's inputs and "
-                   "outputs are made of, e.g. --import transformers.modeling_outputs for a Hugging Face model")
+                   help="import MODULE first (repeatable), from the installed packages (PYTHONPATH=DIR adds DIR; never the "
+                   "current folder): importing runs that package's code. A saved program needs none: its classes are shown "
+                   "by name, never imported or built")
 
 
 def _add_draw(commands: Any, common: argparse.ArgumentParser) -> None:

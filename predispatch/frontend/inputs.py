@@ -319,7 +319,8 @@ def register_hf_caches() -> None:
     transformers 5 ships the registration torch.export needs for its default cache
     (`register_dynamic_cache_export_support`) but leaves it to the user.  Like the dataclass
     registration above it is global and permanent; it is what lets `ep.module()` return the
-    cache, and a process that loads such a program needs it too (the command line's `--import`).
+    cache, and a process that loads such a program needs it too (`load(path, types=[DynamicCache])`
+    makes it: serialize/classes.py).
     """
     from transformers.cache_utils import DynamicCache
 

@@ -50,7 +50,7 @@ from predispatch.signature import InputKind, OutputKind
 from predispatch.trace.decompose import is_composite, op_name
 
 if TYPE_CHECKING:
-    from predispatch.program import ExportedProgram
+    from predispatch.signature import Program
 
 
 class NodeKind(enum.Enum):
@@ -161,7 +161,7 @@ class Picture:
         return next((c for c in self.clusters if c.id == cid), None)
 
 
-def picture(ep: ExportedProgram, title: str = "") -> Picture:
+def picture(ep: Program, title: str = "") -> Picture:
     """Describe `ep`'s graph, subgraphs nested in clusters; see the module docstring."""
     builder = _Builder(ep)
     builder.walk_top(ep.graph_module)
@@ -185,7 +185,7 @@ class _HopOutputs:
 
 @dataclass
 class _Builder:
-    ep: ExportedProgram
+    ep: Program
     nodes: list[PictureNode] = field(default_factory=list)
     edges: list[PictureEdge] = field(default_factory=list)
     clusters: list[Cluster] = field(default_factory=list)
@@ -330,7 +330,7 @@ def _element(value: Any, index: Any) -> Any:
     return value
 
 
-def _classify(node: fx.Node, ep: ExportedProgram, gm: fx.GraphModule) -> tuple[NodeKind, str, str]:
+def _classify(node: fx.Node, ep: Program, gm: fx.GraphModule) -> tuple[NodeKind, str, str]:
     target = node.target
     if node.op == "get_attr":
         return NodeKind.CONSTANT_TENSOR, str(target), "a tensor attribute of the graph module"

@@ -26,9 +26,10 @@ A file may come from a stranger, so nothing in it chooses code to run:
 - a node's target is a name looked up in torch's op registry, only in the namespaces
   `OP_NAMESPACES` (plus those the caller passes), or in the `HIGHER_ORDER_OPS` and
   `PYTHON_CALLABLES` tables; never an import, never `eval`;
-- a class named by a pytree spec (dataclass, namedtuple, ModelOutput) is looked up in modules
-  the process has already imported, through their `__dict__` (no `__getattr__` hook runs), and
-  must be a registered pytree node type (dataclasses are registered, as `export` does);
+- a class named by a pytree spec (dataclass, namedtuple, ModelOutput) is built only when the
+  user chose it: passed in `types=`, registered as a pytree node by the user's code or a library
+  they imported, or a plain namedtuple (Note [Classes a file may name] in classes.py); it is
+  looked up in modules the process has already imported, never imported;
 - FX compiles the graph it is given into Python, so every name that reaches that code (node
   names, placeholder and attribute targets, keyword names) must be an identifier, and text
   FX may print as a comment (stack traces) holds no carriage return.
@@ -57,6 +58,7 @@ from torch import nn
 from predispatch import _torch_internals as ti
 from predispatch._version import __version__
 from predispatch.errors import SerializationError
+from predispatch.serialize.classes import FileClasses
 from predispatch.serialize.graph import (
     HIGHER_ORDER_OPS,
     OP_NAMESPACES,
@@ -73,7 +75,6 @@ from predispatch.serialize.values import (
     encode_spec,
     expect,
     pack,
-    register_dataclasses,
     short,
     unpack,
 )
@@ -131,20 +132,24 @@ def save(ep: Program, f: str | os.PathLike | BinaryIO) -> None:
     _write_zip(f, {_MANIFEST: _json_bytes(manifest), **members})
 
 
-def load(f: str | os.PathLike | BinaryIO, make: Callable[..., P], *, op_namespaces: tuple[str, ...] = ()) -> P:
+def load(f: str | os.PathLike | BinaryIO, make: Callable[..., P], *, op_namespaces: tuple[str, ...] = (),
+         classes: FileClasses | None = None) -> P:
     """Read a program written by `save` (see Note [What load trusts]) as `make(graph_module,
     signature, state_dict, constants, decompositions)`: `predispatch.load` (predispatch/_files.py)
     passes `ExportedProgram`, which the format does not import (predispatch/signature.py's `Program`).
 
     `op_namespaces`: further op namespaces the graph may call (a library of custom ops you
-    trust and have imported).  Any problem with the file raises `SerializationError`, never a
-    partial program; only opening a path can raise `OSError`.
+    trust and have imported).  `classes`: which classes the file's pytree specs may make
+    (default: pytree's containers, registered node types and plain namedtuples); the allowed
+    ones it registers once the file is verified.  Any problem with the file raises
+    `SerializationError`, never a partial program; only opening a path can raise `OSError`.
     """
     namespaces = (*OP_NAMESPACES, *op_namespaces)
+    classes = classes if classes is not None else FileClasses()
     with open(f, "rb") if isinstance(f, (str, os.PathLike)) else contextlib.nullcontext(f) as file:
         with _reading("the file"):
             members = _read_archive(file)
-    return _decode_program(members, namespaces, make)
+    return _decode_program(members, namespaces, make, classes)
 
 
 # --------------------------------------------------------------------------- the archive
@@ -434,7 +439,7 @@ def _deep_tuple(value: Any) -> Any:
     return tuple(map(_deep_tuple, value)) if isinstance(value, (list, tuple)) else value
 
 
-def _decode_signature(data: Any, unregistered: set[type]) -> ExportSignature:
+def _decode_signature(data: Any, classes: FileClasses) -> ExportSignature:
     where = "signature"
     data = expect(data, dict, where)
     grad_mode = data.get("grad_mode_on_exit")
@@ -443,8 +448,8 @@ def _decode_signature(data: Any, unregistered: set[type]) -> ExportSignature:
     return ExportSignature(
         tuple(_decode_input(expect(s, dict, where), where) for s in expect(data.get("inputs"), list, where)),
         tuple(_decode_output(expect(s, dict, where), where) for s in expect(data.get("outputs"), list, where)),
-        decode_spec(data.get("in_spec"), f"{where} in_spec", unregistered),
-        decode_spec(data.get("out_spec"), f"{where} out_spec", unregistered),
+        decode_spec(data.get("in_spec"), f"{where} in_spec", classes),
+        decode_spec(data.get("out_spec"), f"{where} out_spec", classes),
         tuple(_decode_leaf(leaf, f"{where} input_leaves") for leaf in expect(data.get("input_leaves"), list, where)),
         tuple(_decode_leaf(leaf, f"{where} output_leaves") for leaf in expect(data.get("output_leaves"), list, where)),
         grad_mode,
@@ -521,7 +526,7 @@ def _encode_program(ep: Program) -> dict[str, bytes]:
     return {_PROGRAM: _json_bytes(program), **{_TENSOR_MEMBERS[g]: data for g, (data, _) in packed.items()}}
 
 
-def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...], make: Callable[..., P]) -> P:
+def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...], make: Callable[..., P], classes: FileClasses) -> P:
     with _reading(_PROGRAM):
         program = expect(_parse_json(members[_PROGRAM], _PROGRAM), dict, _PROGRAM)
         records = expect(program.get("tensors"), dict, "tensors")
@@ -529,9 +534,8 @@ def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...], m
     for group, member in _TENSOR_MEMBERS.items():
         with _reading(member):
             tensors[group] = unpack(members[member], records.get(group), member)
-    unregistered: set[type] = set()
     with _reading(_PROGRAM):
-        signature = _decode_signature(program.get("signature"), unregistered)  # first: it declares the size symbols
+        signature = _decode_signature(program.get("signature"), classes)  # first: it declares the size symbols
         fake_mode = ti.new_fake_mode()
         symbols = SymbolTable(fake_mode, signature.shapes, "signature shapes", program.get("unbacked_symbols", []))
         loading = GraphLoading(namespaces, fake_mode, tensors["graph"], symbols)
@@ -541,7 +545,7 @@ def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...], m
             _decode_decompositions(program.get("decompositions")),
         )
         verify_program(ep, op_namespaces=namespaces, stored=True, context="the program breaks the IR contract (docs/ir.md): ")
-    register_dataclasses(unregistered)  # the first global change, once the whole file is verified
+    classes.register()  # the first global change, once the whole file is verified
     return ep
 
 

@@ -9,20 +9,18 @@ object tagged by type otherwise:
     {"tensor": {"shape", "stride", ...}}             only in node meta (fake tensors: no data)
 
 Tensors with data go to safetensors, with a JSON record each for what safetensors does not keep
-(stride, Parameter-ness, requires_grad, device).  Classes are found without importing anything:
-see Note [What load trusts] in serialize.py.
+(stride, Parameter-ness, requires_grad, device).  Which classes a file may name, and how:
+Note [Classes a file may name] in classes.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
-import sys
-from collections import defaultdict, namedtuple
+from collections import namedtuple
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
 import torch
@@ -31,6 +29,9 @@ from torch import fx, nn
 
 from predispatch.errors import DeviceUnavailableError, SerializationError, user_frame
 from predispatch.serialize.shapes import encode_size, encode_storage_offset, encode_symbolic
+
+if TYPE_CHECKING:
+    from predispatch.serialize.classes import FileClasses
 
 #: Device types a stored tensor or tensor metadata may name: `meta` has no data, and a
 #: file has no business naming others.
@@ -155,12 +156,12 @@ class Refs:
     """What decoded values may refer to, by where they sit in the file.
 
     nodes: graph nodes defined so far, by name (in node arguments).
-    class_check: which classes a {"class": ...} may name (in pytree contexts); None: none.
+    classes: how a {"class": name} becomes a class (in pytree contexts: classes.py); None: it may not.
     fake_mode: the mode {"tensor": ...} metadata becomes fake tensors in (in node meta).
     """
 
     nodes: Mapping[str, fx.Node] | None = None
-    class_check: Callable[[type], bool] | None = None
+    classes: Callable[[str, str], type] | None = None
     fake_mode: Any = None
     symbols: Any = None  # the program's SymbolTable (shapes.py): symbolic sizes in node meta
 
@@ -212,10 +213,9 @@ def _decode_dict(pairs: Any, where: str, refs: Refs) -> dict:
 
 
 def _decode_class(name: Any, where: str, refs: Refs) -> type:
-    cls = find_class(expect(name, str, where), where)
-    if refs.class_check is None or not isinstance(cls, type) or not refs.class_check(cls):
-        raise SerializationError(f"{where}: {name} is not a class a pytree spec may name here.")
-    return cls
+    if refs.classes is None:
+        raise SerializationError(f"{where}: {short(name)} is not a class a pytree spec may name here.")
+    return refs.classes(expect(name, str, where), where)
 
 
 def _decode_tensor_meta(meta: Any, where: str, refs: Refs) -> torch.Tensor:
@@ -295,34 +295,6 @@ def class_name(cls: Any, where: str) -> str:
     return name
 
 
-def find_class(name: str, where: str) -> Any:
-    """The object `module:qualname` names, from an already imported module; never imports.
-
-    Walks `__dict__`s only, so no module or class `__getattr__` hook runs.
-    """
-    module_name, _, qualname = name.partition(":")
-    module = sys.modules.get(module_name)
-    if module is None or not qualname:
-        raise SerializationError(
-            f"{where}: the program names {qualname or name!r} from module {module_name!r}, which is not imported; "
-            "load never imports modules a file names.",
-            fix=f"import {module_name} before predispatch.load(...).",
-        )
-    obj: Any = module
-    for part in qualname.split("."):
-        obj = getattr(obj, "__dict__", {}).get(part)
-        if obj is None:
-            raise SerializationError(f"{where}: module {module_name!r} has no {qualname!r}.", fix="load with the version of the code that saved it.")
-    return obj
-
-
-#: Classes a pytree context may name, by the node type it belongs to.
-_CONTEXT_CLASSES: dict[Any, Callable[[type], bool]] = {
-    namedtuple: pytree.is_namedtuple_class,
-    defaultdict: lambda cls: cls in (list, dict, set, tuple, int, float, str),
-}
-
-
 def encode_spec(spec: pytree.TreeSpec, where: str) -> Any:
     if spec.is_leaf():
         return None
@@ -333,40 +305,16 @@ def encode_spec(spec: pytree.TreeSpec, where: str) -> Any:
     }
 
 
-def decode_spec(data: Any, where: str, unregistered: set[type]) -> pytree.TreeSpec:
-    """A pytree spec; dataclasses it names that are not registered yet go to `unregistered`.
-
-    Registering is a global change, so it waits until the whole file is verified: see
-    `register_dataclasses`.
-    """
+def decode_spec(data: Any, where: str, classes: FileClasses) -> pytree.TreeSpec:
+    """A pytree spec, its classes made by `classes` (Note [Classes a file may name] in classes.py):
+    allowed ones to register wait in `classes.to_register` until the whole file is verified."""
     if data is None:
         return pytree.treespec_leaf()
     data = expect(data, dict, where)
-    node_type = _pytree_node_type(expect(data.get("type"), str, where), where, unregistered)
-    context = decode(data.get("context"), f"{where} context", Refs(class_check=_CONTEXT_CLASSES.get(node_type)))
-    children = [decode_spec(c, f"{where}[{i}]", unregistered) for i, c in enumerate(expect(data.get("children"), list, where))]
+    node_type = classes.node_type(expect(data.get("type"), str, where), where)
+    context = decode(data.get("context"), f"{where} context", Refs(classes=classes.context_classes(node_type)))
+    children = [decode_spec(c, f"{where}[{i}]", classes) for i, c in enumerate(expect(data.get("children"), list, where))]
     return pytree.TreeSpec(node_type, context, children)
-
-
-def register_dataclasses(classes: set[type]) -> None:
-    """Register the dataclasses a verified file's specs name, as `export` registers them."""
-    for cls in sorted(classes, key=lambda c: f"{c.__module__}:{c.__qualname__}"):
-        if cls not in pytree.SUPPORTED_NODES:
-            pytree.register_dataclass(cls)
-
-
-def _pytree_node_type(name: str, where: str, unregistered: set[type]) -> Any:
-    """A registered pytree node type, or a dataclass to register once the file is verified."""
-    node_type = find_class(name, where)
-    if node_type in pytree.SUPPORTED_NODES:
-        return node_type
-    if isinstance(node_type, type) and dataclasses.is_dataclass(node_type):
-        unregistered.add(node_type)
-        return node_type
-    raise SerializationError(
-        f"{where}: {name} is not a pytree node type in this process.",
-        fix="register it (torch.utils._pytree.register_pytree_node) before predispatch.load(...).",
-    )
 
 
 #: dtypes safetensors stores natively; any other is stored as its bytes (uint8).
