@@ -150,7 +150,7 @@ class SubclassLayout:
     size, stride: the subclass tensor's outer size and stride.
     """
 
-    cls: type
+    cls: Any  # a torch.Tensor subclass with `__tensor_flatten__` / `__tensor_unflatten__`
     context: Any
     inner: tuple[tuple[str, SubclassLayout | None], ...]
     size: tuple[int, ...]
@@ -177,7 +177,7 @@ class SubclassLayout:
         context, another size), or None when it is."""
         if type(t) is not self.cls:
             return f"a {type(t).__name__}, not a {self.cls.__name__}"
-        names, context = t.__tensor_flatten__()
+        names, context = getattr(t, "__tensor_flatten__")()
         if tuple(names) != tuple(name for name, _ in self.inner):
             return f"a {self.cls.__name__} made of {list(names)}, not {[name for name, _ in self.inner]}"
         if not same_context(context, self.context):
