@@ -7,8 +7,9 @@ started the subprocess instead of killing the test run.  The subprocess prints o
 per case, `{"case", "class", "outcome", "message"}`, flushed before the next case starts.
 
 Classes (the issue's list): io, unsafe_constructor, mutable, global_state, uninitialised,
-output_type_lie, hop_operand_lie, duplicate_key, compression_bomb, registration; names,
-function_structure, kernels (issue 21); classes (issue 40: classes the user did not allow).
+output_type_lie, hop_operand_lie, duplicate_key, compression_bomb, registration; and since:
+names, function_structure, kernels (issue 21); classes (issue 40: classes the user did not
+allow); sizes (issue 40: size expressions beyond the grammar's bounds).
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def base_programs() -> dict[str, bytes]:
     from test_serialize import export_case, saved
 
     bases = {name: saved(export_case(name)[0]) for name in ("autograd_functions", "buffer_mutation", "graph_tensors", "kwargs")}
-    return {**bases, "kernels": kernel_program(), "shape_kernels": shape_kernel_program()}
+    return {**bases, "kernels": kernel_program(), "shape_kernels": shape_kernel_program(), "sizes": chain_program(1)}
 
 
 # --------------------------------------------------------------------------- attack classes
@@ -653,6 +654,167 @@ def nested_regions(data: bytes, depth: int) -> bytes:
     return zip_of(checksummed(members))
 
 
+# --------------------------------------------------------------------------- size expressions (issue 40)
+
+
+class Chain(torch.nn.Module):
+    """`length` relus of one (batch, 4) input: as many nodes whose value holds a size."""
+
+    def __init__(self, length: int):
+        super().__init__()
+        self.length = length
+
+    def forward(self, x):
+        for _ in range(self.length):
+            x = x.relu()
+        return x
+
+
+def chain_program(length: int) -> bytes:
+    """A saved `Chain(length)` with a dynamic batch (symbol range [2, 64])."""
+    from torch.export import Dim
+
+    ep = predispatch.export(Chain(length), (torch.randn(3, 4),), dynamic_shapes=({0: Dim("batch", min=2, max=64)},))
+    buffer = io.BytesIO()
+    predispatch.save(ep, buffer)
+    return buffer.getvalue()
+
+
+#: The size symbols `with_sizes` declares: `s100`, `s101`, ...
+SIZE_SYMBOLS = 200
+
+
+def size_symbol(index: int) -> str:
+    return f"s{100 + index % SIZE_SYMBOLS}"
+
+
+def with_sizes(data: bytes, sizes: list[str], hint: int = 3) -> bytes:
+    """`data` (a `chain_program`) declaring SIZE_SYMBOLS more size symbols (range [2, 64]),
+    and the first size of the i-th relu's value replaced by `sizes[i]`."""
+    def edit(p):
+        ranges = p["signature"]["shapes"]["ranges"]["tuple"]
+        ranges.extend({"tuple": [size_symbol(i), 2, 64]} for i in range(SIZE_SYMBOLS))
+        relus = [n for n in module_of(p)["nodes"] if n["op"] == "call_function"]
+        assert len(relus) >= len(sizes)
+        for record, size in zip(relus, sizes):
+            record["meta"]["val"]["tensor"]["shape"][0] = {"sym": size, "hint": hint}
+    return edited(data, edit)
+
+
+def _in_grammar(text: str) -> bool:
+    from predispatch import size_expressions
+
+    try:
+        size_expressions.parse(text, "")
+    except SerializationError:
+        return False
+    return True
+
+
+def _at_bound(grow: Callable[[str, int], str], start: str) -> tuple[str, int]:
+    """The largest expression `grow(expression, step)` makes from `start` that the grammar
+    reads (so at one of its bounds), and the steps it took."""
+    expression, step = start, 0
+    while _in_grammar(grown := grow(expression, step)):
+        expression, step = grown, step + 1
+    return expression, step
+
+
+def _size_growths(j: int) -> dict[str, tuple[Callable[[str, int], str], str]]:
+    """The worst cases of the size grammar, each as a growth from a start, over symbols
+    rotated by `j` (so that no two expressions of a file are the same text)."""
+    s = lambda i: size_symbol(i + j)  # noqa: E731
+    return {
+        "one Max of many symbols": (lambda e, i: e[:-1] + f", {s(i + 1)})", f"Max({s(0)})"),
+        "nested Max and Min": (lambda e, i: f"{'Max' if i % 2 else 'Min'}({s(i + 1)}, {e})", s(0)),
+        "a long sum": (lambda e, i: f"{e} + {s(i + 1)}", s(0)),
+        "a long product": (lambda e, i: f"{e}*{s(i + 1)}", s(0)),
+        "nested distributions": (lambda e, i: f"2*({s(i + 1)} + {e})", s(0)),
+        "nested powers": (lambda e, i: f"({e} + {s(i + 1)})**2", s(0)),
+        "nested floor divisions": (lambda e, i: f"(({e} + {s(i + 1)})//{i + 2})", s(0)),
+        "nested Mods": (lambda e, i: f"Mod({e} + {s(i + 1)}, {i + 2})", s(0)),
+        "a sum of floor divisions": (lambda e, i: f"{e} + ({s(i + 1)}//{i + 2})", f"({s(0)}//2)"),
+        "a sum of Mods": (lambda e, i: f"{e} + Mod({s(i + 1)}, {i + 2})", f"Mod({s(0)}, 2)"),
+        "a sum of Max": (lambda e, i: f"{e} + Max({s(i + 1)}, {s(i + 2)})", f"Max({s(0)}, {s(1)})"),
+    }
+
+
+SIZE_CASES = tuple(_size_growths(0))
+
+
+def worst_size(case: str, j: int = 0) -> str:
+    """The j-th expression of `case` at the grammar's bounds."""
+    return _at_bound(*_size_growths(j)[case])[0]
+
+
+def beyond_size(case: str, j: int = 0) -> str:
+    """The expression of `case` one step beyond the grammar's bounds."""
+    grow, start = _size_growths(j)[case]
+    return grow(*_at_bound(grow, start))
+
+
+def size_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    """Sizes one step beyond each bound of the size grammar, the issue's Max of 150 symbols
+    (it loaded for minutes), a function the grammar does not have, and symbols named as
+    sympy or Python names things (they loaded, then every call failed with a raw error)."""
+    data = bases["sizes"]
+    for case in SIZE_CASES:
+        yield Attack("sizes", f"{case}, beyond the bound", with_sizes(data, [beyond_size(case)]),
+                     ("nodes[1] (relu) meta['val']", "is not a size expression: it", "(size_expressions.MAX_"))
+    yield Attack("sizes", "the issue's Max of 150 symbols", with_sizes(data, ["Max(" + ", ".join(map(size_symbol, range(150))) + ")"]),
+                 ("nodes[1] (relu) meta['val']", "calls Max with 150 arguments", "(size_expressions.MAX_ARGUMENTS)"))
+    yield Attack("sizes", "a function the grammar does not have", with_sizes(data, [f"TruncToInt({size_symbol(0)})"]),
+                 ("nodes[1] (relu) meta['val']", "it calls TruncToInt, which the size grammar does not have"))
+    symbol = json.loads(members_of(data)["program.json"])["signature"]["shapes"]["ranges"]["tuple"][0]["tuple"][0]
+    for name in ("N", "oo", "eval", "Symbol"):
+        yield Attack("sizes", f"a symbol named {name}", edited(data, lambda p: None, raw=lambda text, name=name: text.replace(
+            f'"{symbol}"'.encode(), f'"{name}"'.encode())), (f"signature shapes: symbol {name!r} with range [2, 64] is not a size symbol",))
+
+
+def measure_work(paths: list[str], warm_up: str) -> list[dict]:
+    """Python function calls made to load each file, build and call its module, convert it
+    with `to_torch()` and run `predispatch show` and `predispatch draw` on it (a work count,
+    not a time), after one such pass over `warm_up`, so that imports and caches do not count."""
+    import contextlib
+    import tempfile
+
+    from predispatch.cli.main import main as cli
+
+    def use(path: str, out: str) -> str:
+        try:
+            loaded = predispatch.load(path)
+        except SerializationError as exc:
+            return f"refused: {exc}"
+        loaded.module()(torch.randn(5, 4))
+        loaded.to_torch()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            assert cli(["show", path]) == 0 and cli(["draw", path, "-o", out]) == 0
+        return "loaded"
+
+    def counted(path: str, out: str) -> tuple[str, int]:
+        calls = 0
+
+        def count(frame, event, arg):
+            nonlocal calls
+            calls += event == "call"
+
+        sys.setprofile(count)
+        try:
+            outcome = use(path, out)
+        finally:
+            sys.setprofile(None)
+        return outcome, calls
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "picture.html")
+        use(warm_up, out)
+        rows = []
+        for path in paths:
+            outcome, calls = counted(path, out)
+            rows.append({"path": path, "outcome": outcome, "calls": calls, "bytes": os.path.getsize(path)})
+        return rows
+
+
 # --------------------------------------------------------------------------- kernels (issue 21)
 
 
@@ -810,6 +972,7 @@ ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[A
     "names": name_attacks,
     "function_structure": function_structure_attacks,
     "kernels": kernel_attacks,
+    "sizes": size_attacks,
 }
 
 
@@ -927,6 +1090,10 @@ def measure_load(path: str, warm_up: bytes) -> dict:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--work"]:  # --work WARM_UP_PATH PATH...
+        for row in measure_work(sys.argv[3:], sys.argv[2]):
+            print(json.dumps(row), flush=True)
+        return
     if sys.argv[1:2] == ["--measure"]:  # --measure BOMB_PATH WARM_UP_PATH
         with open(sys.argv[3], "rb") as f:
             print(json.dumps(measure_load(sys.argv[2], f.read())), flush=True)

@@ -88,6 +88,7 @@ from predispatch._torch_internals.codegen import (  # noqa: F401
     import_dynamo,
     import_op_registrations,
     jit_op_schemas,
+    size_functions,
     size_symint,
     symbol_ranges,
     symbolic_bool,

@@ -46,6 +46,15 @@ def size_symint(fake_mode: FakeTensorMode, expr: Any, hint: int | None) -> torch
     return fake_mode.shape_env.create_symintnode(expr, hint=hint)
 
 
+def size_functions() -> dict[str, Any]:
+    """torch's sympy functions of its size arithmetic, by the name sympy prints them with
+    (`Max`, `Min`, `Mod`, `FloorDiv`): what a loaded size is rebuilt from, so that it is made
+    of the classes torch's own ShapeEnv makes (torch's Max and Min, not sympy's)."""
+    from torch.utils._sympy.functions import FloorDiv, Max, Min, Mod
+
+    return {"Max": Max, "Min": Min, "Mod": Mod, "FloorDiv": FloorDiv}
+
+
 def symbolic_bool(fake_mode: FakeTensorMode, expr: Any) -> torch.SymBool:
     """A SymBool for the relation `expr` in `fake_mode` (node meta of `u0 < 3`)."""
     return fake_mode.shape_env.create_symboolnode(expr)

@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from predispatch import _torch_internals as ti
+from predispatch import size_expressions
 from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
 from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.frontend.subclasses import has_own_rules
@@ -552,9 +553,9 @@ def tensor_meta(example: Any) -> tuple[torch.dtype, tuple[int | None, ...], torc
 
 
 def _check_symbols(shapes: ShapeRecord, paths: list[str], tensors: list[torch.Tensor]) -> None:
-    """Bind each symbol to the size it has in this call; check equal symbols, ranges, expressions."""
-    import sympy
-
+    """Bind each symbol to the size it has in this call; check equal symbols, ranges, expressions
+    (evaluated on the size grammar's parse with Python ints: no text reaches sympy, whose
+    `sympify` would read a symbol named `N` or `oo` as its own)."""
     bound: dict[str, int] = {}
     derived = []
     for path, tensor, dims in zip(paths, tensors, shapes.input_shapes):
@@ -568,8 +569,9 @@ def _check_symbols(shapes: ShapeRecord, paths: list[str], tensors: list[torch.Te
         if name in bound and not (lo <= bound[name] and (hi is None or bound[name] <= hi)):
             _shape_error(f"{name} = {bound[name]} is outside its range [{lo}, {'inf' if hi is None else hi}]")
     for path, i, expr, size in derived:
-        if int(sympy.sympify(expr).subs(bound)) != size:
-            _shape_error(f"{path}.shape[{i}] is {size} but must equal {expr} = {sympy.sympify(expr).subs(bound)}")
+        value = size_expressions.evaluate(size_expressions.parse(expr, "signature shapes"), bound)
+        if value != size:
+            _shape_error(f"{path}.shape[{i}] is {size} but must equal {expr} = {value}")
 
 
 def _shape_error(what: str) -> None:

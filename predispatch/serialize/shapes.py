@@ -11,9 +11,12 @@ program prints the same shapes, checks calls against the same ranges, and `to_to
 torch the same `range_constraints`.
 
 Expression text is never given to `eval` or `sympify` (both run Python): `parse_expression`
-reads it with `ast` and accepts only integers, the declared symbols, `+ - * // %`, and
-`Max`/`Min`/`Mod` calls (and, for a SymBool, one comparison of two such expressions).  The
-record's input shapes, which the call check evaluates, are checked the same way.
+reads it by the size grammar (Note [The size grammar] in size_expressions.py: integers, the
+declared symbols, `+ - * // % **`, `Max`/`Min`/`Mod`/`FloorDiv` calls and, for a SymBool, one
+comparison of two such expressions, with bounds on length, depth, arguments and exponents),
+and `build` makes sympy of the parse at a cost linear in the text.  A symbol is named as torch
+names them (`s31`, `u0`), so no name reads as sympy's (`N`, `oo`) or the grammar's (`Max`).
+The record's input shapes, which the call check evaluates, are checked the same way.
 
 Unbacked symbols (torch's `u0`: a value known only when the program runs) appear in node meta
 values only where torch's while_loop carries a Python int (`Sym(u0)`, `Sym(u0 + 1)`,
@@ -27,19 +30,16 @@ hint None without an unbacked symbol, and an unbacked symbol in a tensor's size.
 
 from __future__ import annotations
 
-import ast
-import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from predispatch import _torch_internals as ti
+from predispatch import size_expressions as sizes
 from predispatch.errors import SerializationError
 from predispatch.signature import ShapeRecord
-
-#: torch's name of an unbacked symbol (`create_unbacked_symint`): `u` and its index.
-_UNBACKED_NAME = re.compile(r"u(0|[1-9][0-9]{0,8})\Z")
 
 
 def encode_size(size: int | torch.SymInt, where: str) -> Any:
@@ -53,8 +53,24 @@ def encode_size(size: int | torch.SymInt, where: str) -> Any:
             "Keep using the program in memory, or make the size static."
         )
     if isinstance(size, torch.SymInt):
-        return {"sym": str(size.node.expr), "hint": int(size.node.hint)}
+        return {"sym": _grammar_text(size, where), "hint": int(size.node.hint)}
     raise SerializationError(f"{where}: a size {size!r} is neither an int nor a SymInt.")
+
+
+def _grammar_text(value: torch.SymInt | torch.SymBool, where: str) -> str:
+    """The text of `value`'s expression, which load reads back: save refuses one outside the
+    size grammar (a function of torch's the grammar does not have, a bound it breaks) by name,
+    rather than write a file load would refuse."""
+    text = str(value.node.expr)
+    known = {str(s) for s in value.node.expr.free_symbols}
+    try:
+        parse_expression(text, known, where, relation=isinstance(value, torch.SymBool))
+    except SerializationError as exc:
+        raise SerializationError(
+            f"{exc.what} Format version 1 holds sizes in the size grammar load reads (docs/format.md).",
+            fix="make the size static (dynamic_shapes), or keep using the program in memory.",
+        ) from exc
+    return text
 
 
 # Note [Data-dependent storage offsets]
@@ -84,13 +100,7 @@ def encode_symbolic(value: torch.SymInt | torch.SymBool, where: str) -> Any:
                 "as comparisons of unbacked symbols (a while_loop's condition on an int carry)."
             )
         return encode_size(value, where)
-    text = str(value.node.expr)
-    known = {str(s) for s in value.node.expr.free_symbols}
-    try:
-        parse_expression(text, known, where, relation=isinstance(value, torch.SymBool))
-    except SerializationError as exc:
-        raise SerializationError(f"{where}: {text!r} is outside the size grammar format version 1 reads.") from exc
-    return {"sym": text, "hint": None}
+    return {"sym": _grammar_text(value, where), "hint": None}
 
 
 def unbacked_declarations(gm: torch.fx.GraphModule) -> list[list[Any]]:
@@ -122,12 +132,16 @@ class SymbolTable:
         self.fake_mode = fake_mode
         self.symbols: dict[str, Any] = {}
         for name, low, high in shapes.ranges:
-            if not name.isidentifier() or (high is not None and high < low) or low < 0:
-                raise SerializationError(f"{where}: symbol {name!r} with range [{low}, {high}] is not a size symbol.")
+            if not sizes.SIZE_SYMBOL.match(name) or name in self.symbols or (high is not None and high < low) or low < 0:
+                raise SerializationError(
+                    f"{where}: symbol {name!r} with range [{low}, {high}] is not a size symbol "
+                    "(a new name s<index>, as torch names them, with 0 <= low <= high)."
+                )
             self.symbols[name] = None  # declared at the first size that names it (its hint is there)
         self._low_high = {name: (low, high) for name, low, high in shapes.ranges}
-        self._hints: dict[str, int] = {}
-        _check_input_shapes(shapes, self._low_high, where)
+        self._texts: set[str] = set()  # the distinct size texts read so far, and their characters
+        self._chars = 0
+        _check_input_shapes(shapes, lambda text: self._read(text, self._low_high, where), where)
         self.unbacked = self._declare_unbacked([] if unbacked is None else unbacked, "unbacked_symbols")
 
     def _declare_unbacked(self, entries: Any, where: str) -> dict[str, Any]:
@@ -140,7 +154,7 @@ class SymbolTable:
         for entry in entries:
             ok = isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
             ok = ok and all(b is None or type(b) is int for b in entry[1:])
-            match = _UNBACKED_NAME.match(entry[0]) if ok else None
+            match = sizes.UNBACKED_SYMBOL.match(entry[0]) if ok else None
             if not match or entry[0] in declared or entry[0] in self._low_high or (
                     None not in entry[1:] and entry[1] > entry[2]):
                 raise SerializationError(f"{where}: {entry!r} is not the declaration of an unbacked symbol "
@@ -156,10 +170,10 @@ class SymbolTable:
                 raise SerializationError(f"{where}: {data!r} is not a symbolic bool of unbacked symbols.")
             return self.size(data, where)
         known = {**self._low_high, **self.unbacked}
-        tree = parse_expression(data["sym"], known, where, relation=relation)
-        if not any(isinstance(n, ast.Name) and n.id in self.unbacked for n in ast.walk(tree)):
+        expression = self._read(data["sym"], known, where, relation=relation)
+        if not any(name in self.unbacked for name in expression.names):
             raise SerializationError(f"{where}: {data!r} has no value at export but no unbacked symbol.")
-        expr = parse_expression(data["sym"], known, where, self._declare(data, self.unbacked), relation=relation)
+        expr = build(expression, self._declare(data, self.unbacked))
         return ti.symbolic_bool(self.fake_mode, expr) if relation else ti.size_symint(self.fake_mode, expr, None)
 
     def size(self, data: Any, where: str) -> int | torch.SymInt:
@@ -173,8 +187,23 @@ class SymbolTable:
             )
         if not isinstance(data, dict) or set(data) != {"sym", "hint"} or type(data["hint"]) is not int:
             raise SerializationError(f"{where}: {data!r} is not a size.")
-        expr = parse_expression(data["sym"], self._low_high, where, self._declare(data))
+        expr = build(self._read(data["sym"], self._low_high, where), self._declare(data))
         return ti.size_symint(self.fake_mode, expr, data["hint"])
+
+    def _read(self, text: Any, known: Any, where: str, relation: bool = False) -> sizes.SizeExpression:
+        """`text` parsed over the `known` symbols, its characters counted against the file's
+        budget of distinct size text (MAX_FILE_CHARS) before anything is built of it: building a
+        new text is what costs (Note [The size grammar]); a repeated one costs little."""
+        expression = parse_expression(text, known, where, relation=relation)
+        if text not in self._texts:
+            self._texts.add(text)
+            self._chars += len(text)
+            if self._chars > sizes.MAX_FILE_CHARS:
+                raise SerializationError(
+                    f"{where}: the program's distinct size expressions have more than {sizes.MAX_FILE_CHARS} "
+                    "characters in all (size_expressions.MAX_FILE_CHARS); programs export makes have a few hundred."
+                )
+        return expression
 
     def _declare(self, data: dict, unbacked: Any = None) -> Any:
         """A function from a symbol's name to the symbol, declaring an input's at first use."""
@@ -191,19 +220,14 @@ class SymbolTable:
         return symbol
 
 
-def _check_input_shapes(shapes: ShapeRecord, known: Any, where: str) -> None:
-    """The input shapes the call check evaluates at every call (runner._check_symbols, with
-    sympy) can be evaluated: each a declared symbol, or an expression in the grammar, without
-    `FloorDiv(...)` (sympy does not know it; torch writes `//`), over symbols some input
-    dimension binds by itself.  Otherwise every call would raise a raw sympy error."""
+def _check_input_shapes(shapes: ShapeRecord, read: Callable[[str], sizes.SizeExpression], where: str) -> None:
+    """The input shapes the call check evaluates at every call (runner._check_symbols, on
+    the grammar's tree) can be evaluated: each a declared symbol, or an expression in the
+    grammar over symbols some input dimension binds.  Otherwise every call would fail."""
     bound = {dim for dims in shapes.input_shapes for dim in dims if isinstance(dim, str) and dim.isidentifier()}
     for dims in shapes.input_shapes:
         for dim in (d for d in dims if isinstance(d, str)):
-            if dim.isidentifier():
-                parse_expression(dim, known, where)
-                continue
-            tree = parse_expression(dim, known, where, calls=("Max", "Min", "Mod"))
-            unbound = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - bound - {"Max", "Min", "Mod"})
+            unbound = sorted(read(dim).names - bound)
             if unbound:
                 raise SerializationError(
                     f"{where}: the input size {dim!r} uses {unbound}, which no input dimension gives a value; "
@@ -211,88 +235,58 @@ def _check_input_shapes(shapes: ShapeRecord, known: Any, where: str) -> None:
                 )
 
 
-def parse_expression(
-    text: Any, known: Any, where: str, symbol: Any = None, calls: tuple[str, ...] | None = None, relation: bool = False
-) -> Any:
-    """`text` as a sympy expression over the `known` symbol names, read without running code.
-
-    With `symbol` None only the check runs (returns the syntax tree).  `calls`: the function
-    names allowed (all of the grammar's by default).  With `relation`, `text` is one comparison
-    of two expressions (`u0 < 3`, `Eq(u0, 3)`: a SymBool)."""
-    if not isinstance(text, str) or len(text) > 1000:
-        raise SerializationError(f"{where}: {text!r} is not a size expression.")
-    try:
-        tree = ast.parse(text, mode="eval").body
-    except (SyntaxError, ValueError, RecursionError) as exc:
-        raise SerializationError(f"{where}: {text!r} is not a size expression.") from exc
-    built = _relation(tree, known, where, text, symbol) if relation else _build(tree, known, where, text, symbol, calls)
-    return tree if symbol is None else built
+def parse_expression(text: Any, known: Any, where: str, relation: bool = False) -> sizes.SizeExpression:
+    """`text` read by the size grammar (Note [The size grammar]) over the `known` symbol names
+    only; with `relation`, one comparison of two expressions (`u0 < 3`: a SymBool)."""
+    expression = sizes.parse(text, where, relation)
+    if not all(name in known for name in expression.names):
+        raise SerializationError(f"{where}: {sizes.shown(text)!r} is not a size expression over the program's symbols.")
+    return expression
 
 
-_COMPARISONS = {ast.Lt: "Lt", ast.LtE: "Le", ast.Gt: "Gt", ast.GtE: "Ge"}
+def build(expression: sizes.SizeExpression, symbol: Callable[[str], Any]) -> Any:
+    """`expression` as sympy over the symbols `symbol` gives for their names, one constructor
+    per tree node (Note [The size grammar]): Add and Mul evaluated, once per chain, so the
+    expression is in sympy's canonical form; the others as the file spells them."""
+    return _sympy(expression.tree, symbol, ti.size_functions())
 
 
-def _relation(node: ast.AST, known: Any, where: str, text: str, symbol: Any) -> Any:
-    """A comparison of two grammar expressions as sympy (None when only checking): `a < b`,
-    `<=`, `>`, `>=`, or `Eq(a, b)` / `Ne(a, b)`, as sympy prints its relations."""
+def _sympy(tree: Any, symbol: Callable[[str], Any], functions: dict[str, Any]) -> Any:
     import sympy
 
-    if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _COMPARISONS:
-        name, operands = _COMPARISONS[type(node.ops[0])], (node.left, node.comparators[0])
-    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("Eq", "Ne")
-          and len(node.args) == 2 and not node.keywords):
-        name, operands = node.func.id, (node.args[0], node.args[1])
-    else:
-        raise SerializationError(f"{where}: {text!r} is not a comparison of size expressions.")
-    left, right = (_build(o, known, where, text, symbol) for o in operands)
-    return None if symbol is None else getattr(sympy, name)(left, right)
+    if isinstance(tree, int):
+        return sympy.Integer(tree)
+    if isinstance(tree, str):
+        return symbol(tree)
+    op, *operands = tree
+    if op in ("+", "*"):
+        return (sympy.Add if op == "+" else sympy.Mul)(*(_sympy(t, symbol, functions) for t in operands[0]))
+    if op in ("Max", "Min"):
+        return _lattice(op, [_sympy(t, symbol, functions) for t in operands[0]], functions[op])
+    if op == "neg":
+        return -_sympy(operands[0], symbol, functions)
+    first = _sympy(operands[0], symbol, functions)
+    if op == "**":
+        return sympy.Pow(first, sympy.Integer(operands[1]))
+    if op in ("//", "%") and isinstance(first, sympy.Integer):
+        return sympy.Integer(int(first) // operands[1] if op == "//" else int(first) % operands[1])
+    if op in ("//", "%"):
+        return functions["FloorDiv" if op == "//" else "Mod"](first, sympy.Integer(operands[1]), evaluate=False)
+    relation = getattr(sympy, _RELATIONS[op])
+    return relation(first, _sympy(operands[1], symbol, functions), evaluate=False)
 
 
-_DIVISIONS = (ast.FloorDiv, ast.Mod)
-
-
-def _divisor_ok(node: ast.AST) -> bool:
-    """`//`, `%`, `FloorDiv` and `Mod` divide by a positive integer literal, as torch's shape
-    arithmetic does (a kernel's stride, a chunk count): a zero or symbolic divisor would make a
-    size undefined at some call."""
-    return isinstance(node, ast.Constant) and type(node.value) is int and node.value > 0
-
-
-def _build(node: ast.AST, known: Any, where: str, text: str, symbol: Any, calls: tuple[str, ...] | None = None) -> Any:
-    """One `ast` node as sympy (None when only checking); anything not in the grammar is refused."""
+def _lattice(op: str, args: list[Any], function: Any) -> Any:
+    """`Max`/`Min` of `args` unevaluated, its integer arguments folded into one as torch's
+    own construction folds them (linear): sympy's evaluation compares arguments pairwise."""
     import sympy
-    from torch.utils._sympy.functions import FloorDiv, Mod
 
-    def build(child: ast.AST) -> Any:
-        return _build(child, known, where, text, symbol, calls)
+    numbers = [int(a) for a in args if isinstance(a, sympy.Integer)]
+    rest = [a for a in args if not isinstance(a, sympy.Integer)]
+    if numbers:
+        rest.append(sympy.Integer(max(numbers) if op == "Max" else min(numbers)))
+    return function(*rest, evaluate=False)
 
-    divides = (isinstance(node, ast.BinOp) and isinstance(node.op, _DIVISIONS) and not _divisor_ok(node.right)) or (
-        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("Mod", "FloorDiv")
-        and (len(node.args) != 2 or not _divisor_ok(node.args[1])))
-    divides = divides or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("Max", "Min") and not node.args)
-    if divides:
-        raise SerializationError(
-            f"{where}: {text!r} divides by something other than a positive integer (or calls Max/Min with no argument); "
-            "a size expression may not."
-        )
-    if calls is not None and isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id not in calls:
-        raise SerializationError(f"{where}: {text!r} calls {node.func.id}, which an input size may not (allowed: {', '.join(calls)}).")
 
-    check_only = symbol is None
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return None if check_only else sympy.Integer(node.value)
-    if isinstance(node, ast.Name) and node.id in known:
-        return None if check_only else symbol(node.id)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        operand = build(node.operand)
-        return None if check_only else -operand
-    binary = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-              ast.FloorDiv: FloorDiv, ast.Mod: Mod}
-    if isinstance(node, ast.BinOp) and type(node.op) in binary:
-        left, right = build(node.left), build(node.right)
-        return None if check_only else binary[type(node.op)](left, right)
-    functions = {"Max": sympy.Max, "Min": sympy.Min, "Mod": Mod, "FloorDiv": FloorDiv}
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions and not node.keywords:
-        args = [build(a) for a in node.args]
-        return None if check_only else functions[node.func.id](*args)
-    raise SerializationError(f"{where}: {text!r} is not a size expression over the program's symbols.")
+#: sympy's class of each relation the grammar reads.
+_RELATIONS = {"<": "Lt", "<=": "Le", ">": "Gt", ">=": "Ge", "Eq": "Eq", "Ne": "Ne"}
