@@ -35,7 +35,7 @@ from predispatch.errors import SerializationError
 #
 # - MAX_CHARS characters of text.  What export writes stays below 100 in the programs we know
 #   (a CNN with dynamic height and width: `8*(2*(((s0 - 1)//32)) + 2)*(2*(((s53 - 1)//32)) + 2)`).
-# - MAX_FILE_CHARS characters of distinct expression text in one file (64 KiB; that CNN has 31
+# - MAX_FILE_CHARS characters of distinct expression text in one file (16 KiB; that CNN has 31
 #   distinct texts, 897 characters; a transformer with dynamic batch and sequence 11, 76): what
 #   a file may make load build, whatever its size (a repeated text costs little: its parse is
 #   cached, as are sympy's constructions and torch's evaluations of it).
@@ -63,7 +63,7 @@ from predispatch.errors import SerializationError
 
 
 MAX_CHARS = 1000
-MAX_FILE_CHARS = 64 << 10
+MAX_FILE_CHARS = 16 << 10
 MAX_DEPTH = 32
 MAX_ARGUMENTS = 64
 MAX_EXPONENT = 64

@@ -92,7 +92,7 @@ def test_distinct_size_text_of_a_file_is_bounded():
     base = load_attacks.chain_program(nodes)
     distinct = [load_attacks.worst_size("a long sum", j) for j in range(nodes)]
     with pytest.raises(SerializationError, match=r"nodes\[\d+\] \(relu_\d+\) meta\['val'\]: the program's distinct size "
-                       r"expressions have more than 65536 characters in all \(size_expressions.MAX_FILE_CHARS\)"):
+                       rf"expressions have more than {size_expressions.MAX_FILE_CHARS} characters in all \(size_expressions.MAX_FILE_CHARS\)"):
         predispatch.load(io.BytesIO(load_attacks.with_sizes(base, distinct)))
     loaded = predispatch.load(io.BytesIO(load_attacks.with_sizes(base, distinct[:1] * nodes)))
     assert torch.equal(loaded.module()(x := torch.randn(5, 4)), x.relu())
