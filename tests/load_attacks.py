@@ -576,6 +576,72 @@ def nested_regions(data: bytes, depth: int) -> bytes:
     return zip_of(checksummed(members))
 
 
+#: How each higher-order op the region attacks use calls a subgraph `body` on one value `x`.
+REGION_CALLS: dict[str, Callable[[dict, dict], list]] = {
+    "wrap_with_set_grad_enabled": lambda body, x: [False, body, x],
+    "wrap_with_autocast": lambda body, x: ["cpu", None, False, None, body, x],
+    "invoke_subgraph": lambda body, x: [body, "grad_region_0", x],
+}
+
+
+def _calls_in_chain(call: dict, getitem: dict, hop: str, body: str, calls: int) -> list[dict]:
+    """`calls` calls of subgraph `body` by `hop` in a chain on `x` (each on the previous one's
+    result), copied from `call` and its `getitem`; the last result is named `result`."""
+    nodes, value = [], "x"
+    for i in range(calls):
+        name = "result" if i == calls - 1 else f"r{i}"
+        args = REGION_CALLS[hop]({"node": body}, {"node": value})
+        nodes.append({**call, "name": f"call{i}", "target": f"higher_order.{hop}", "args": args})
+        nodes.append({**getitem, "name": name, "args": [{"node": f"call{i}"}, 0]})
+        value = name
+    return nodes
+
+
+def region_dag(
+    data: bytes, depth: int, calls: int = 2, *, root_calls: int = 1, hops: tuple[str, ...] = ("wrap_with_set_grad_enabled",),
+    ops: int = 1,
+) -> bytes:
+    """`data` (the `region_detached_double` program) with `depth` levels of subgraphs, each
+    level's body calling the next level's `calls` times in a chain, the innermost doubling
+    `ops` times: a file linear in `depth` whose call paths number `calls ** (depth - 1)`
+    (issue 40).  The root calls the outermost body `root_calls` times (many call sites of one
+    body).  `hops`: the higher-order op each level calls its body with, outermost first, the
+    last one repeated."""
+    members = members_of(data)
+    program = json.loads(members["program.json"])
+    root = program["graph_module"]
+    placeholder, getter, call, getitem, add, output = root["nodes"]
+    body = root["submodules"][0]["module"]
+    first, double, returned = body["nodes"]
+    doubles = [{**double, "name": f"mul{i}", "args": [{"node": f"mul{i - 1}" if i else "x"}, 2]} for i in range(ops)]
+    body["nodes"] = [first, *doubles, {**returned, "args": [{"tuple": [{"node": f"mul{ops - 1}"}]}]}]
+    levels = [*hops, *[hops[-1]] * depth][:depth]
+    for hop in reversed(levels[1:]):
+        nodes = [placeholder, getter, *_calls_in_chain(call, getitem, hop, "grad_region_0", calls)]
+        nodes.append({**output, "args": [{"tuple": [{"node": "result"}]}]})
+        body = {"class_name": "grad_region_0", "nodes": nodes, "tensors": [], "submodules": [{"name": "grad_region_0", "module": body}]}
+    root["submodules"][0]["module"] = body
+    chain = _calls_in_chain(call, getitem, levels[0], "grad_region_0", root_calls)
+    root["nodes"] = [placeholder, getter, *chain, {**add, "args": [{"node": "x"}, {"node": "result"}]}, output]
+    members["program.json"] = json.dumps(program).encode()
+    return zip_of(checksummed(members))
+
+
+def called_again(data: bytes, call: str, result: str) -> bytes:
+    """`data` with the root's HOP call `call` made a second time, on its own result `result`
+    (its getitem), which the rest of the graph then reads: one body, two call sites."""
+
+    def edit(program):
+        nodes = program["graph_module"]["nodes"]
+        first = next(i for i, n in enumerate(nodes) if n["name"] == result)
+        _replace_refs(nodes[first + 1:], result, f"{result}_again")
+        again = {**nodes[first - 1], "name": f"{call}_again", "args": [*nodes[first - 1]["args"][:-1], {"node": result}]}
+        getitem = {**nodes[first], "name": f"{result}_again", "args": [{"node": f"{call}_again"}, 0]}
+        nodes[first + 1:first + 1] = [again, getitem]
+
+    return edited(data, edit)
+
+
 # --------------------------------------------------------------------------- kernels (issue 21)
 
 

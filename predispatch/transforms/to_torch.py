@@ -69,7 +69,7 @@ from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 from predispatch import _torch_internals as ti
 from predispatch.errors import NotRepresentableError
 from predispatch.frontend.inputs import unique_identifier
-from predispatch.passes.lift_constants import TORCH_HOPS, attribute, hop_body, lift_from_subgraph
+from predispatch.passes.lift_constants import TORCH_HOPS, ConstantLifter, attribute, hop_body
 from predispatch.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, OutputKind, OutputSpec, Program
 from predispatch.passes import inlined_copy
 from predispatch.passes.kernel_shapes import pin_kernel_shapes
@@ -301,6 +301,7 @@ class _TorchGraph:
         self.root: dict[str, Any] = {}
         self._env: dict[fx.Node, fx.Node] = {}
         self._operands: dict[str, list[fx.Node]] = {}  # per subgraph: its lifted tensors' placeholders
+        self.lifter = ConstantLifter()
         self._taken = {node.name for node in ep.graph.nodes}
         mutated = {s.target for s in ep.signature.outputs_of(OutputKind.BUFFER_MUTATION)}
         placeholders = ep.graph.find_nodes(op="placeholder")
@@ -336,15 +337,21 @@ class _TorchGraph:
         """Tensors a graph reads by get_attr become CONSTANT_TENSOR inputs, as torch lifts them:
         its verifier allows only subgraphs as top-level attributes, and `run_decompositions`
         expects no tensor inside a subgraph.  A region's tensors reach it as extra operands of
-        its HOP call (`lift_from_subgraph`)."""
+        its HOP call (`ConstantLifter`), each body once (Note [Each region body once] in
+        passes/lift_constants.py); a subgraph read by several get_attr nodes is copied once."""
+        inputs: dict[str, fx.Node] = {}  # a tensor read by several get_attr nodes is one input
         for node in self.ep.graph.find_nodes(op="get_attr"):
             value = attribute(self.ep.graph_module, node.target)
             if isinstance(value, torch.Tensor):
-                self._env[node] = self._constant_input(node.target, value, node.meta)
+                if node.target not in inputs:
+                    inputs[node.target] = self._constant_input(node.target, value, node.meta)
+                self._env[node] = inputs[node.target]
+                continue
+            if node.target in self.root:
                 continue
             subgraph = copy.deepcopy(value)  # a copy, so torch's passes cannot change ep's
             self.root[node.target] = subgraph
-            lifted = lift_from_subgraph(subgraph, node.target)
+            lifted = self.lifter.lift(subgraph, node.target)
             # flat targets: torch's module() installs each constant as an attribute at its target
             self._operands[node.target] = [self._constant_input(p.replace(".", "_"), t, m) for p, t, m in lifted]
 
