@@ -143,7 +143,8 @@ def base_programs() -> dict[str, bytes]:
     from test_serialize import export_case, saved
 
     bases = {name: saved(export_case(name)[0]) for name in ("autograd_functions", "buffer_mutation", "graph_tensors", "kwargs")}
-    return {**bases, "kernels": kernel_program(), "shape_kernels": shape_kernel_program()}
+    regions = saved(export_case("region_detached_double")[0])
+    return {**bases, "regions": regions, "kernels": kernel_program(), "shape_kernels": shape_kernel_program()}
 
 
 # --------------------------------------------------------------------------- attack classes
@@ -627,19 +628,58 @@ def region_dag(
     return zip_of(checksummed(members))
 
 
-def called_again(data: bytes, call: str, result: str) -> bytes:
-    """`data` with the root's HOP call `call` made a second time, on its own result `result`
-    (its getitem), which the rest of the graph then reads: one body, two call sites."""
+def called_again(data: bytes, call: str, result: str, times: int = 1) -> bytes:
+    """`data` with the root's HOP call `call` made `times` more times, each on the previous
+    result (its getitem `result`), the last of which the rest of the graph then reads: one
+    body, `1 + times` call sites."""
 
     def edit(program):
         nodes = program["graph_module"]["nodes"]
         first = next(i for i, n in enumerate(nodes) if n["name"] == result)
-        _replace_refs(nodes[first + 1:], result, f"{result}_again")
-        again = {**nodes[first - 1], "name": f"{call}_again", "args": [*nodes[first - 1]["args"][:-1], {"node": result}]}
-        getitem = {**nodes[first], "name": f"{result}_again", "args": [{"node": f"{call}_again"}, 0]}
-        nodes[first + 1:first + 1] = [again, getitem]
+        last = result if times == 1 else f"{result}_again{times - 1}"
+        _replace_refs(nodes[first + 1:], result, f"{result}_again" if times == 1 else last)
+        added, value = [], result
+        for i in range(times):
+            suffix = "_again" if times == 1 else f"_again{i}"
+            added.append({**nodes[first - 1], "name": f"{call}{suffix}", "args": [*nodes[first - 1]["args"][:-1], {"node": value}]})
+            added.append({**nodes[first], "name": f"{result}{suffix}", "args": [{"node": f"{call}{suffix}"}, 0]})
+            value = f"{result}{suffix}"
+        nodes[first + 1:first + 1] = added
 
     return edited(data, edit)
+
+
+def region_holding(data: bytes, tensors: int, sites: int) -> bytes:
+    """`data` (the `graph_tensors` program) with its region's body holding `tensors` more
+    tensors (read, unused), called from `1 + sites` sites: lifting passes each tensor at each call."""
+    import safetensors.torch
+
+    members = members_of(data)
+    program = json.loads(members["program.json"])
+    body = program["graph_module"]["submodules"][0]["module"]
+    held = safetensors.torch.load(members["graph.safetensors"])
+    record = program["tensors"]["graph"]["grad_region_0._tensor_constant0"]
+    getter = next(n for n in body["nodes"] if n["op"] == "get_attr")
+    for i in range(tensors):
+        body["tensors"].append({"name": f"t{i}", "persistent": True})
+        body["nodes"].insert(1, {**getter, "name": f"t{i}", "target": f"t{i}"})
+        held[f"grad_region_0.t{i}"] = torch.ones(2)
+        program["tensors"]["graph"][f"grad_region_0.t{i}"] = record
+    members.update({"program.json": json.dumps(program).encode(), "graph.safetensors": safetensors.torch.save(held)})
+    return called_again(zip_of(checksummed(members)), "wrap_with_set_grad_enabled", "add", sites)
+
+
+def call_site_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    """Calls that multiply what `module()` and `to_torch()` build (Note [Calls of one subgraph]
+    in predispatch/serialize/verify.py)."""
+    regions = bases["regions"]
+    yield Attack("call_sites", "a shared body calling a shared body", region_dag(regions, 3, hops=("invoke_subgraph",)),
+                 ("graph module grad_region_0, node call0", "calls a shared body itself"))
+    yield Attack("call_sites", "a 200-op shared body called 200 times",
+                 region_dag(regions, 1, root_calls=200, hops=("invoke_subgraph",), ops=200),
+                 ("graph module grad_region_0: its calls add 40400 nodes", "times the 606 nodes and tensors the file holds"))
+    yield Attack("call_sites", "a region holding 400 tensors called from 301 sites", region_holding(bases["graph_tensors"], 400, 300),
+                 ("graph module grad_region_0: its calls add 120701 nodes", "times the 1418 nodes and tensors the file holds"))
 
 
 # --------------------------------------------------------------------------- kernels (issue 21)
@@ -798,6 +838,7 @@ ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[A
     "names": name_attacks,
     "function_structure": function_structure_attacks,
     "kernels": kernel_attacks,
+    "call_sites": call_site_attacks,
 }
 
 

@@ -16,6 +16,9 @@ What it checks, each from a table so that a new op family, HOP or output kind is
   for the few plain functions a graph may call;
 - structure: placeholders first, one output last, `get_attr` naming what the module holds,
   no `call_module` / `call_method`;
+- calls: no shared body calls a shared body, and (stored) what calls add when `module()`
+  inlines shared bodies and lifts regions' tensors stays within `MAX_CALL_EXPANSION` times the
+  file (Note [Calls of one subgraph]), checked in one walk before anything is checked per call;
 - the signature: placeholders are the signature's inputs, state placeholders carry their
   stored tensor's dtype and shape, and every output is a node whose value is what its
   `OutputKind` says (`OUTPUT_RULES`): a tensor where a tensor is promised, a mutation with
@@ -144,7 +147,8 @@ class HopConvention:
         scanned inputs, additional inputs); every body takes all of them, in order.
     inner_op: index in `leading` of an op the HOP calls (`with_effects`), itself checked.
     structure: further checks of how its subgraphs fit together (`autograd_function_apply`:
-        what forward returns, what backward takes and returns), yielding why not.
+        what forward returns, what backward takes and returns), given each subgraph's
+        placeholder count by id (counted once: Note [Calls of one subgraph]), yielding why not.
     reason: why programs hold this HOP.
     """
 
