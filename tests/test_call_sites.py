@@ -207,3 +207,14 @@ def test_a_region_called_twice_is_drawn_once(region_program):
     assert [c.kind for c in pic.clusters] == [ClusterKind.GRAD_DISABLED]
     (call,) = [n for n in pic.nodes if n.kind is NodeKind.CALL]
     assert (call.name, call.note) == ("wrap_with_set_grad_enabled_again", "calls grad_region_0, drawn at its first call")
+
+
+def test_a_lifted_tensor_and_a_graph_tensor_of_one_flat_name_stay_apart():
+    """to_torch() names a region's lifted tensor by its path flattened (`grad_region_0._tensor_constant0`
+    -> `grad_region_0__tensor_constant0`), which a tensor of the root graph may be called: the
+    second took the first's place (a raw AttributeError in torch's module())."""
+    data = load_attacks.renamed_held(saved(export_case("graph_tensors")[0]), "_tensor_constant1", "grad_region_0__tensor_constant0")
+    ep = predispatch.load(io.BytesIO(data))
+    x = torch.tensor([1.0, 1.0])
+    expected = x * torch.tensor([3.0, 4.0]) + x + torch.tensor([1.0, 2.0])
+    assert torch.equal(ep.module()(x), expected) and torch.equal(ep.to_torch().module()(x), expected)

@@ -236,6 +236,7 @@ def _unrepresentable(ep: Program) -> list[str]:
     for leaf in (*sig.input_leaves, *sig.output_leaves):
         if not leaf.is_tensor and type(leaf.value) not in _CONSTANT_TYPES:
             problems.append(f"{leaf.path} is a constant {type(leaf.value).__name__}; torch holds int, float, bool, str or None")
+    holding: dict[int, bool] = {}  # subgraph id -> whether it or a subgraph in it reads a tensor attribute
     for path, module in ep.graph_module.named_modules():
         for node in module.graph.nodes if isinstance(module, fx.GraphModule) else ():
             target = node.target
@@ -244,20 +245,25 @@ def _unrepresentable(ep: Program) -> list[str]:
             where = f"node {node.name} in {path or 'the graph'} calls {target.name()}"
             if target.name() not in KEPT_HOPS:
                 problems.append(f"{where}: {REFUSED_HOPS.get(target.name(), 'torch.export does not know it')}")
-            elif _holds_tensors(module, node):
+            elif _holds_tensors(module, node, holding):
                 problems.append(f"{where}: its subgraphs hold tensors (made inside them), which to_torch cannot "
                                 f"lift into them; {_HELD_TENSORS_FIX.get(target.name(), _HELD_TENSORS_FIX[''])}")
     return problems
 
 
-def _holds_tensors(module: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether a subgraph argument of `node`, or a subgraph nested in it, reads a tensor attribute."""
+def _holds_tensors(module: fx.GraphModule, node: fx.Node, holding: dict[int, bool]) -> bool:
+    """Whether a subgraph argument of `node`, or a subgraph nested in it, reads a tensor
+    attribute; each subgraph looked at once, however many calls name it (`holding`)."""
     subgraphs = [attribute(module, a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
-    return any(
-        isinstance(attribute(inner, n.target), torch.Tensor)
-        for sub in subgraphs for inner in sub.modules() if isinstance(inner, fx.GraphModule)
-        for n in inner.graph.find_nodes(op="get_attr")
-    )
+    return any(_reads_tensors(sub, holding) for sub in subgraphs if isinstance(sub, fx.GraphModule))
+
+
+def _reads_tensors(gm: fx.GraphModule, holding: dict[int, bool]) -> bool:
+    if id(gm) not in holding:
+        holding[id(gm)] = any(isinstance(attribute(gm, n.target), torch.Tensor) for n in gm.graph.find_nodes(op="get_attr")) or any(
+            _reads_tensors(child, holding) for child in gm.children() if isinstance(child, fx.GraphModule)
+        )
+    return holding[id(gm)]
 
 
 def _range_constraints(graph: fx.Graph) -> dict:
@@ -356,6 +362,12 @@ class _TorchGraph:
             self._operands[node.target] = [self._constant_input(p.replace(".", "_"), t, m) for p, t, m in lifted]
 
     def _constant_input(self, target: str, tensor: torch.Tensor, meta: dict) -> fx.Node:
+        """A CONSTANT_TENSOR input holding a copy of `tensor` at `target`, or at `target_1`, ...
+        where that is taken (two lifted paths can flatten to one: `a_b.c` and `a.b_c`)."""
+        base, i = target, 0
+        while target in self.constants or target in self.state_dict:
+            i += 1
+            target = f"{base}_{i}"
         placeholder = self._placeholder(unique_identifier(f"c_{target}", self._taken), meta)
         self.constants[target] = _copy(tensor)
         arg = tsig.TensorArgument(placeholder.name)
