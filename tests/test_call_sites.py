@@ -218,3 +218,18 @@ def test_a_lifted_tensor_and_a_graph_tensor_of_one_flat_name_stay_apart():
     x = torch.tensor([1.0, 1.0])
     expected = x * torch.tensor([3.0, 4.0]) + x + torch.tensor([1.0, 2.0])
     assert torch.equal(ep.module()(x), expected) and torch.equal(ep.to_torch().module()(x), expected)
+
+
+def test_the_verifier_counts_a_subgraphs_placeholders_once(region_program, monkeypatch):
+    """It counted them at each call (a body's size at each of its calls: a crafted body of many
+    placeholders called from many sites with none made load quadratic)."""
+    data = load_attacks.region_dag(region_program, 2, root_calls=256)
+    counted, find_nodes = Counter(), fx.Graph.find_nodes
+
+    def counting(graph, *, op, target=None, sort=True):
+        counted[op] += 1
+        return find_nodes(graph, op=op, target=target, sort=sort)
+
+    monkeypatch.setattr(fx.Graph, "find_nodes", counting)
+    predispatch.load(io.BytesIO(data))
+    assert counted["placeholder"] < 32, counted  # was one per call site, and more
