@@ -9,7 +9,8 @@ per case, `{"case", "class", "outcome", "message"}`, flushed before the next cas
 Classes (the issue's list): io, unsafe_constructor, mutable, global_state, uninitialised,
 output_type_lie, hop_operand_lie, duplicate_key, compression_bomb, registration; and since:
 names, function_structure, kernels (issue 21); classes (issue 40: classes the user did not
-allow); sizes (issue 40: size expressions beyond the grammar's bounds).
+allow); sizes (issue 40: size expressions beyond the grammar's bounds); call_sites (issue 40:
+subgraphs called from many places, nested shared bodies).
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ def base_programs() -> dict[str, bytes]:
     from test_serialize import export_case, saved
 
     bases = {name: saved(export_case(name)[0]) for name in ("autograd_functions", "buffer_mutation", "graph_tensors", "kwargs")}
-    return {**bases, "kernels": kernel_program(), "shape_kernels": shape_kernel_program(), "sizes": chain_program(1)}
+    regions = saved(export_case("region_detached_double")[0])
+    return {**bases, "regions": regions, "kernels": kernel_program(), "shape_kernels": shape_kernel_program(), "sizes": chain_program(1)}
 
 
 # --------------------------------------------------------------------------- attack classes
@@ -813,6 +815,109 @@ def measure_work(paths: list[str], warm_up: str) -> list[dict]:
             outcome, calls = counted(path, out)
             rows.append({"path": path, "outcome": outcome, "calls": calls, "bytes": os.path.getsize(path)})
         return rows
+#: How each higher-order op the region attacks use calls a subgraph `body` on one value `x`.
+REGION_CALLS: dict[str, Callable[[dict, dict], list]] = {
+    "wrap_with_set_grad_enabled": lambda body, x: [False, body, x],
+    "wrap_with_autocast": lambda body, x: ["cpu", None, False, None, body, x],
+    "invoke_subgraph": lambda body, x: [body, "grad_region_0", x],
+}
+
+
+def _calls_in_chain(call: dict, getitem: dict, hop: str, body: str, calls: int) -> list[dict]:
+    """`calls` calls of subgraph `body` by `hop` in a chain on `x` (each on the previous one's
+    result), copied from `call` and its `getitem`; the last result is named `result`."""
+    nodes, value = [], "x"
+    for i in range(calls):
+        name = "result" if i == calls - 1 else f"r{i}"
+        args = REGION_CALLS[hop]({"node": body}, {"node": value})
+        nodes.append({**call, "name": f"call{i}", "target": f"higher_order.{hop}", "args": args})
+        nodes.append({**getitem, "name": name, "args": [{"node": f"call{i}"}, 0]})
+        value = name
+    return nodes
+
+
+def region_dag(
+    data: bytes, depth: int, calls: int = 2, *, root_calls: int = 1, hops: tuple[str, ...] = ("wrap_with_set_grad_enabled",),
+    ops: int = 1,
+) -> bytes:
+    """`data` (the `region_detached_double` program) with `depth` levels of subgraphs, each
+    level's body calling the next level's `calls` times in a chain, the innermost doubling
+    `ops` times: a file linear in `depth` whose call paths number `calls ** (depth - 1)`
+    (issue 40).  The root calls the outermost body `root_calls` times (many call sites of one
+    body).  `hops`: the higher-order op each level calls its body with, outermost first, the
+    last one repeated."""
+    members = members_of(data)
+    program = json.loads(members["program.json"])
+    root = program["graph_module"]
+    placeholder, getter, call, getitem, add, output = root["nodes"]
+    body = root["submodules"][0]["module"]
+    first, double, returned = body["nodes"]
+    doubles = [{**double, "name": f"mul{i}", "args": [{"node": f"mul{i - 1}" if i else "x"}, 2]} for i in range(ops)]
+    body["nodes"] = [first, *doubles, {**returned, "args": [{"tuple": [{"node": f"mul{ops - 1}"}]}]}]
+    levels = [*hops, *[hops[-1]] * depth][:depth]
+    for hop in reversed(levels[1:]):
+        nodes = [placeholder, getter, *_calls_in_chain(call, getitem, hop, "grad_region_0", calls)]
+        nodes.append({**output, "args": [{"tuple": [{"node": "result"}]}]})
+        body = {"class_name": "grad_region_0", "nodes": nodes, "tensors": [], "submodules": [{"name": "grad_region_0", "module": body}]}
+    root["submodules"][0]["module"] = body
+    chain = _calls_in_chain(call, getitem, levels[0], "grad_region_0", root_calls)
+    root["nodes"] = [placeholder, getter, *chain, {**add, "args": [{"node": "x"}, {"node": "result"}]}, output]
+    members["program.json"] = json.dumps(program).encode()
+    return zip_of(checksummed(members))
+
+
+def called_again(data: bytes, call: str, result: str, times: int = 1) -> bytes:
+    """`data` with the root's HOP call `call` made `times` more times, each on the previous
+    result (its getitem `result`), the last of which the rest of the graph then reads: one
+    body, `1 + times` call sites."""
+
+    def edit(program):
+        nodes = program["graph_module"]["nodes"]
+        first = next(i for i, n in enumerate(nodes) if n["name"] == result)
+        last = result if times == 1 else f"{result}_again{times - 1}"
+        _replace_refs(nodes[first + 1:], result, f"{result}_again" if times == 1 else last)
+        added, value = [], result
+        for i in range(times):
+            suffix = "_again" if times == 1 else f"_again{i}"
+            added.append({**nodes[first - 1], "name": f"{call}{suffix}", "args": [*nodes[first - 1]["args"][:-1], {"node": value}]})
+            added.append({**nodes[first], "name": f"{result}{suffix}", "args": [{"node": f"{call}{suffix}"}, 0]})
+            value = f"{result}{suffix}"
+        nodes[first + 1:first + 1] = added
+
+    return edited(data, edit)
+
+
+def region_holding(data: bytes, tensors: int, sites: int) -> bytes:
+    """`data` (the `graph_tensors` program) with its region's body holding `tensors` more
+    tensors (read, unused), called from `1 + sites` sites: lifting passes each tensor at each call."""
+    import safetensors.torch
+
+    members = members_of(data)
+    program = json.loads(members["program.json"])
+    body = program["graph_module"]["submodules"][0]["module"]
+    held = safetensors.torch.load(members["graph.safetensors"])
+    record = program["tensors"]["graph"]["grad_region_0._tensor_constant0"]
+    getter = next(n for n in body["nodes"] if n["op"] == "get_attr")
+    for i in range(tensors):
+        body["tensors"].append({"name": f"t{i}", "persistent": True})
+        body["nodes"].insert(1, {**getter, "name": f"t{i}", "target": f"t{i}"})
+        held[f"grad_region_0.t{i}"] = torch.ones(2)
+        program["tensors"]["graph"][f"grad_region_0.t{i}"] = record
+    members.update({"program.json": json.dumps(program).encode(), "graph.safetensors": safetensors.torch.save(held)})
+    return called_again(zip_of(checksummed(members)), "wrap_with_set_grad_enabled", "add", sites)
+
+
+def call_site_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    """Calls that multiply what `module()` and `to_torch()` build (Note [Calls of one subgraph]
+    in predispatch/serialize/verify.py)."""
+    regions = bases["regions"]
+    yield Attack("call_sites", "a shared body calling a shared body", region_dag(regions, 3, hops=("invoke_subgraph",)),
+                 ("graph module grad_region_0, node call0", "calls a shared body itself"))
+    yield Attack("call_sites", "a 200-op shared body called 200 times",
+                 region_dag(regions, 1, root_calls=200, hops=("invoke_subgraph",), ops=200),
+                 ("graph module grad_region_0: its calls add 40400 nodes", "times the 606 nodes and tensors the file holds"))
+    yield Attack("call_sites", "a region holding 400 tensors called from 301 sites", region_holding(bases["graph_tensors"], 400, 300),
+                 ("graph module grad_region_0: its calls add 120701 nodes", "times the 1418 nodes and tensors the file holds"))
 
 
 # --------------------------------------------------------------------------- kernels (issue 21)
@@ -973,6 +1078,7 @@ ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[A
     "function_structure": function_structure_attacks,
     "kernels": kernel_attacks,
     "sizes": size_attacks,
+    "call_sites": call_site_attacks,
 }
 
 

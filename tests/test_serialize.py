@@ -926,7 +926,7 @@ ROOT = os.path.dirname(TESTS)
 ATTACK_CLASSES = (
     "io", "unsafe_constructor", "mutable", "global_state", "uninitialised", "output_type_lie",
     "hop_operand_lie", "duplicate_key", "compression_bomb", "registration", "names",
-    "function_structure", "kernels", "classes", "sizes",
+    "function_structure", "kernels", "classes", "sizes", "call_sites",
 )
 
 

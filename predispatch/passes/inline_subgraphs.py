@@ -13,7 +13,8 @@ After (the body's nodes copied in place of each call, as the inline trace would 
 For consumers that need one flat graph (PT2E quantization does not recurse into HOP bodies;
 `ep.module()` runs the flat graph, since torch's eager `invoke_subgraph` differentiates its body
 only under a fake mode).  Subgraphs the bodies hold (regions, captured Functions) are installed
-on the outer module under fresh names.  Precondition: none; postcondition: no
+on the outer module under a fresh name each, which every inlined call reads (Note [Each region
+body once] in passes/lift_constants.py).  Precondition: none; postcondition: no
 `invoke_subgraph` node in `gm`'s graph, and no body left on `gm`.
 """
 
@@ -52,8 +53,9 @@ def _inline_calls(gm: fx.GraphModule) -> None:
     if not calls:
         return
     names = {node.args[0].target for node in calls}
+    installed: dict[int, str] = {}  # what a body holds -> its name on `gm`: one name for all calls
     for node in calls:
-        _inline(gm, node)
+        _inline(gm, node, installed)
     for name in names:
         for getter in gm.graph.find_nodes(op="get_attr", target=name):
             gm.graph.erase_node(getter)
@@ -62,14 +64,18 @@ def _inline_calls(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
+def _inline(gm: fx.GraphModule, node: fx.Node, installed: dict[int, str]) -> None:
+    """Copy the body's nodes in place of `node`; what the body holds (its regions, tensors) is
+    installed on `gm` once, under one fresh name that every inlined call reads."""
     body: fx.GraphModule = getattr(gm, node.args[0].target)
     env = dict(zip(body.graph.find_nodes(op="placeholder"), node.args[2:]))
     with gm.graph.inserting_before(node):
         for attr in body.graph.find_nodes(op="get_attr"):
-            name = _fresh(gm, attr.target)
-            setattr(gm, name, getattr(body, attr.target))
-            env[attr] = gm.graph.get_attr(name)
+            value = getattr(body, attr.target)
+            if id(value) not in installed:
+                installed[id(value)] = _fresh(gm, attr.target)
+                setattr(gm, installed[id(value)], value)
+            env[attr] = gm.graph.get_attr(installed[id(value)])
         outputs = gm.graph.graph_copy(body.graph, env)
     for user in list(node.users):
         assert user.target is operator.getitem, user

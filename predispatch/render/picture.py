@@ -28,8 +28,10 @@ Rules, generic over higher-order ops:
   node arguments after the last subgraph) is drawn *inline*: its placeholders are the outer
   values and the call's `getitem`s are its outputs.  Otherwise its placeholders and outputs
   are drawn as small nodes inside its cluster, and the call itself is a node.
-- A shared body (`invoke_subgraph`, a repeated block) is drawn once, at its first call, in a
-  cluster labelled with how many calls share it; every later call is one CALL node.
+- Every subgraph is drawn once, at its first call; every later call of it is one CALL node
+  (a HOP call some of whose subgraphs were drawn before shows those as CALL nodes in its
+  cluster).  A shared body (`invoke_subgraph`, a repeated block) is labelled with how many
+  calls share it.
 - `getitem` of an ordinary multi-output op (`unbind`) is not a node: its edges carry `[i]`.
 - Graph outputs are nodes; a mutation output gets a WRITE_BACK edge to the input it updates.
 """
@@ -39,6 +41,7 @@ from __future__ import annotations
 import enum
 import operator
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -189,7 +192,8 @@ class _Builder:
     nodes: list[PictureNode] = field(default_factory=list)
     edges: list[PictureEdge] = field(default_factory=list)
     clusters: list[Cluster] = field(default_factory=list)
-    drawn_bodies: set[int] = field(default_factory=set)  # ids of shared bodies already drawn
+    drawn_bodies: set[int] = field(default_factory=set)  # ids of subgraphs already drawn
+    invoke_calls: Counter[int] | None = None  # id of a shared body -> its `invoke_subgraph` calls
 
     # ---- top level: inputs and outputs from the signature
     def walk_top(self, gm: fx.GraphModule) -> None:
@@ -242,23 +246,28 @@ class _Builder:
         return nid
 
     def _hop(self, gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], parent: str | None) -> Any:
-        """Draw a HOP call as a cluster holding its subgraphs; see the module docstring."""
+        """Draw a HOP call as a cluster holding its subgraphs; see the module docstring.  Each
+        subgraph is drawn once, at its first call (Note [Each region body once] in
+        passes/lift_constants.py): a body called twice at every level of a nest would otherwise
+        be drawn 2^depth times."""
         subgraphs = [a for _, a in _subgraph_args(gm, node)]
         last = max(i for i, _ in _subgraph_args(gm, node))
         operands = [env.get(a) for a in node.args[last + 1 :] if isinstance(a, fx.Node)]
-        if node.target is _INVOKE_SUBGRAPH:
-            body = _attr(gm, subgraphs[0])
-            if id(body) in self.drawn_bodies:  # a shared body is drawn once, at its first call
-                return self._call_node(node, operands, parent, f"calls {subgraphs[0].target}, drawn at its first call")
-            self.drawn_bodies.add(id(body))
+        bodies = [_attr(gm, a) for a in subgraphs]
+        if all(id(body) in self.drawn_bodies for body in bodies):
+            names = ", ".join(a.target for a in subgraphs)
+            return self._call_node(node, operands, parent, f"calls {names}, drawn at its first call")
         label, kind, roles = _hop_label(node, [a.target for a in subgraphs])
         if node.target is _INVOKE_SUBGRAPH:
-            label = f"{label} (shared by {_calls_of(self.ep.graph_module, _attr(gm, subgraphs[0]))} calls)"
+            label = f"{label} (shared by {self._calls_of(bodies[0])} calls)"
         hop_cluster = self._cluster(label, kind, ", ".join(a.target for a in subgraphs), parent)
         inline_outputs, walked = None, []
-        for attr_node, role in zip(subgraphs, roles):
-            sub = _attr(gm, attr_node)
+        for attr_node, role, sub in zip(subgraphs, roles, bodies):
             here = hop_cluster if len(subgraphs) == 1 else self._cluster(role, ClusterKind.SUBGRAPH, attr_node.target, hop_cluster)
+            if id(sub) in self.drawn_bodies:
+                self._add(attr_node.target, NodeKind.CALL, "", "", here, "drawn at its first call")
+                continue
+            self.drawn_bodies.add(id(sub))
             placeholders = list(sub.graph.find_nodes(op="placeholder"))
             mapped = len(placeholders) == len(operands)
             sub_env = dict(zip(placeholders, operands)) if mapped else {
@@ -277,6 +286,13 @@ class _Builder:
         if inline_outputs is not None:
             return inline_outputs
         return self._call_node(node, operands, hop_cluster)
+
+    def _calls_of(self, body: fx.GraphModule) -> int:
+        """How many `invoke_subgraph` calls, in the graph and its subgraphs, run `body` (all
+        counted in one walk, at the first question)."""
+        if self.invoke_calls is None:
+            self.invoke_calls = _invoke_calls(self.ep.graph_module)
+        return self.invoke_calls[id(body)]
 
     def _call_node(self, node: fx.Node, operands: list[Any], cluster: str | None, note: str = "") -> _Ref:
         call = self._add(node.name, NodeKind.CALL, _target_name(node.target), "", cluster, note)
@@ -370,14 +386,13 @@ def _hop_label(node: fx.Node, attrs: list[str]) -> tuple[str, ClusterKind, list[
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
 
-def _calls_of(root: fx.GraphModule, body: fx.GraphModule) -> int:
-    """How many `invoke_subgraph` calls, in the graph and its subgraphs, run `body`."""
-    return sum(
-        1
+def _invoke_calls(root: fx.GraphModule) -> Counter[int]:
+    """How many `invoke_subgraph` calls, in the graph and its subgraphs, run each body (by id)."""
+    return Counter(
+        id(_attr(gm, node.args[0]))
         for gm in root.modules()
         if isinstance(gm, fx.GraphModule)
         for node in gm.graph.find_nodes(op="call_function", target=_INVOKE_SUBGRAPH)
-        if _attr(gm, node.args[0]) is body
     )
 
 

@@ -36,7 +36,7 @@ from torch import fx, nn
 from predispatch import _torch_internals as ti
 from predispatch.frontend.reachable import in_tree
 from predispatch.passes import inline_subgraphs
-from predispatch.passes.lift_constants import attribute, hop_body, lift_from_subgraph
+from predispatch.passes.lift_constants import ConstantLifter, attribute, hop_body
 from predispatch.runtime import runner
 from predispatch.runtime.names import argument_names
 from predispatch.runtime.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
@@ -60,11 +60,11 @@ def module_of(ep: Program) -> ProgramModule:
     state = _unlift_state(graph, sig, placeholders[:n_state], ep.live_root, layouts)
     plans = plan_writes(ep.graph_module, sig)
     _write_back_and_return(graph, sig, state, by_name, plans, layouts)
-    bodies = _region_bodies(source)
+    bodies, lifter = _region_bodies(source), ConstantLifter()
     for gm in list(source.modules()):
         if isinstance(gm, fx.GraphModule):
             if id(gm) not in bodies:  # a region body's constants are lifted with its caller's
-                _lift_region_constants(gm)
+                _lift_region_constants(gm, lifter)
             _call_functions_through_runner(gm)
             guard_kernel_shapes(gm)
     graph._codegen = ti.PyTreeCodeGen(ti.PyTreeInfo(argument_names(sig.in_spec, sig.arg_names), sig.in_spec, sig.out_spec))
@@ -261,8 +261,8 @@ def _read_written_targets_through_runner(graph: fx.Graph, targets: tuple[fx.Node
 
 def _region_bodies(source: fx.GraphModule) -> set[int]:
     """The ids of every graph module that is a region's body: `_lift_region_constants` of the
-    graph calling it lifts its constants (and its own bodies') already, so walking it again
-    would only cost a copy per level (cubic in depth: Note [Load cost] in serialize/graph.py)."""
+    graph calling it lifts its constants (and its own bodies') already (Note [Each region body
+    once] in passes/lift_constants.py)."""
     return {
         id(attribute(gm, body.target))
         for gm in source.modules() if isinstance(gm, fx.GraphModule)
@@ -270,23 +270,35 @@ def _region_bodies(source: fx.GraphModule) -> set[int]:
     }
 
 
-def _lift_region_constants(gm: fx.GraphModule) -> None:
+def _lift_region_constants(gm: fx.GraphModule, lifter: ConstantLifter) -> None:
     """Tensors a grad-mode or autocast region's body creates become operands of its HOP call, read
     by `gm` (as `to_torch` lifts them): Dynamo refuses a region body that reads anything but its
-    operands ("wrap_with_set_grad_enabled expects no freevars")."""
+    operands ("wrap_with_set_grad_enabled expects no freevars").  Every call of a body passes
+    them (Note [Each region body once] in passes/lift_constants.py)."""
+    names: dict[str, str] = {}  # lifted path -> the buffer of `gm` holding it
     for node in list(gm.graph.nodes):
         body = hop_body(node)
         if body is None:
             continue
-        lifted = lift_from_subgraph(attribute(gm, body.target), body.target)
         operands = []
-        for path, tensor, meta in lifted:
-            name = "_lifted_" + path.replace(".", "_")
-            gm.register_buffer(name, tensor)  # a graph constant, wrapped by `_install_constants`
+        for path, tensor, meta in lifter.lift(attribute(gm, body.target), body.target):
+            if path not in names:
+                names[path] = _fresh_attribute(gm, "_lifted_" + path.replace(".", "_"))
+                gm.register_buffer(names[path], tensor)  # a graph constant, wrapped by `_install_constants`
             with gm.graph.inserting_before(node):
-                operands.append(gm.graph.get_attr(name))
+                operands.append(gm.graph.get_attr(names[path]))
             operands[-1].meta = dict(meta)
         node.args = (*node.args, *operands)
+
+
+def _fresh_attribute(gm: fx.GraphModule, base: str) -> str:
+    """`base`, or `base_1`, ... where `gm` has an attribute of that name already (two paths can
+    flatten to one name: `a_b.c` and `a.b_c`)."""
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
 
 
 def _call_functions_through_runner(gm: fx.GraphModule) -> None:
@@ -349,19 +361,18 @@ def _install_constants(gm: fx.GraphModule, *, top: bool) -> None:
     """A tensor the trace created (`_tensor_constant0`, a buffer of the graph) is held by a
     `GraphConstant` and read through it: it is neither state (so `state_dict()` keys stay the
     original module's) nor a tensor attribute a re-export would lift."""
-    moved: dict[str, str] = {}
+    moved: dict[str, str] = {}  # a tensor's target -> its GraphConstant's name (one for all reads)
     for node in list(gm.graph.find_nodes(op="get_attr")):
-        if top and not _is_graph_attr(gm, node.target):
-            continue  # unlifted state, installed on the module
-        value = attribute(gm, node.target)
-        if not isinstance(value, torch.Tensor):
-            continue
         if node.target not in moved:
-            moved[node.target] = name = f"_constant_{node.target.replace('.', '_').lstrip('_')}"
-            wrapped = GraphConstant(value)
+            if top and not _is_graph_attr(gm, node.target):
+                continue  # unlifted state, installed on the module
+            value = attribute(gm, node.target)
+            if not isinstance(value, torch.Tensor):
+                continue
+            moved[node.target] = name = _fresh_attribute(gm, f"_constant_{node.target.replace('.', '_').lstrip('_')}")
             with contextlib.suppress(AttributeError):
                 delattr(gm, node.target)
-            gm.__dict__[name] = wrapped
+            gm.__dict__[name] = GraphConstant(value)
         node.target = moved[node.target]
         with gm.graph.inserting_after(node):
             read = gm.graph.call_function(getattr, (node, "tensor"))

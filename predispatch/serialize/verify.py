@@ -16,6 +16,9 @@ What it checks, each from a table so that a new op family, HOP or output kind is
   for the few plain functions a graph may call;
 - structure: placeholders first, one output last, `get_attr` naming what the module holds,
   no `call_module` / `call_method`;
+- calls: no shared body calls a shared body, and (stored) what calls add when `module()`
+  inlines shared bodies and lifts regions' tensors stays within `MAX_CALL_EXPANSION` times the
+  file (Note [Calls of one subgraph]), checked in one walk before anything is checked per call;
 - the signature: placeholders are the signature's inputs, state placeholders carry their
   stored tensor's dtype and shape, and every output is a node whose value is what its
   `OutputKind` says (`OUTPUT_RULES`): a tensor where a tensor is promised, a mutation with
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +50,7 @@ from predispatch.serialize.op_allowlist import decide
 from predispatch.signature import MUTATION_KINDS, ExportSignature, InputKind, Program, state_names
 
 __all__ = [
-    "HOP_CONVENTIONS", "OUTPUT_RULES", "PYTHON_CALLABLES", "HopConvention", "Problem", "custom_namespaces",
+    "HOP_CONVENTIONS", "MAX_CALL_EXPANSION", "OUTPUT_RULES", "PYTHON_CALLABLES", "HopConvention", "Problem", "custom_namespaces",
     "graph_problems", "program_problems", "stored_tensor_problems", "verify_program", "verifying",
 ]
 
@@ -143,7 +147,8 @@ class HopConvention:
         scanned inputs, additional inputs); every body takes all of them, in order.
     inner_op: index in `leading` of an op the HOP calls (`with_effects`), itself checked.
     structure: further checks of how its subgraphs fit together (`autograd_function_apply`:
-        what forward returns, what backward takes and returns), yielding why not.
+        what forward returns, what backward takes and returns), given each subgraph's
+        placeholder count by id (counted once: Note [Calls of one subgraph]), yielding why not.
     reason: why programs hold this HOP.
     """
 
@@ -154,7 +159,7 @@ class HopConvention:
     bodies: tuple[int, ...] = ()
     packed: int = 0
     inner_op: int | None = None
-    structure: Callable[[fx.Node, fx.GraphModule], Iterator[str]] | None = None
+    structure: Callable[[fx.Node, fx.GraphModule, Mapping[int, int]], Iterator[str]] | None = None
 
 
 def _returned(gm: Any) -> Any:
@@ -163,7 +168,7 @@ def _returned(gm: Any) -> Any:
     return outputs[0].args[0] if len(outputs) == 1 and outputs[0].args else None
 
 
-def _function_structure(node: fx.Node, gm: fx.GraphModule) -> Iterator[str]:
+def _function_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int]) -> Iterator[str]:
     """An `autograd_function_apply`'s pair of graphs fit: forward returns `((*outputs),
     (*saved))`; backward takes one gradient per output, then the saved values, and returns one
     gradient (or None) per operand; the index lists point into outputs and saved values.
@@ -176,7 +181,7 @@ def _function_structure(node: fx.Node, gm: fx.GraphModule) -> Iterator[str]:
         yield f"its forward {node.args[0].target!r} must return ((*outputs), (*saved)), not {_describe(returned)}"
         return
     outputs, saved = map(len, returned)
-    takes = len(bwd.graph.find_nodes(op="placeholder"))
+    takes = _arity(bwd, arities)
     if takes != outputs + saved:
         yield f"its backward {node.args[1].target!r} takes {takes} values; forward gives {outputs} gradients and {saved} saved values"
     grads, operands = _returned(bwd), len(node.args) - 2
@@ -188,7 +193,7 @@ def _function_structure(node: fx.Node, gm: fx.GraphModule) -> Iterator[str]:
             yield f"keyword {key!r} is {list(indices)}: distinct indices below {count} expected"
 
 
-def _flex_structure(node: fx.Node, gm: fx.GraphModule) -> Iterator[str]:
+def _flex_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int]) -> Iterator[str]:
     """flex_attention's subgraphs take what the HOP passes them: score_mod the score and four
     indices, then the score_mod's captured tensors (argument 7); mask_mod (the block mask's last
     entry) four indices, then the mask_mod's (argument 8).  Without this a crafted file loads and
@@ -202,7 +207,7 @@ def _flex_structure(node: fx.Node, gm: fx.GraphModule) -> Iterator[str]:
         held = _held(gm, body.target) if _is_subgraph(body, gm) else None
         if held is None:
             continue  # reported by the argument kinds
-        takes = len(held.graph.find_nodes(op="placeholder"))
+        takes = _arity(held, arities)
         if takes != fixed + len(captured):
             yield (f"its {name} {body.target!r} takes {takes} values; flex_attention passes {fixed} and "
                    f"{len(captured)} captured tensor(s)")
@@ -243,7 +248,9 @@ HOP_CONVENTIONS: dict[str, HopConvention] = {
 }
 
 
-def _hop_problems(node: fx.Node, gm: fx.GraphModule, convention: HopConvention, namespaces: tuple[str, ...], stored: bool) -> Iterator[str]:
+def _hop_problems(
+    node: fx.Node, gm: fx.GraphModule, convention: HopConvention, namespaces: tuple[str, ...], stored: bool, arities: Mapping[int, int],
+) -> Iterator[str]:
     args, name = node.args, node.target.name()
     if len(args) < len(convention.leading):
         yield f"{name} takes {len(convention.leading)} leading arguments ({', '.join(convention.leading)}), given {len(args)}"
@@ -268,11 +275,11 @@ def _hop_problems(node: fx.Node, gm: fx.GraphModule, convention: HopConvention, 
             yield f"{name} keyword {key!r} must be {_kind_text(kind)}, not {_describe(node.kwargs[key])}"
     for index in convention.bodies:
         if _is_subgraph(args[index], gm):
-            arity = len(_held(gm, args[index].target).graph.find_nodes(op="placeholder"))
+            arity = _arity(_held(gm, args[index].target), arities)
             if arity != len(operands):
                 yield f"{name} passes {len(operands)} operands to subgraph {args[index].target!r}, which takes {arity}"
     if convention.structure is not None:
-        yield from convention.structure(node, gm)
+        yield from convention.structure(node, gm, arities)
     if convention.inner_op is not None and isinstance(args[convention.inner_op], torch._ops.OpOverload):
         decision = decide(args[convention.inner_op], namespaces, stored=stored)
         if not decision.allowed:
@@ -324,6 +331,7 @@ PYTHON_CALLABLES: dict[Callable[..., Any], tuple[Callable[[fx.Node], bool], str]
 
 
 _NODE_OPS = ("placeholder", "get_attr", "call_function", "output")
+_INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
 
 def _held(gm: nn.Module, target: str) -> Any:
@@ -358,20 +366,119 @@ def _opaque(gm: nn.Module, target: str, stored: bool) -> bool:
 #: at most this deep (Note [Load cost] in serialize/graph.py; docs/format.md states it).
 MAX_SUBGRAPH_DEPTH = 32
 
+#: How much a file's calls may expand it (Note [Calls of one subgraph]): what `ep.module()` and
+#: `to_torch()` add at calls, at most this many times the nodes and tensors the file holds.
+#: Programs export makes expand 2-10 times (a decoder layer's body, a few dozen ops, inlined at
+#: each of dozens of layers, whose parameters and calls the file holds too).
+MAX_CALL_EXPANSION = 64
+
+
+# Note [Calls of one subgraph]
+# ----------------------------
+# A file holds each subgraph once, but its graphs may call one subgraph from many sites, and a
+# body may call its child twice at every level of a nest: a file linear in its depth whose call
+# paths number 2^depth.  Every walk that follows calls does each body once (Note [Each region
+# body once] in passes/lift_constants.py), and the verifier counts each subgraph's
+# placeholders once, so those cost what the file costs.  Two things are done at each call, and
+# they are what a stored program bounds:
+# - inlining: `ep.module()` and `to_torch()` copy a shared body's nodes into its caller at each
+#   `invoke_subgraph` call (torch's eager `invoke_subgraph` cannot differentiate);
+# - lifting: each call of a region passes the tensors its body (and the bodies it calls) holds
+#   as operands, a node each.
+# Their sum over all calls, the expansion, is at most MAX_CALL_EXPANSION times the nodes and
+# tensors of the file.  And no shared body calls a shared body itself (`invoke_subgraph` in its
+# own graph): export never writes one (it traces a repeated block's inner blocks inline, and
+# torch's own `invoke_subgraph` flattens nested regions too); copied, such a body still called
+# torch's eager `invoke_subgraph`, and every backward raised "fake_mode should be enabled for
+# HOPs"; inlined all the way, nested bodies would multiply.  A shared body may hold a region
+# that calls shared bodies: that region is one module, inlined once.
+
+
+@dataclass(frozen=True)
+class _Calls:
+    """What one walk over a program's graph modules finds about their calls (by module id)."""
+
+    paths: Mapping[int, str]  # each graph module's path
+    arities: Mapping[int, int]  # each graph module's placeholders
+    problems: tuple[Problem, ...]  # nested shared bodies, and too much expansion (stored programs)
+
+
+def _calls(gm: fx.GraphModule, stored: bool) -> _Calls:
+    """The calls of every subgraph of `gm`, counted in one walk (Note [Calls of one subgraph])."""
+    modules = [(path or "<root>", m) for path, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
+    paths = {id(m): path for path, m in modules}
+    arities = {id(m): len(m.graph.find_nodes(op="placeholder")) for _, m in modules}
+    held = {id(m): len(m._parameters) + len(m._buffers) for _, m in modules}
+    below = _tensors_below(gm, held)
+    calling = {id(m): calls[0] for _, m in modules if (calls := m.graph.find_nodes(op="call_function", target=_INVOKE_SUBGRAPH))}
+    expansion: Counter[int] = Counter()  # a subgraph -> what its calls add
+    nested: dict[int, str] = {}  # a shared body calling shared bodies -> its first caller
+    for path, module in modules:
+        for node in module.graph.nodes:
+            for arg in node.all_input_nodes if node.op == "call_function" else ():
+                sub = _held(module, arg.target) if arg.op == "get_attr" else None
+                if not isinstance(sub, fx.GraphModule):
+                    continue
+                invoked = node.target is _INVOKE_SUBGRAPH and arg is node.args[0]
+                expansion[id(sub)] += below.get(id(sub), 0) + (len(sub.graph.nodes) if invoked else 0)
+                if invoked and id(sub) in calling:
+                    nested.setdefault(id(sub), f"{path}'s node {node.name}")
+    problems = [
+        Problem(f"graph module {paths[body]}, node {calling[body].name}",
+                f"a shared body (invoke_subgraph, called by {caller}) calls a shared body itself; a file holds no nested shared "
+                "bodies: export never writes them (Note [Calls of one subgraph] in predispatch/serialize/verify.py)")
+        for body, caller in nested.items()
+    ]
+    total = sum(len(m.graph.nodes) for _, m in modules) + sum(held.values())
+    if stored and sum(expansion.values()) > MAX_CALL_EXPANSION * total:
+        body, most = expansion.most_common(1)[0]
+        problems.append(Problem(
+            f"graph module {paths.get(body, '?')}",
+            f"its calls add {most} nodes (copies of a shared body, a region's tensors passed), and all calls {sum(expansion.values())}: "
+            f"more than {MAX_CALL_EXPANSION} times the {total} nodes and tensors the file holds (Note [Calls of one subgraph] in "
+            "predispatch/serialize/verify.py); export with dedup=False to save repeated blocks inline",
+        ))
+    return _Calls(paths, arities, tuple(problems))
+
+
+def _tensors_below(gm: nn.Module, held: Mapping[int, int]) -> dict[int, int]:
+    """For each graph module, the tensors it and the modules under it hold: what lifting may
+    pass at each call of it (an upper bound: Note [Calls of one subgraph])."""
+    below: dict[int, int] = {}
+
+    def count(module: nn.Module) -> int:
+        if id(module) not in below:
+            below[id(module)] = held.get(id(module), 0) + sum(count(child) for child in module.children())
+        return below[id(module)]
+
+    count(gm)
+    return below
+
+
+def _arity(gm: Any, arities: Mapping[int, int]) -> int:
+    """A subgraph's placeholders, counted once per verification (a call site counting them
+    again would cost the subgraph's size at each of its calls)."""
+    return arities[id(gm)] if id(gm) in arities else len(gm.graph.find_nodes(op="placeholder"))
+
 
 def graph_problems(
     gm: fx.GraphModule, *, op_namespaces: tuple[str, ...] = (), stored: bool = False, path: str = "",
-    callers: BodyCalls | FunctionPair | None = None,
+    callers: BodyCalls | FunctionPair | None = None, calls: _Calls | None = None,
 ) -> list[Problem]:
     """Problems of one graph module and of every module it holds (its subgraphs; `callers`: this
     one's calls when only `invoke_subgraph` calls it, or its forward when it is the backward of
-    one `autograd_function_apply` pair, for Note [Kernels that trust their inputs])."""
+    one `autograd_function_apply` pair, for Note [Kernels that trust their inputs]; `calls`:
+    what the outermost call found about all calls, Note [Calls of one subgraph])."""
     where = f"graph module {path or '<root>'}"
     if stored and path and path.count(".") + 1 > MAX_SUBGRAPH_DEPTH:
         return [Problem(where, f"subgraphs nest more than {MAX_SUBGRAPH_DEPTH} deep, the most a file holds")]
+    if calls is None:
+        calls = _calls(gm, stored)
+        if calls.problems:
+            return list(calls.problems)  # before any check per call: Note [Calls of one subgraph]
     problems = [
         Problem(f"{where}, node {node.name}", why)
-        for node in gm.graph.nodes for why in _node_problems(node, gm, op_namespaces, stored, not path, callers)
+        for node in gm.graph.nodes for why in _node_problems(node, gm, op_namespaces, stored, not path, callers, calls.arities)
     ]
     kinds = [node.op for node in gm.graph.nodes]
     placeholders = kinds.count("placeholder")
@@ -382,7 +489,9 @@ def graph_problems(
         if not isinstance(child, fx.GraphModule):
             problems.append(Problem(where, f"holds {name!r}, a {type(child).__name__}; a program holds only graph modules"))
         else:
-            problems += graph_problems(child, op_namespaces=op_namespaces, stored=stored, path=child_path, callers=callers_of(gm, name))
+            problems += graph_problems(
+                child, op_namespaces=op_namespaces, stored=stored, path=child_path, callers=callers_of(gm, name), calls=calls,
+            )
     if stored:
         for name, tensor in (*gm._parameters.items(), *gm._buffers.items()):
             problems += [Problem(f"{where}, tensor {name}", why) for why in stored_tensor_problems(tensor)]
@@ -391,21 +500,21 @@ def graph_problems(
 
 def _node_problems(
     node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool = True,
-    callers: BodyCalls | FunctionPair | None = None,
+    callers: BodyCalls | FunctionPair | None = None, arities: Mapping[int, int] | None = None,
 ) -> Iterator[str]:
     if node.op not in _NODE_OPS:
         yield f"a {node.op} node; programs hold only {', '.join(_NODE_OPS)}"
     elif node.op == "get_attr" and _held(gm, node.target) is None and not _opaque(gm, node.target, stored):
         yield f"get_attr {node.target!r} names nothing the module holds"
     elif node.op == "call_function":
-        yield from _call_problems(node, gm, namespaces, stored, root, callers)
+        yield from _call_problems(node, gm, namespaces, stored, root, callers, arities)
     if stored and "val" in node.meta:
         yield from _meta_problems(node.meta["val"])
 
 
 def _call_problems(
     node: fx.Node, gm: fx.GraphModule, namespaces: tuple[str, ...], stored: bool, root: bool,
-    callers: BodyCalls | FunctionPair | None = None,
+    callers: BodyCalls | FunctionPair | None = None, arities: Mapping[int, int] | None = None,
 ) -> Iterator[str]:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
@@ -421,7 +530,7 @@ def _call_problems(
         if convention is None:
             yield f"calls the higher-order op {target.name()}, which programs do not hold (known: {', '.join(sorted(HOP_CONVENTIONS))})"
         else:
-            yield from _hop_problems(node, gm, convention, namespaces, stored)
+            yield from _hop_problems(node, gm, convention, namespaces, stored, arities or {})
     elif _hashable(target) and target in PYTHON_CALLABLES:
         check, _ = PYTHON_CALLABLES[target]
         if not check(node):

@@ -69,7 +69,7 @@ from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 from predispatch import _torch_internals as ti
 from predispatch.errors import NotRepresentableError
 from predispatch.frontend.inputs import unique_identifier
-from predispatch.passes.lift_constants import TORCH_HOPS, attribute, hop_body, lift_from_subgraph
+from predispatch.passes.lift_constants import TORCH_HOPS, ConstantLifter, attribute, hop_body
 from predispatch.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, OutputKind, OutputSpec, Program
 from predispatch.passes import inlined_copy
 from predispatch.passes.kernel_shapes import pin_kernel_shapes
@@ -236,6 +236,7 @@ def _unrepresentable(ep: Program) -> list[str]:
     for leaf in (*sig.input_leaves, *sig.output_leaves):
         if not leaf.is_tensor and type(leaf.value) not in _CONSTANT_TYPES:
             problems.append(f"{leaf.path} is a constant {type(leaf.value).__name__}; torch holds int, float, bool, str or None")
+    holding: dict[int, bool] = {}  # subgraph id -> whether it or a subgraph in it reads a tensor attribute
     for path, module in ep.graph_module.named_modules():
         for node in module.graph.nodes if isinstance(module, fx.GraphModule) else ():
             target = node.target
@@ -244,20 +245,25 @@ def _unrepresentable(ep: Program) -> list[str]:
             where = f"node {node.name} in {path or 'the graph'} calls {target.name()}"
             if target.name() not in KEPT_HOPS:
                 problems.append(f"{where}: {REFUSED_HOPS.get(target.name(), 'torch.export does not know it')}")
-            elif _holds_tensors(module, node):
+            elif _holds_tensors(module, node, holding):
                 problems.append(f"{where}: its subgraphs hold tensors (made inside them), which to_torch cannot "
                                 f"lift into them; {_HELD_TENSORS_FIX.get(target.name(), _HELD_TENSORS_FIX[''])}")
     return problems
 
 
-def _holds_tensors(module: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether a subgraph argument of `node`, or a subgraph nested in it, reads a tensor attribute."""
+def _holds_tensors(module: fx.GraphModule, node: fx.Node, holding: dict[int, bool]) -> bool:
+    """Whether a subgraph argument of `node`, or a subgraph nested in it, reads a tensor
+    attribute; each subgraph looked at once, however many calls name it (`holding`)."""
     subgraphs = [attribute(module, a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
-    return any(
-        isinstance(attribute(inner, n.target), torch.Tensor)
-        for sub in subgraphs for inner in sub.modules() if isinstance(inner, fx.GraphModule)
-        for n in inner.graph.find_nodes(op="get_attr")
-    )
+    return any(_reads_tensors(sub, holding) for sub in subgraphs if isinstance(sub, fx.GraphModule))
+
+
+def _reads_tensors(gm: fx.GraphModule, holding: dict[int, bool]) -> bool:
+    if id(gm) not in holding:
+        holding[id(gm)] = any(isinstance(attribute(gm, n.target), torch.Tensor) for n in gm.graph.find_nodes(op="get_attr")) or any(
+            _reads_tensors(child, holding) for child in gm.children() if isinstance(child, fx.GraphModule)
+        )
+    return holding[id(gm)]
 
 
 def _range_constraints(graph: fx.Graph) -> dict:
@@ -301,6 +307,7 @@ class _TorchGraph:
         self.root: dict[str, Any] = {}
         self._env: dict[fx.Node, fx.Node] = {}
         self._operands: dict[str, list[fx.Node]] = {}  # per subgraph: its lifted tensors' placeholders
+        self.lifter = ConstantLifter()
         self._taken = {node.name for node in ep.graph.nodes}
         mutated = {s.target for s in ep.signature.outputs_of(OutputKind.BUFFER_MUTATION)}
         placeholders = ep.graph.find_nodes(op="placeholder")
@@ -336,19 +343,31 @@ class _TorchGraph:
         """Tensors a graph reads by get_attr become CONSTANT_TENSOR inputs, as torch lifts them:
         its verifier allows only subgraphs as top-level attributes, and `run_decompositions`
         expects no tensor inside a subgraph.  A region's tensors reach it as extra operands of
-        its HOP call (`lift_from_subgraph`)."""
+        its HOP call (`ConstantLifter`), each body once (Note [Each region body once] in
+        passes/lift_constants.py); a subgraph read by several get_attr nodes is copied once."""
+        inputs: dict[str, fx.Node] = {}  # a tensor read by several get_attr nodes is one input
         for node in self.ep.graph.find_nodes(op="get_attr"):
             value = attribute(self.ep.graph_module, node.target)
             if isinstance(value, torch.Tensor):
-                self._env[node] = self._constant_input(node.target, value, node.meta)
+                if node.target not in inputs:
+                    inputs[node.target] = self._constant_input(node.target, value, node.meta)
+                self._env[node] = inputs[node.target]
+                continue
+            if node.target in self.root:
                 continue
             subgraph = copy.deepcopy(value)  # a copy, so torch's passes cannot change ep's
             self.root[node.target] = subgraph
-            lifted = lift_from_subgraph(subgraph, node.target)
+            lifted = self.lifter.lift(subgraph, node.target)
             # flat targets: torch's module() installs each constant as an attribute at its target
             self._operands[node.target] = [self._constant_input(p.replace(".", "_"), t, m) for p, t, m in lifted]
 
     def _constant_input(self, target: str, tensor: torch.Tensor, meta: dict) -> fx.Node:
+        """A CONSTANT_TENSOR input holding a copy of `tensor` at `target`, or at `target_1`, ...
+        where that is taken (two lifted paths can flatten to one: `a_b.c` and `a.b_c`)."""
+        base, i = target, 0
+        while target in self.constants or target in self.state_dict:
+            i += 1
+            target = f"{base}_{i}"
         placeholder = self._placeholder(unique_identifier(f"c_{target}", self._taken), meta)
         self.constants[target] = _copy(tensor)
         arg = tsig.TensorArgument(placeholder.name)
