@@ -50,7 +50,7 @@ from predispatch.serialize.op_allowlist import decide
 from predispatch.signature import MUTATION_KINDS, ExportSignature, InputKind, Program, state_names
 
 __all__ = [
-    "HOP_CONVENTIONS", "MAX_CALL_EXPANSION", "OUTPUT_RULES", "PYTHON_CALLABLES", "HopConvention", "Problem", "custom_namespaces",
+    "HOP_CONVENTIONS", "MAX_CALL_EXPANSION", "MAX_CALL_WORK", "OUTPUT_RULES", "PYTHON_CALLABLES", "HopConvention", "Problem", "custom_namespaces",
     "graph_problems", "program_problems", "stored_tensor_problems", "verify_program", "verifying",
 ]
 
@@ -371,6 +371,10 @@ MAX_SUBGRAPH_DEPTH = 32
 #: Programs export makes expand 2-10 times (a decoder layer's body, a few dozen ops, inlined at
 #: each of dozens of layers, whose parameters and calls the file holds too).
 MAX_CALL_EXPANSION = 64
+#: The nodes one call of a stored program may run beyond `MAX_CALL_EXPANSION` times the file:
+#: a 70B-shaped Llama's joint runs about 50,000; a file whose bodies call their child twice at
+#: every level of a 32-deep nest would run 2^32 (Note [Calls of one subgraph]).
+MAX_CALL_WORK = 1 << 20
 
 
 # Note [Calls of one subgraph]
@@ -386,7 +390,10 @@ MAX_CALL_EXPANSION = 64
 # - lifting: each call of a region passes the tensors its body (and the bodies it calls) holds
 #   as operands, a node each.
 # Their sum over all calls, the expansion, is at most MAX_CALL_EXPANSION times the nodes and
-# tensors of the file.  And no shared body calls a shared body itself (`invoke_subgraph` in its
+# tensors of the file.  And a call itself runs each body as often as its callers call it, so a
+# nest of bodies calling their child twice runs 2^depth nodes per call from a file linear in
+# depth: the nodes one call runs (`_work_of_a_call`, counted once per subgraph) are at most
+# MAX_CALL_EXPANSION times the file, or MAX_CALL_WORK, whichever is more.  And no shared body calls a shared body itself (`invoke_subgraph` in its
 # own graph): export never writes one (it traces a repeated block's inner blocks inline, and
 # torch's own `invoke_subgraph` flattens nested regions too); copied, such a body still called
 # torch's eager `invoke_subgraph`, and every backward raised "fake_mode should be enabled for
@@ -430,6 +437,14 @@ def _calls(gm: fx.GraphModule, stored: bool) -> _Calls:
         for body, caller in nested.items()
     ]
     total = sum(len(m.graph.nodes) for _, m in modules) + sum(held.values())
+    work = _work_of_a_call(gm)
+    if stored and work > max(MAX_CALL_EXPANSION * total, MAX_CALL_WORK):
+        problems.append(Problem(
+            "graph module <root>",
+            f"one call runs {work} nodes (each subgraph as often as its callers call it): more than {MAX_CALL_EXPANSION} "
+            f"times the {total} nodes and tensors the file holds, and more than {MAX_CALL_WORK} (Note [Calls of one "
+            "subgraph] in predispatch/serialize/verify.py); export never writes a nest of bodies calling their child twice",
+        ))
     if stored and sum(expansion.values()) > MAX_CALL_EXPANSION * total:
         body, most = expansion.most_common(1)[0]
         problems.append(Problem(
@@ -439,6 +454,28 @@ def _calls(gm: fx.GraphModule, stored: bool) -> _Calls:
             "predispatch/serialize/verify.py); export with dedup=False to save repeated blocks inline",
         ))
     return _Calls(paths, arities, tuple(problems))
+
+
+def _work_of_a_call(gm: fx.GraphModule) -> int:
+    """How many nodes one call of `gm` runs: its own, and each subgraph's as often as it is
+    called (a `cond`'s two arms both, a loop's body once: an upper bound where data decides).
+    Each subgraph is counted once and remembered, so this costs what the file holds, while the
+    count itself may be exponential in the nesting (a body calling its child twice a level)."""
+    memo: dict[int, int] = {}
+
+    def work(module: fx.GraphModule) -> int:
+        if id(module) not in memo:
+            memo[id(module)] = 0  # a subgraph holds its callees, never itself: no cycle to guard
+            total = len(module.graph.nodes)
+            for node in module.graph.nodes:
+                for arg in node.all_input_nodes if node.op == "call_function" else ():
+                    sub = _held(module, arg.target) if arg.op == "get_attr" else None
+                    if isinstance(sub, fx.GraphModule):
+                        total += work(sub)
+            memo[id(module)] = total
+        return memo[id(module)]
+
+    return work(gm)
 
 
 def _tensors_below(gm: nn.Module, held: Mapping[int, int]) -> dict[int, int]:
