@@ -152,7 +152,7 @@ class SubclassLayout:
         [Jagged nested tensors] in frontend/subclasses.py), which `unflatten` tells it as -1.
     """
 
-    cls: type
+    cls: Any  # the subclass (a type; Any: mypy knows no __tensor_flatten__ on it)
     context: Any
     inner: tuple[tuple[str, SubclassLayout | None], ...]
     size: tuple[int | None, ...]

@@ -12,10 +12,9 @@ from typing import Any
 import torch
 import torch.fx._symbolic_trace as fx_symbolic_trace
 import torch.nested._internal.nested_tensor as njt
+from torch._subclasses.fake_tensor import UnsupportedOperatorException, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import maybe_enable_thunkify
 from torch.nested._internal.nested_tensor import NestedTensor
-
-from torch._subclasses.fake_tensor import UnsupportedOperatorException
 
 from predispatch._torch_internals.functional import outside_trace
 from predispatch._torch_internals.mechanism import caller_frame, patched
@@ -75,7 +74,7 @@ _DUMMY: list[torch.Tensor] = []
 def _view_dummy() -> torch.Tensor:
     """The dispatch dummy, a meta NestedTensor made outside any trace (as torch's own is)."""
     if not _DUMMY:
-        with outside_trace(keep_decomposition_policy=False), torch._subclasses.fake_tensor.unset_fake_temporarily():
+        with outside_trace(keep_decomposition_policy=False), unset_fake_temporarily():
             values, offsets = torch.zeros(3, 3, device="meta"), torch.zeros(3, device="meta", dtype=torch.int64)
             _DUMMY.append(NestedTensor(values=values, offsets=offsets).detach())
     return _DUMMY[0]
@@ -124,7 +123,9 @@ def drop_nested_int_guards(shape_env: Any) -> int:
     (an IndexError in `produce_guards`)."""
     from torch.utils._sympy.singleton_int import SingletonInt
 
-    hints = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+    if not shape_env.guards:
+        return 0
+    hints = shape_env.backed_var_to_val if hasattr(shape_env, "backed_var_to_val") else shape_env.var_to_val
     nested = {symbol for symbol, hint in hints.items() if isinstance(hint, SingletonInt)}
     kept = [guard for guard in shape_env.guards if not guard.expr.free_symbols & nested]
     dropped = len(shape_env.guards) - len(kept)

@@ -141,7 +141,7 @@ def fake_with_dynamic_dims(
             return None
         return StrictMinMaxConstraint(vr=ValueRanges(low or 0, int_oo if high is None else high), warn_only=False)
 
-    context = StatelessSymbolicContext(
+    context: Any = StatelessSymbolicContext(
         dynamic_sizes=[DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(t.dim())],
         constraint_sizes=[constraint(d) for d in range(t.dim())],
     )

@@ -129,15 +129,15 @@ def has_own_rules(t: Any) -> bool:
     )
 
 
-def _overrides_torch(cls: type) -> bool:
+def _overrides_torch(cls: Any) -> bool:
     """Whether `cls` brings its own torch function or dispatch rules."""
     return cls.__torch_function__ is not torch.Tensor.__torch_function__ or getattr(cls, "__torch_dispatch__", None) not in (
         None, torch.Tensor.__torch_dispatch__)
 
 
-def layout_of(t: torch.Tensor, where: str) -> SubclassLayout:
+def layout_of(t: Any, where: str) -> SubclassLayout:
     """`t`'s layout (`SubclassLayout`), its parts checked: each a plain tensor or a subclass
-    that is itself taken apart; sizes static."""
+    that is itself taken apart; sizes static or computed by the class from its parts."""
     names, context = t.__tensor_flatten__()
     inner: list[tuple[str, SubclassLayout | None]] = []
     for name in names:
@@ -180,14 +180,14 @@ def _has_dynamic_parts(t: torch.Tensor, names: list[str]) -> bool:
     return any(isinstance(getattr(t, name), torch.Tensor) and ti.dynamic_dims(getattr(t, name)) for name in names)
 
 
-def _sized_by_parts(t: torch.Tensor, names: list[str], context: Any) -> bool:
+def _sized_by_parts(t: Any, names: list[str], context: Any) -> bool:
     """Whether `t`'s class computes its outer size and stride from its parts: told -1 for every
     outer size and stride (AOTAutograd's stand-in for sizes the class computes itself, Note [NJT
     outer_size in AOTDispatcher]), its `__tensor_unflatten__` rebuilds `t`'s own."""
-    unknown = (-1,) * t.dim()
+    unknown, cls = (-1,) * t.dim(), type(t)
     try:
         with ti.lazy_symbolic_sizes():
-            rebuilt = type(t).__tensor_unflatten__({name: getattr(t, name) for name in names}, context, unknown, unknown)
+            rebuilt = cls.__tensor_unflatten__({name: getattr(t, name) for name in names}, context, unknown, unknown)
     except Exception:  # noqa: BLE001 - a class that takes the sizes as given may refuse -1 any way it likes
         return False
     return ti.same_sizes(rebuilt.shape, t.shape) and ti.same_sizes(rebuilt.stride(), t.stride())
