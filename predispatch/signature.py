@@ -147,14 +147,16 @@ class SubclassLayout:
     context: what `__tensor_flatten__` returns beside the attribute names (block sizes, dtypes,
         a config); the program was traced for this context, so a call must bring an equal one.
     inner: each tensor attribute's name, with its own layout when it is a subclass too.
-    size, stride: the subclass tensor's outer size and stride.
+    size, stride: the subclass tensor's outer size and stride; None where the class computes
+        them from its parts (a jagged nested tensor's, from its values and offsets: Note
+        [Jagged nested tensors] in frontend/subclasses.py), which `unflatten` tells it as -1.
     """
 
     cls: Any  # a torch.Tensor subclass with `__tensor_flatten__` / `__tensor_unflatten__`
     context: Any
     inner: tuple[tuple[str, SubclassLayout | None], ...]
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
+    size: tuple[int | None, ...]
+    stride: tuple[int | None, ...]
 
     def __deepcopy__(self, memo: dict) -> SubclassLayout:
         """Itself: an immutable record whose class and context belong to the user's code."""
@@ -182,8 +184,9 @@ class SubclassLayout:
             return f"a {self.cls.__name__} made of {list(names)}, not {[name for name, _ in self.inner]}"
         if not same_context(context, self.context):
             return f"a {self.cls.__name__} whose flatten context is {context!r}, not {self.context!r}"
-        if tuple(t.shape) != self.size:
-            return f"a {self.cls.__name__} of size {list(t.shape)}, not {list(self.size)}"
+        if t.dim() != len(self.size) or any(e is not None and a != e for a, e in zip(t.shape, self.size)):
+            expected = ["?" if e is None else e for e in self.size]
+            return f"a {self.cls.__name__} of size {list(t.shape)}, not {expected}".replace("'?'", "?")
         for name, layout in self.inner:
             why = layout.mismatch(getattr(t, name)) if layout is not None else None
             if why is not None:
@@ -202,7 +205,13 @@ class SubclassLayout:
         """The subclass tensor made of `tensors` (an iterator or sequence in `paths()` order)."""
         it = iter(tensors)
         inner = {name: next(it) if layout is None else layout.unflatten(it) for name, layout in self.inner}
-        return self.cls.__tensor_unflatten__(inner, self.context, self.size, self.stride)
+        size, stride = (tuple(-1 if s is None else s for s in sizes) for sizes in (self.size, self.stride))
+        return self.cls.__tensor_unflatten__(inner, self.context, size, stride)
+
+    @property
+    def sized_by_parts(self) -> bool:
+        """Whether the class computes the outer size from the parts (so the parts' sizes may vary)."""
+        return bool(self.size) and all(s is None for s in self.size)
 
     def __str__(self) -> str:
         parts = ", ".join(name if layout is None else f"{name}={layout}" for name, layout in self.inner)

@@ -239,6 +239,19 @@ def evaluate(expression: SizeExpression, values: Mapping[str, int]) -> int:
     return _value(expression.tree, values)
 
 
+#: A relation's operator, as a function of its two sides' values.
+_COMPARE: dict[str, Callable[[int, int], bool]] = {
+    "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
+    "Eq": lambda a, b: a == b, "Ne": lambda a, b: a != b,
+}
+
+
+def holds(relation: SizeExpression, values: Mapping[str, int]) -> bool:
+    """Whether a relation (`parse(..., relation=True)`) is true with each symbol given its value."""
+    op, left, right = relation.tree
+    return _COMPARE[op](_value(left, values), _value(right, values))
+
+
 def _value(tree: Any, values: Mapping[str, int]) -> int:
     if isinstance(tree, int):
         return tree

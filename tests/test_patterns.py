@@ -312,6 +312,22 @@ class GraphModule(torch.nn.Module):
 
         check_gradients(ReadData(), (torch.randn(3),))
 
+    def test_detach_of_a_detached_alias(self):
+        """The second detach's source is already a detached alias, a tensor: the keeper asked for
+        its truth value (a RuntimeError the trace reported as a failure of this line)."""
+
+        class TwiceDetached(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.randn(3))
+
+            def forward(self, x):
+                y = self.w * x
+                return y.detach().detach() + y
+
+        export_and_check(TwiceDetached(), (torch.randn(3),))
+        check_gradients(TwiceDetached(), (torch.randn(3),))
+
 
 # --- torch.inference_mode() inside forward (Note [inference_mode in forward]) --------------
 

@@ -19,6 +19,7 @@ By concern, one module each; every name is re-exported here, so the rest of pred
     codegen.py            FX code generation, size symbols and op registries (build and load)
     distributed.py        c10d's boxed process groups, reductions and works; FX's module getattr
     dtensor.py            AOTAutograd's per-rank joint of a DTensor model, partitioned
+    nested.py             jagged nested tensors: their constructors under the trace, dynamic marks
 """
 
 from __future__ import annotations
@@ -64,6 +65,17 @@ from torch.fx.graph import _PyTreeCodeGen as PyTreeCodeGen, _PyTreeInfo as PyTre
 from torch.fx.graph_module import _USER_PRESERVED_ATTRIBUTES_KEY as USER_PRESERVED_ATTRIBUTES
 
 from predispatch._torch_internals.generators import only_drawn_from  # noqa: F401
+from predispatch._torch_internals.nested import (  # noqa: F401
+    JAGGED_CONSTRUCTORS,
+    NESTED_VIEW_DUMMY,
+    NO_FAKE_KERNEL,
+    NestedTensor,
+    is_strided_nested,
+    jagged_constructors_traceable,
+    lazy_symbolic_sizes,
+    same_sizes,
+    drop_nested_int_guards,
+)
 from predispatch._torch_internals.audit import (  # noqa: F401
     aten_overloads,
     CIA,
@@ -151,6 +163,8 @@ from predispatch._torch_internals.tracing import (  # noqa: F401
     current_tracer,
     DATA_DEPENDENT_ERRORS,
     discarding_unbacked_symbols,
+    dynamic_dims,
+    fake_with_dynamic_dims,
     dispatch_keys,
     exporting_flags,
     fake_inputs_only,
@@ -290,6 +304,19 @@ __all__ = [
 ]
 
 
+__all__ += [
+    "dynamic_dims",
+    "fake_with_dynamic_dims",
+    "JAGGED_CONSTRUCTORS",
+    "NESTED_VIEW_DUMMY",
+    "NO_FAKE_KERNEL",
+    "NestedTensor",
+    "is_strided_nested",
+    "jagged_constructors_traceable",
+    "lazy_symbolic_sizes",
+    "same_sizes",
+    "drop_nested_int_guards",
+]
 __all__ += ["PyTreeCodeGen", "PyTreeInfo", "USER_PRESERVED_ATTRIBUTES", "LazyGraphModule", "invoke_subgraph", "is_traceable_wrapper_subclass"]
 
 

@@ -143,6 +143,17 @@ def functional_rewrites(table: dict[OpOverload, tuple[Callable[..., Any], tuple[
 
 SUBCLASS_DISPATCH = "tensor subclass dispatch at PreDispatch (FunctionalTensorMode.__torch_dispatch__)"
 
+# Note [detach inside a subclass's dispatch]
+# Eager runs a subclass's `__torch_dispatch__` below autograd: autograd has already recorded the
+# op forward called on the subclass (`nt.values()` is a view with a gradient), and a `detach`
+# inside the dispatch only makes a new alias of a part (NestedTensor's `values` returns
+# `self._values.detach()`).  The trace runs the dispatch above autograd, where that detach would
+# cut the gradient eager gives.  So inside a subclass's dispatch of any op but `detach` itself, a
+# detach is traced as `alias`; forward's own `x.detach()` on a subclass stays a detach.
+_DETACH = torch.ops.aten.detach.default
+_ALIAS = torch.ops.aten.alias.default
+REENTRANT_DISPATCH = "a tensor subclass's redispatch from its own dispatch (torch.overrides.enable_reentrant_dispatch)"
+
 #: The tensor types FunctionalTensorMode handles itself (torch's `_has_unrecognized_tensor_types`).
 _FUNCTIONAL_TYPES = (torch.Tensor, torch._subclasses.FakeTensor, FunctionalTensor)
 
@@ -180,26 +191,49 @@ def subclass_dispatch(
     makes that next call itself (Note [Tensor subclasses] in frontend/subclasses.py).  `prepare(func,
     args, kwargs)`, run in the mode, gives the arguments of each such op forward runs (not of those
     a subclass runs inside its own).
+
+    A subclass's dispatch may hand an op back to the dispatcher, inside
+    `torch.overrides.enable_reentrant_dispatch()` (NestedTensor runs a composite it has no rule for
+    by its CompositeImplicitAutograd kernel): that restores the Python TLS the C++ dispatcher
+    saved on entering Python, which it never entered here, the mode calling the subclass from
+    Python ("Accessing torch dispatch state outside of '__torch_dispatch__'").  Inside such a call
+    there is nothing to restore, so it is a no-op; the ops the kernel runs come back to the mode.
     """
 
     def dispatching(original):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             subclasses = [t for t in types if t not in _FUNCTIONAL_TYPES and is_traceable_wrapper_subclass_type(t)]
             if not self.pre_dispatch or not subclasses:
+                if func is _DETACH and inside_subclass_dispatch() and getattr(_DISPATCH, "top", None) is not _DETACH:
+                    func = _ALIAS  # Note [detach inside a subclass's dispatch]
                 return original(self, func, types, args, kwargs)
             with self:
-                if not inside_subclass_dispatch():  # an op forward runs, not one a subclass runs inside its own
+                outermost = not inside_subclass_dispatch()  # an op forward runs, not one a subclass runs inside its own
+                if outermost:
                     args, kwargs = prepare(func, args, kwargs or {})
-                with in_subclass_dispatch():
-                    for subclass in subclasses:
-                        out = subclass.__torch_dispatch__(func, types, args, kwargs or {})
-                        if out is not NotImplemented:
-                            return out
+                    _DISPATCH.top = func
+                try:
+                    with in_subclass_dispatch():
+                        for subclass in subclasses:
+                            out = subclass.__torch_dispatch__(func, types, args, kwargs or {})
+                            if out is not NotImplemented:
+                                return out
+                finally:
+                    if outermost:
+                        _DISPATCH.top = None
             return NotImplemented
 
         return __torch_dispatch__
 
-    with patched(FunctionalTensorMode, "__torch_dispatch__", dispatching, mechanism=SUBCLASS_DISPATCH) as hook:
+    def reentrant(original):
+        def enable_reentrant_dispatch():
+            return contextlib.nullcontext() if inside_subclass_dispatch() else original()
+
+        return enable_reentrant_dispatch
+
+    with contextlib.ExitStack() as stack:
+        hook = stack.enter_context(patched(FunctionalTensorMode, "__torch_dispatch__", dispatching, mechanism=SUBCLASS_DISPATCH))
+        stack.enter_context(patched(torch.overrides, "enable_reentrant_dispatch", reentrant, mechanism=REENTRANT_DISPATCH))
         yield hook
 
 

@@ -111,6 +111,43 @@ def subclass_constructors_unrecorded() -> Iterator[Hook]:
         yield hook
 
 
+def dynamic_dims(t: torch.Tensor) -> dict[int, tuple[int | None, int | None]]:
+    """The dimensions of `t` torch.compile makes dynamic on its first compile, each with the
+    range marked for it (None: unbounded): `torch._dynamo.mark_dynamic(t, dim, min=, max=)`,
+    and the marks a tensor subclass sets on its own parts (a jagged nested tensor marks its
+    values' jagged dimension, and its cached min/max sequence lengths)."""
+    dims: dict[int, tuple[int | None, int | None]] = {}
+    for name in ("_dynamo_propagated_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_dynamic_indices"):
+        dims.update((int(d), (None, None)) for d in getattr(t, name, ()))
+    for marked in getattr(t, "_dynamo_dynamic_range", ()):
+        dims[int(marked.dim)] = (marked.min, marked.max)
+    return dims
+
+
+def fake_with_dynamic_dims(
+    fake_mode: FakeTensorMode, t: torch.Tensor, dims: dict[int, tuple[int | None, int | None]], name: str
+) -> torch.Tensor:
+    """The fake of plain tensor `t` whose dimensions `dims` are size symbols of `fake_mode`'s
+    ShapeEnv, each within its range (None: unbounded), the others static; `name` is the graph
+    input the symbols are named after (`x___values.size()[0]`)."""
+    from torch._dynamo.source import LocalSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext, StrictMinMaxConstraint
+    from torch.utils._sympy.numbers import int_oo
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    def constraint(dim: int) -> Any:
+        low, high = dims.get(dim, (None, None))
+        if low is None and high is None:
+            return None
+        return StrictMinMaxConstraint(vr=ValueRanges(low or 0, int_oo if high is None else high), warn_only=False)
+
+    context: Any = StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(t.dim())],
+        constraint_sizes=[constraint(d) for d in range(t.dim())],
+    )
+    return fake_mode.from_tensor(t, symbolic_context=context, source=LocalSource(name))
+
+
 # --- custom autograd.Function capture (custom_backward/autograd_function.py) ---------------------------
 
 def trace_functional(

@@ -95,10 +95,11 @@ class PreparedInputs:
         """Rebuild `(args, kwargs)` from tensors for the tensor leaves and the recorded constants
         (a subclass leaf from its parts: Note [Tensor subclasses])."""
         tensors = iter(user_tensors)
-        leaves = [
-            leaf.layout.unflatten(tensors) if leaf.layout is not None else next(tensors) if leaf.is_tensor else leaf.value
-            for leaf in self.input_leaves
-        ]
+        with ti.lazy_symbolic_sizes():  # a jagged nested tensor's strides are products of its nested int
+            leaves = [
+                leaf.layout.unflatten(tensors) if leaf.layout is not None else next(tensors) if leaf.is_tensor else leaf.value
+                for leaf in self.input_leaves
+            ]
         return pytree.tree_unflatten(leaves, self.in_spec)
 
 
@@ -141,15 +142,20 @@ def prepare(module_or_fn: Any, args: Any, kwargs: Any, dynamic_shapes: Any = Non
     device = _inputs_device(flat)
     alone = _alone_in_storage([s.tensor for s in state] if dynamic else [*(s.tensor for s in state), *tensors])
     fake_state = tuple(_fake_state(fake_mode, s, device, alone) for s in state)
+    user_specs = _user_input_specs(leaves, taken={s.spec.name for s in state})
     if dynamic:
         fake_flat = pytree.tree_leaves((dynamic.fake_args, dynamic.fake_kwargs))
         fake_user = tuple(x for x in fake_flat if isinstance(x, torch.Tensor))
     else:
-        fake_user = tuple(_fakify(fake_mode, x, alone=alone) for x in tensors)
+        marked = _dynamic_parts(flat, leaves)  # Note [Jagged nested tensors]
+        fake_user = tuple(
+            ti.fake_with_dynamic_dims(fake_mode, x, marked[i], user_specs[i].name) if i in marked else _fakify(fake_mode, x, alone=alone)
+            for i, x in enumerate(tensors)
+        )
     repeated = _repeated(tensors)
+    _refuse_shared_parts(leaves, repeated)
     fake_user = _one_twin_per_place(fake_mode, fake_user, repeated)
     fake_user, subclass_inputs = _parts_with_grad(flat, leaves, fake_user)
-    user_specs = _user_input_specs(leaves, taken={s.spec.name for s in state})
     arg_names = tuple(_parameter_names(signature_of, args))
     return PreparedInputs(
         module, state, user_specs, arg_names, leaves, in_spec, fake_mode, fake_state, fake_user, dynamic, repeated,
@@ -364,7 +370,17 @@ def _named_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tu
 
 
 def _check_tensor_input(label: str, tensor: torch.Tensor) -> None:
-    """Refuse tensors the fake-tensor trace has no kernels for (quantized tensors)."""
+    """Refuse tensors the fake-tensor trace has no kernels for (quantized tensors, nested
+    tensors of the strided layout)."""
+    if ti.is_strided_nested(tensor):
+        raise UnsupportedInputError(
+            f"input {label!r} is a nested tensor of the strided layout (torch.nested's default); fake tensors, "
+            "which export traces on, have no kernels for that layout.",
+            where=user_frame(),
+            fix="build it with layout=torch.jagged (torch.nested.nested_tensor(tensors, layout=torch.jagged), or "
+            "torch.nested.nested_tensor_from_jagged(values, offsets)): a jagged nested tensor is exported as its "
+            "values and offsets, its jagged length dynamic (docs/subclasses.md).",
+        )
     if tensor.is_quantized:
         raise UnsupportedInputError(
             f"input {label!r} is a quantized tensor ({tensor.dtype}); export traces on fake tensors, "
@@ -477,14 +493,56 @@ def _parts_with_grad(
     return tuple(fakes_list), tuple(found)
 
 
+def _dynamic_parts(flat: list[Any], leaves: tuple[Leaf, ...]) -> dict[int, dict[int, tuple[int | None, int | None]]]:
+    """For each part of a subclass input whose class computes its size from its parts (a jagged
+    nested tensor), the dimensions torch.compile would make dynamic (`ti.dynamic_dims`), by the
+    part's position among the graph's user tensors (Note [Jagged nested tensors])."""
+    marked, position = {}, 0
+    for value, leaf in zip(flat, leaves):
+        if leaf.layout is None:
+            position += int(leaf.is_tensor)
+            continue
+        for part in leaf.layout.flatten(value):
+            dims = ti.dynamic_dims(part) if leaf.layout.sized_by_parts else {}
+            if dims:
+                marked[position] = dims
+            position += 1
+    return marked
+
+
+def _refuse_shared_parts(leaves: tuple[Leaf, ...], repeated: tuple[tuple[int, int], ...]) -> None:
+    """Refuse one tensor at two places of the call when one is a part of a subclass sized by its
+    parts: two jagged tensors sharing their offsets share a jagged dimension, which the program's
+    independent inputs (`_one_twin_per_place`) would not (Note [Jagged nested tensors])."""
+    places = [
+        (f"{leaf.path}.{path}" if leaf.layout is not None else leaf.path, leaf.layout is not None and leaf.layout.sized_by_parts)
+        for leaf in leaves
+        if leaf.is_tensor
+        for path in (leaf.layout.paths() if leaf.layout is not None else ("",))
+    ]
+    for position, first in repeated:
+        if places[position][1] or places[first][1]:
+            raise UnsupportedInputError(
+                f"input {places[position][0]!r} is the same tensor as input {places[first][0]!r}: the jagged tensors "
+                "share their jagged dimension through it, while the program takes every input as a tensor of its "
+                "own, whose jagged dimensions would differ.",
+                where=user_frame(),
+                fix="pass the jagged tensor once and build the other in forward from its values and the first one's "
+                "offsets: torch.nested.nested_tensor_from_jagged(values, x.offsets()).",
+            )
+
+
 def _refuse_dynamic_subclass_inputs(leaves: tuple[Leaf, ...], dynamic_shapes: Any) -> None:
     subclass = next((leaf for leaf in leaves if leaf.layout is not None), None)
     if subclass is not None and dynamic_shapes is not None:
         raise UnsupportedInputError(
             f"input {subclass.path!r} is a tensor subclass ({subclass.layout.cls.__qualname__}) and dynamic_shapes "
-            "is given; tensor subclass inputs are exported with static shapes.",
+            "is given; dynamic_shapes cannot name a subclass's parts, and a program with a subclass input takes "
+            "no dynamic_shapes. A jagged nested tensor's jagged length is dynamic without it.",
             where=user_frame(),
-            fix="export without dynamic_shapes, or pass the plain tensors the subclass holds as inputs.",
+            fix="export without dynamic_shapes: a jagged nested tensor's parts are dynamic where torch.compile's "
+            "marks say (its values' jagged dimension; torch._dynamo.mark_dynamic(nt.offsets(), 0) for the batch); "
+            "or pass the plain tensors the subclass holds as inputs, with dynamic_shapes for them.",
         )
 
 

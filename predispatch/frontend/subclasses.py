@@ -26,7 +26,42 @@ makes it (`torch/_functorch/_aot_autograd/subclass_utils.py`):
   size), and builds returned subclasses again (`SubclassLayout.unflatten`).
 
 Refused by name here: a tensor subclass that cannot be taken apart (no `__tensor_flatten__`),
-or whose parts are not tensors; a subclass input with dynamic shapes.
+or whose parts are not tensors; a subclass with symbolic sizes its class does not compute
+from its parts.
+
+Note [Jagged nested tensors]
+----------------------------
+A jagged nested tensor (`torch.nested.nested_tensor_from_jagged(values, offsets)`, or
+`layout=torch.jagged`) is a traceable wrapper subclass like any other: its parts are `_values`
+(the sequences packed, `[total, D]`), `_offsets` (`[batch + 1]`), and where present `_lengths`
+and the cached `_min/_max_seqlen_tensor` (`[seqlen, 0]`: a length kept as a size); its context
+is its `ragged_idx`.  Its outer size `[batch, j1, D]` holds a nested int `j1` standing for the
+jagged dimension, one per offsets tensor.  What it needs beyond a static subclass, each a
+general rule:
+- Its class computes its outer size and stride from its parts (`__tensor_unflatten__` ignores
+  the sizes it is told, as AOTAutograd relies on: Note [NJT outer_size in AOTDispatcher]).  The
+  layout records such sizes as None (`_sized_by_parts` shows it: told -1, the class rebuilds
+  the tensor's own size) and `SubclassLayout.unflatten` tells the class -1, at the trace and in
+  `ep.module()`, which therefore rebuilds an output with the nested int of the offsets it is
+  given: the call's own offsets tensor where the program returns it.
+- Its parts' dimensions are dynamic where torch.compile makes them dynamic on its first
+  compile (`ti.dynamic_dims`): the class marks its values' jagged dimension and its cached
+  sequence lengths, the user marks more (`torch._dynamo.mark_dynamic(nt.offsets(), 0)` for the
+  batch).  Only for a class that computes its size from its parts: another's outer size would
+  be wrong at another size.  The call binds each symbol to the call's sizes and checks the
+  guards the trace recorded (runtime/runner.py `_check_symbols`).
+- Built in forward (`nested_tensor_from_jagged`), with its strides products of a nested int
+  no graph input carries: `ti.jagged_constructors_traceable` and `ti.lazy_symbolic_sizes`.
+- Its dispatch runs composites it has no rule for through the dispatcher again, and returns
+  `values()` as a `detach()` of its part, both fine below autograd where eager runs them; the
+  trace runs them above autograd (Note [detach inside a subclass's dispatch] in
+  _torch_internals/functional.py).
+- Eager gives a plain tensor meeting a jagged tensor a plain gradient, the one the program
+  computes on the parts: no gradient barrier (`PLAIN_GRADIENTS` in trace/subclass_reads.py).
+Refused by name: what torch's own nested code cannot trace (`JAGGED_CONSTRUCTS` in
+trace/constructs.py: attention on CPU, `torch.nested.narrow`, lengths read from data), nested
+tensors of the strided layout, and two inputs sharing offsets (one jagged dimension, two
+independent program inputs).
 """
 
 from __future__ import annotations
@@ -94,16 +129,16 @@ def has_own_rules(t: Any) -> bool:
     )
 
 
-def _overrides_torch(cls: type) -> bool:
+def _overrides_torch(cls: Any) -> bool:
     """Whether `cls` brings its own torch function or dispatch rules."""
     return getattr(cls, "__torch_function__", None) is not torch.Tensor.__torch_function__ or getattr(
         cls, "__torch_dispatch__", None) not in (None, torch.Tensor.__torch_dispatch__)
 
 
-def layout_of(t: torch.Tensor, where: str) -> SubclassLayout:
+def layout_of(t: Any, where: str) -> SubclassLayout:
     """`t`'s layout (`SubclassLayout`), its parts checked: each a plain tensor or a subclass
-    that is itself taken apart; sizes static."""
-    names, context = getattr(t, "__tensor_flatten__")()
+    that is itself taken apart; sizes static or computed by the class from its parts."""
+    names, context = t.__tensor_flatten__()
     inner: list[tuple[str, SubclassLayout | None]] = []
     for name in names:
         value = getattr(t, name)
@@ -118,14 +153,44 @@ def layout_of(t: torch.Tensor, where: str) -> SubclassLayout:
                 where=user_frame(),
                 fix="keep only tensors among the attributes __tensor_flatten__ names; put other values in its context.",
             )
-    size, stride = tuple(t.shape), tuple(t.stride())
-    if not all(type(s) is int for s in (*size, *stride)):
-        raise UnsupportedInputError(
-            f"{where} is a {type(t).__qualname__} with symbolic sizes; tensor subclasses are exported with static shapes.",
-            where=user_frame(),
-            fix="export without dynamic_shapes for this input.",
-        )
+    size, stride = _outer_size(t, names, context, where)
     return SubclassLayout(type(t), context, tuple(inner), size, stride)
+
+
+def _outer_size(t: torch.Tensor, names: list[str], context: Any, where: str) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:
+    """`t`'s outer size and stride as its layout keeps them: all None when its class computes
+    them from its parts (Note [Jagged nested tensors]), else the ints they are."""
+    size, stride = tuple(t.shape), tuple(t.stride())
+    static = all(type(s) is int for s in (*size, *stride))
+    if (not static or _has_dynamic_parts(t, names)) and _sized_by_parts(t, names, context):
+        return (None,) * len(size), (None,) * len(stride)
+    if not static:
+        raise UnsupportedInputError(
+            f"{where} is a {type(t).__qualname__} with symbolic sizes ({list(size)}) that its class does not "
+            "compute from its parts (its __tensor_unflatten__ takes them as given); such a subclass is exported "
+            "with static shapes.",
+            where=user_frame(),
+            fix="export without dynamic_shapes for this input (or for the inputs it is built from in forward).",
+        )
+    return size, stride
+
+
+def _has_dynamic_parts(t: torch.Tensor, names: list[str]) -> bool:
+    """Whether a part of `t` has a dimension torch.compile would make dynamic (`ti.dynamic_dims`)."""
+    return any(isinstance(getattr(t, name), torch.Tensor) and ti.dynamic_dims(getattr(t, name)) for name in names)
+
+
+def _sized_by_parts(t: Any, names: list[str], context: Any) -> bool:
+    """Whether `t`'s class computes its outer size and stride from its parts: told -1 for every
+    outer size and stride (AOTAutograd's stand-in for sizes the class computes itself, Note [NJT
+    outer_size in AOTDispatcher]), its `__tensor_unflatten__` rebuilds `t`'s own."""
+    unknown, cls = (-1,) * t.dim(), type(t)
+    try:
+        with ti.lazy_symbolic_sizes():
+            rebuilt = cls.__tensor_unflatten__({name: getattr(t, name) for name in names}, context, unknown, unknown)
+    except Exception:  # noqa: BLE001 - a class that takes the sizes as given may refuse -1 any way it likes
+        return False
+    return ti.same_sizes(rebuilt.shape, t.shape) and ti.same_sizes(rebuilt.stride(), t.stride())
 
 
 def part_name(name: str, path: str) -> str:

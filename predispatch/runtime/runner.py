@@ -32,7 +32,7 @@ from torch import fx, nn
 
 from predispatch import _torch_internals as ti
 from predispatch import size_expressions
-from predispatch.errors import DynamicShapeError, InputMismatchError, user_frame
+from predispatch.errors import DynamicShapeError, InputMismatchError, SerializationError, user_frame
 from predispatch.frontend.reachable import in_tree, resolve
 from predispatch.frontend.subclasses import has_own_rules
 from predispatch.runtime.call_structure import describe_mismatch
@@ -498,17 +498,19 @@ def check_inputs(contract: CallContract, args: tuple, kwargs: dict) -> list[torc
             where=user_frame(),
             fix="call it with the same structure of args and kwargs as at export, or export again.",
         )
-    tensors = []
+    tensors, paths = [], []
     examples = iter(contract.tensor_meta)
     for leaf, value in zip(contract.input_leaves, flat):
         if leaf.layout is not None:  # Note [Tensor subclasses]: the program takes its parts
             check_subclass(f"input {leaf.path!r}", value, leaf.layout)
             for path, part in zip(leaf.layout.paths(), leaf.layout.flatten(value)):
-                _check_tensor(f"{leaf.path}.{path}", part, next(examples))
+                _check_tensor(f"{leaf.path}.{path}", part, next(examples), part=leaf.layout.sized_by_parts)
                 tensors.append(part)
+                paths.append(f"{leaf.path}.{path}")
         elif leaf.is_tensor:
             _check_tensor(leaf.path, value, next(examples))
             tensors.append(value)
+            paths.append(leaf.path)
         elif type(value) is not type(leaf.value) or (value is not leaf.value and value != leaf.value):
             raise InputMismatchError(
                 f"input {leaf.path!r} was {leaf.value!r} at export and is {value!r} now; "
@@ -516,8 +518,7 @@ def check_inputs(contract: CallContract, args: tuple, kwargs: dict) -> list[torc
                 where=user_frame(),
                 fix="call with the exported value, or export again with this one.",
             )
-    if contract.shapes.is_dynamic:  # no subclass leaf here: they are exported with static shapes
-        paths = [leaf.path for leaf in contract.input_leaves if leaf.is_tensor]
+    if contract.shapes.is_dynamic:  # a jagged nested tensor's parts have symbols too
         _check_symbols(contract.shapes, paths, tensors)
     return tensors
 
@@ -572,6 +573,26 @@ def _check_symbols(shapes: ShapeRecord, paths: list[str], tensors: list[torch.Te
         value = size_expressions.evaluate(size_expressions.parse(expr, "signature shapes"), bound)
         if value != size:
             _shape_error(f"{path}.shape[{i}] is {size} but must equal {expr} = {value}")
+    for guard in shapes.guards:
+        held = _holds(guard, bound)
+        if held is False:
+            values = ", ".join(f"{name} = {bound[name]}" for name in sorted(bound) if name in guard)
+            _shape_error(f"the program was traced for {guard}, which is false for {values}")
+
+
+def _holds(guard: str, bound: dict[str, int]) -> bool | None:
+    """Whether a guard the trace recorded holds for this call's sizes, read with the size
+    grammar (never sympy: a loaded file's text); None when it cannot be told here (a run-time
+    assert on data, a guard outside the grammar, a symbol no input size binds)."""
+    if guard.startswith("runtime: "):
+        return None
+    try:
+        relation = size_expressions.parse(guard, "signature shapes guards", relation=True)
+    except SerializationError:
+        return None
+    if not relation.names <= bound.keys():
+        return None
+    return size_expressions.holds(relation, bound)
 
 
 def _shape_error(what: str) -> None:
@@ -582,7 +603,12 @@ def _shape_error(what: str) -> None:
     )
 
 
-def _check_tensor(path: str, value: Any, example: tuple[torch.dtype, tuple[int | None, ...], torch.device] | None) -> None:
+def _check_tensor(
+    path: str, value: Any, example: tuple[torch.dtype, tuple[int | None, ...], torch.device] | None, *, part: bool = False
+) -> None:
+    """Refuse a tensor unlike the exported one; `part`: it is a part of a subclass whose class
+    computes its size from its parts (a jagged nested tensor's offsets), whose dimensions are
+    dynamic where torch.compile's marks say (Note [Jagged nested tensors])."""
     if not isinstance(value, torch.Tensor):
         raise InputMismatchError(
             f"input {path!r} was a tensor at export and has type {type(value).__name__} now.", where=user_frame()
@@ -609,10 +635,12 @@ def _check_tensor(path: str, value: Any, example: tuple[torch.dtype, tuple[int |
     wrong_rank = value.dim() != len(shape)
     if value.dtype != dtype or wrong_rank or any(e is not None and a != e for a, e in zip(value.shape, shape)):
         exported = tuple("?" if s is None else s for s in shape)
+        changed = next((i for i, (a, e) in enumerate(zip(value.shape, shape)) if e is not None and a != e), 0)
+        mark = f"torch._dynamo.mark_dynamic({path}, {changed}) before export" if part else "mark the dimension dynamic"
         raise InputMismatchError(
             f"input {path!r} was exported as {dtype} {exported} and is {value.dtype} {tuple(value.shape)} now.".replace("'?'", "?"),
             where=user_frame(),
-            fix="call with the exported shape and dtype, export again, or mark the dimension dynamic.",
+            fix=f"call with the exported shape and dtype, export again, or {mark}.",
         )
 
 
@@ -637,8 +665,14 @@ def subclass_parts(t: torch.Tensor, layout: SubclassLayout) -> tuple[torch.Tenso
     must reach the subclass (it requires grad, grad mode on), through `_TakeApart`, whose backward
     builds the subclass's gradient from its parts' gradients, as eager's autograd would give it."""
     if torch.is_grad_enabled() and t.requires_grad:
-        return _TakeApart.apply(layout, t)
+        own = layout.flatten(t)  # a part that cannot have a gradient stays itself (a jagged tensor's offsets
+        # carry its nested int: the output built from them must have the input's jagged dimension)
+        return tuple(p if _differentiable(p) else q for p, q in zip(_TakeApart.apply(layout, t), own))
     return tuple(layout.flatten(t))
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
 
 
 def subclass_of(layout: SubclassLayout, *parts: torch.Tensor) -> torch.Tensor:
@@ -646,7 +680,14 @@ def subclass_of(layout: SubclassLayout, *parts: torch.Tensor) -> torch.Tensor:
     flow back into the parts."""
     if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
         return _Assemble.apply(layout, *parts)
-    return layout.unflatten(parts)
+    return _rebuilt(layout, parts)
+
+
+def _rebuilt(layout: SubclassLayout, parts: Any) -> torch.Tensor:
+    """`layout.unflatten(parts)`; under a trace (a re-export of `ep.module()`), with the symbolic
+    size arithmetic of a jagged tensor's nested int traced lazily (Note [Jagged nested tensors])."""
+    with ti.lazy_symbolic_sizes():
+        return layout.unflatten(parts)
 
 
 class _TakeApart(torch.autograd.Function):
@@ -657,15 +698,21 @@ class _TakeApart(torch.autograd.Function):
         parts = layout.flatten(t)
         ctx.layout = layout
         ctx.parts = [(p.shape, p.dtype, p.device) for p in parts]
+        ctx.own = [None if _differentiable(p) else p for p in parts]
         return tuple(part.view_as(part) for part in parts)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         if all(g is None for g in grads):
             return None, None
-        # a part no gradient reached (an integer `qdata`) has a zero gradient
-        full = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device) for g, (shape, dtype, device) in zip(grads, ctx.parts)]
-        return None, ctx.layout.unflatten(full)
+        # a floating part no gradient reached has a zero gradient; a part that cannot have one (a
+        # jagged tensor's offsets, an integer `qdata`) is the subclass's own, as eager's gradient of
+        # a jagged tensor has its offsets
+        full = [
+            own if own is not None else g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, own, (shape, dtype, device) in zip(grads, ctx.own, ctx.parts)
+        ]
+        return None, _rebuilt(ctx.layout, full)
 
 
 class _Assemble(torch.autograd.Function):
@@ -674,7 +721,7 @@ class _Assemble(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, layout: SubclassLayout, *parts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.layout = layout
-        return layout.unflatten(parts)
+        return _rebuilt(layout, parts)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:

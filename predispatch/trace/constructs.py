@@ -305,11 +305,94 @@ def _packed_sequence_refusal(exc: BaseException) -> UnsupportedConstructError | 
     return None
 
 
+@dataclass(frozen=True)
+class JaggedConstruct:
+    """A jagged nested tensor operation torch cannot trace, known by the function of torch's
+    nested tensor code (`file`, `function`) the failed trace passed through.
+
+    construct: what the user wrote, as they know it.
+    why: why no trace can follow it.
+    fix: what works instead (each fix is exported in tests/test_nested.py).
+    """
+
+    file: str
+    function: str
+    construct: str
+    why: str
+    fix: str
+
+
+_NESTED = os.path.join("nested", "_internal")
+
+#: Jagged nested tensor operations torch cannot trace (Note [Jagged nested tensors] in
+#: frontend/subclasses.py), outermost first: the first one the traceback passes through names it.
+JAGGED_CONSTRUCTS = (
+    JaggedConstruct(
+        os.path.join(_NESTED, "sdpa.py"),
+        "jagged_scaled_dot_product_attention",
+        "scaled_dot_product_attention over jagged nested tensors",
+        "on CPU torch computes it with its math kernel, converting each jagged tensor to a nested tensor of the "
+        "strided layout split by the offsets' values; fake tensors have no kernels for that layout, and the "
+        "split sizes are data (torch.compile breaks its graph there too)",
+        "compute the attention on the padded batch: p = x.to_padded_tensor(0.0) (build x with max_seqlen=, or pass "
+        "one from torch.nested.nested_tensor, so the padded length is known), keep = torch.arange(p.shape[1]) < "
+        "x.offsets().diff()[:, None], F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :]), "
+        "and return the padded result (times keep[..., None]).",
+    ),
+    JaggedConstruct(
+        os.path.join("nested", "__init__.py"),
+        "narrow",
+        "torch.nested.narrow(..., layout=torch.jagged)",
+        "it checks the starts' and lengths' values to choose between a contiguous jagged tensor and one with holes",
+        "pass the values and offsets as inputs and build the jagged tensor with "
+        "torch.nested.nested_tensor_from_jagged(values, offsets) (lengths=... for one with holes).",
+    ),
+    JaggedConstruct(
+        os.path.join(_NESTED, "nested_tensor.py"),
+        "_get_sdpa_extreme_seqlen",
+        "an operation on a jagged nested tensor that needs its minimum or maximum sequence length (softmax or "
+        "padding over the jagged dimension, attention)",
+        "the jagged tensor has none cached, and computing one reads the offsets' values",
+        "give the lengths where the jagged tensor is built: torch.nested.nested_tensor_from_jagged(values, offsets, "
+        "min_seqlen=..., max_seqlen=...) (a Python int is a constant of the program), or pass a jagged tensor made "
+        "by torch.nested.nested_tensor(..., layout=torch.jagged), which caches both (they are then inputs).",
+    ),
+)
+
+
+def _jagged_refusal(exc: BaseException) -> UnsupportedConstructError | None:
+    """A jagged nested tensor operation torch cannot trace (`JAGGED_CONSTRUCTS`), or a nested
+    tensor of the strided layout made in forward: our error naming it, when torch's failure is
+    the trace's (a value read from data, an op without fake kernel), not one eager has too."""
+    if not isinstance(exc, (*ti.DATA_DEPENDENT_ERRORS, ti.NO_FAKE_KERNEL)):
+        return None
+    where = user_frame(exc.__traceback__)
+    passed = [(_torch_relative(frame.f_code.co_filename), frame.f_code.co_name) for frame, _ in _frames(exc.__traceback__)]
+    for construct in JAGGED_CONSTRUCTS:
+        if (construct.file, construct.function) in passed:
+            return UnsupportedConstructError(
+                f"forward uses {construct.construct}, which export cannot trace: {construct.why}.",
+                where=where,
+                fix=construct.fix,
+            )
+    if isinstance(exc, ti.NO_FAKE_KERNEL) and "_nested" in str(exc):
+        return UnsupportedConstructError(
+            f"forward makes a nested tensor of the strided layout (torch.nested's default), which export cannot "
+            f"trace: fake tensors have no kernels for that layout ({exc}).",
+            where=where,
+            fix="build it with layout=torch.jagged (torch.nested.nested_tensor(tensors, layout=torch.jagged) or "
+            "torch.nested.nested_tensor_from_jagged(values, offsets)); jagged nested tensors are traced "
+            "(docs/subclasses.md).",
+        )
+    return None
+
+
 #: Constructs recognised in a failed trace, each giving our error (None: not this one).
 _REFUSALS: tuple[Callable[[BaseException], PredispatchError | None], ...] = (
     torch_func_refusal,
     _autograd_refusal,
     _packed_sequence_refusal,
+    _jagged_refusal,
 )
 
 

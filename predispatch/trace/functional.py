@@ -161,7 +161,8 @@ def _bindings(prepared: PreparedInputs, state: tuple[torch.Tensor, ...]) -> tupl
             parts.append(tensor)
             if len(parts) < len(lifted.part.layout.paths()):
                 continue
-            tensor, parts = lifted.part.layout.unflatten(parts), []
+            with ti.lazy_symbolic_sizes():  # a jagged nested tensor's strides are products of its nested int
+                tensor, parts = lifted.part.layout.unflatten(parts), []
             subclasses.append((tensor, _stored_without_grad(tensor, lifted.part.layout, lifted.part.whole)))
         bound.update((fqn, tensor) for fqn in (*lifted.spec.names, *lifted.bind_also))
     return bound, subclasses
@@ -357,6 +358,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
         stack.enter_context(ti.exporting_flags())
         stack.enter_context(ti.subclass_constructors_unrecorded())  # Note [Tensor subclasses]
         stack.enter_context(ti.subclass_dispatch(guard_plain_gradients))  # Note [Gradients of plain tensors through a subclass]
+        stack.enter_context(ti.jagged_constructors_traceable())  # Note [Jagged nested tensors]
         stack.enter_context(ti.flex_attention_index_inline())
         stack.enter_context(_no_backend_heuristics())
         stack.enter_context(
@@ -372,6 +374,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
                 program, (*prepared.fake_state, *prepared.fake_user_inputs), prepared.module, trace_decompositions()
             )
     _check_engaged(program, captured.graph_module)
+    ti.drop_nested_int_guards(prepared.fake_mode.shape_env)  # Note [Jagged nested tensors]
     check_trace_decompositions(captured.graph_module)
     _check_metadata_mutations(prepared, captured, program.input_metadata_write)
     _check_repeated_inputs(prepared, captured.mutated)

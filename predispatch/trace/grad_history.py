@@ -209,7 +209,8 @@ class GradHistoryKeeper(TorchFunctionMode):
         if not isinstance(func, torch._ops.OpOverload) or not isinstance(out, ti.FunctionalTensor):
             return
         if func is torch.ops.aten.detach.default and self._keeps_history(source):
-            self._detached_from.set(out, self._detached_from.get(source) or source)
+            earlier = self._detached_from.get(source)  # a tensor: `or` would ask for its truth value
+            self._detached_from.set(out, earlier if earlier is not None else source)
         elif func.is_view and self._detached_from.get(source) is not None:
             self._detached_from.set(out, self._detached_from.get(source))
 

@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from predispatch import _torch_internals as ti
 from predispatch import ops  # noqa: F401 - registers predispatch::subclass_gradient_barrier
 
-__all__ = ["eager_part_reads", "guard_plain_gradients", "SUBCLASS_READS"]
+__all__ = ["PLAIN_GRADIENTS", "eager_part_reads", "guard_plain_gradients", "SUBCLASS_READS"]
 
 SUBCLASS_READS = "reads of a tensor subclass's tensors in forward (the subclass's __getattribute__)"
 
@@ -68,11 +68,27 @@ def _reading(original: Any, detached: dict[int, frozenset[str]]) -> Any:
 # our error if a gradient ever reaches it.  Inference, frozen tensors, and a library computing
 # on the subclass's parts in its `__torch_function__` (torchao's `F.linear`: eager's gradient
 # there is plain too) never reach it.
+#
+# A class whose own backward gives a plain tensor a plain gradient, equal to the sum over its
+# parts the program computes, needs no barrier: `PLAIN_GRADIENTS` names those classes, each with
+# the evidence.
+
+
+#: Tensor subclasses through whose dispatch eager gives a plain tensor a plain gradient: the
+#: program's gradient (through the parts) is eager's, so no barrier is placed.
+PLAIN_GRADIENTS: dict[type, str] = {
+    ti.NestedTensor: "a jagged nested tensor's ops reduce over the jagged dimension in backward (linear_backward "
+    "gives a Linear's weight a dense gradient; a broadcast plain operand's gradient is summed over the tokens): "
+    "tests/test_nested.py compares the gradients with eager's",
+}
 
 
 def guard_plain_gradients(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The arguments of a subclass op forward runs, each floating plain tensor behind the
     gradient barrier (Note [Gradients of plain tensors through a subclass])."""
+    classes = {type(v) for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor) and ti.is_traceable_wrapper_subclass(v)}
+    if classes and all(cls in PLAIN_GRADIENTS for cls in classes):
+        return args, kwargs
 
     def guarded(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and not ti.is_traceable_wrapper_subclass(value) and value.is_floating_point():
