@@ -292,7 +292,8 @@ def _keep_saved_values(plan: _CallPlan, targets: list[torch.Tensor]) -> tuple[An
     if not targets or not (plan.enables_grad or torch.is_grad_enabled()):
         _THREAD.clone_on_read = _NOTHING  # autograd saves nothing: no copy at all
         return contextlib.nullcontext(), previous
-    on_read = [t for t, may in zip(targets, plan.may_clone_on_read) if may and _small_plain(t)]
+    wrapped = ti.functorch_active()
+    on_read = [t for t, may in zip(targets, plan.may_clone_on_read) if may and _small_plain(ti.memory_of(t) if wrapped else t)]
     watched = [t for t in targets if all(t is not c for c in on_read)]
     snapshot = _snapshot_saved(watched) if watched else contextlib.nullcontext()
     snapshot.__enter__()
@@ -301,8 +302,7 @@ def _keep_saved_values(plan: _CallPlan, targets: list[torch.Tensor]) -> tuple[An
 
 
 def _small_plain(t: torch.Tensor) -> bool:
-    """A plain contiguous tensor small enough to clone as it is read (its memory, under torch.func)."""
-    t = ti.memory_of(t)
+    """A plain contiguous tensor small enough to clone as it is read."""
     return type(t) in PLAIN_TENSOR_TYPES and t.is_contiguous() and t.nbytes <= _CLONE_ON_READ_BYTES
 
 

@@ -195,7 +195,7 @@ def check_write_targets(
     inputs: Sequence[torch.Tensor] = (),
     positions: Sequence[int] | None = None,
     shared: Mapping[int, frozenset[int]] | None = None,
-    names: Sequence[str | int] = (),
+    names: Sequence[object] = (),
 ) -> None:
     """Raise `MutationTargetError` if eager would refuse to change any of `targets` in place.
 
@@ -208,7 +208,7 @@ def check_write_targets(
         [All or nothing calls]).
     shared: position -> positions of the state that shared its memory at export: the graph
         writes those back consistently, so their overlap is not refused.
-    names: per target, the state's name or a user input's index (`CallContract.writes`), for fixes.
+    names: per target, its `CallContract.writes` entry (the state's name, a user input's index), for fixes.
     Called before the graph runs, so a failing call changes nothing (Note [All or nothing calls]).
     """
     if not plans or _traced(targets):
@@ -219,7 +219,7 @@ def check_write_targets(
         grad_on = torch.is_grad_enabled() if plan.grad_mode is None else plan.grad_mode
         problem = _captured_by_transform(target, names[i] if i < len(names) else None) if wrapped else None
         if problem is None:
-            problem = _eager_refusal(ti.below_vmap(target) if wrapped else target, grad_on, plan.writes_data)
+            problem = _eager_refusal(ti.below_vmap(target) if wrapped else target, grad_on, plan.writes_data, wrapped)
         if problem is None and plan.writes_data:
             if storages is None:  # one list comprehension: this runs at every call
                 memories = [ti.memory_of(t) for t in inputs] if wrapped else inputs
@@ -250,7 +250,7 @@ def check_write_values(
     targets: Sequence[torch.Tensor],
     values: Sequence[torch.Tensor],
     plans: Sequence[WritePlan] = (),
-    names: Sequence[str | int] = (),
+    names: Sequence[object] = (),
 ) -> None:
     """Raise `MutationTargetError` before the first write-back if any would raise: a view eager
     may not change in place with grad mode on (`_eager_view_refusal`) that gets a value that
@@ -276,11 +276,18 @@ def check_write_values(
                 )
 
 
-def _check_batched_value(target: torch.Tensor, value: torch.Tensor, label: str, name: str | int | None) -> None:
+def _state_name(name: object) -> str | None:
+    """The state's name of a `CallContract.writes` entry (a name, or (name, part) for a part of a
+    tensor subclass), None for a user input (its index)."""
+    return name if isinstance(name, str) else name[0] if isinstance(name, tuple) else None
+
+
+def _check_batched_value(target: torch.Tensor, value: torch.Tensor, label: str, name: object) -> None:
     """Refuse a value batched at a vmap level its target is not (Note [Calls under torch.func])."""
     if not ti.vmap_levels(value) - ti.vmap_levels(target):
         return
-    if isinstance(name, str):
+    name = _state_name(name)
+    if name is not None:
         fix = (
             f"give each batch element its own {name!r}: torch.func.vmap(lambda s, x: torch.func.functional_call(m, "
             f"{{{name!r}: s}}, (x,)))(batched, x) with batched = m.{name}.expand(n, *m.{name}.shape).clone() (eager "
@@ -298,11 +305,12 @@ def _check_batched_value(target: torch.Tensor, value: torch.Tensor, label: str, 
     )
 
 
-def _captured_by_transform(target: torch.Tensor, name: str | int | None) -> tuple[str, str] | None:
+def _captured_by_transform(target: torch.Tensor, name: object) -> tuple[str, str] | None:
     """(what, fix) when a running grad/jvp transform captured `target` (Note [Calls under torch.func])."""
     if not ti.grad_levels_missing(target):
         return None
-    if isinstance(name, str):
+    name = _state_name(name)
+    if name is not None:
         fix = (
             f"make it an input of the transformed function: torch.func.grad(lambda x, s: torch.func.functional_call("
             f"m, {{{name!r}: s}}, (x,)).sum())(x, m.{name}), as eager needs; or call outside the transform."
@@ -342,10 +350,11 @@ def _extent(t: torch.Tensor) -> int:
     return 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s > 0)
 
 
-def _eager_refusal(target: torch.Tensor, grad_on: bool, writes_data: bool) -> tuple[str, str] | None:
+def _eager_refusal(target: torch.Tensor, grad_on: bool, writes_data: bool, wrapped: bool = False) -> tuple[str, str] | None:
     """(what, fix) when eager's in-place op on `target` would raise, else None (a pure metadata
-    change such as `t_()` is allowed on an expanded tensor)."""
-    if writes_data and ti.has_internal_overlap(ti.memory_of(target)):
+    change such as `t_()` is allowed on an expanded tensor).  `wrapped`: a torch.func transform
+    runs, so the memory is under functorch's wrappers (Note [Calls under torch.func])."""
+    if writes_data and ti.has_internal_overlap(ti.memory_of(target) if wrapped else target):
         return (
             "more than one of its elements refers to the same memory (an expanded tensor), so eager "
             "would raise too ('more than one element of the written-to tensor refers to a single "
