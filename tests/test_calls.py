@@ -564,3 +564,346 @@ export_train_eval() takes an nn.Module, got builtin_function_or_method.
         globals_after = GlobalState.capture()
         assert globals_before.grad_enabled == globals_after.grad_enabled
         assert torch.equal(rng_before, torch.get_rng_state())
+
+
+# --- concurrent calls (Note [Concurrent calls] in predispatch/runtime/runner.py) ----------------
+
+
+class CountsAndNormalizes(nn.Module):
+    """Updates state at each call: a count (one `add_`) and batch norm's running stats."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        self.count.add_(1)
+        return self.bn(x)
+
+
+class WritesNothing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).relu()
+
+
+class CountingLock:
+    """A re-entrant lock that counts: acquisitions, the depth now, the deepest nesting seen."""
+
+    made: list[CountingLock] = []
+
+    def __init__(self):
+        import threading
+
+        self.lock = threading.RLock()
+        self.acquired = self.depth = self.deepest = 0
+        CountingLock.made.append(self)
+
+    def __enter__(self):
+        self.lock.acquire()
+        self.acquired += 1
+        self.depth += 1
+        self.deepest = max(self.deepest, self.depth)
+        return self
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        self.lock.release()
+
+
+@pytest.fixture
+def counting_locks(monkeypatch):
+    from predispatch.runtime import runner
+
+    CountingLock.made = []
+    monkeypatch.setattr(runner, "new_call_lock", CountingLock)  # raises if runner has no such factory
+    return CountingLock.made
+
+
+def _in_threads(call, threads=3, calls=400):
+    """`call()` `calls` times in each of `threads` threads, switching threads as often as Python can."""
+    import sys
+    import threading
+
+    errors_seen = []
+
+    def work():
+        try:
+            for _ in range(calls):
+                call()
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            errors_seen.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # a switch between a call's read and its write-back, if anything lets it
+    try:
+        workers = [threading.Thread(target=work) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=600)
+        assert not any(w.is_alive() for w in workers), "a thread hung"
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors_seen, errors_seen
+
+
+def test_threads_keep_every_update_as_eager_does():
+    """3 threads x 400 calls: eager keeps all 1200 updates; the program lost most of them before
+    (a call read the count, another wrote it back, the first wrote back its stale + 1)."""
+    torch.manual_seed(0)
+    eager = CountsAndNormalizes()
+    model = copy.deepcopy(eager)
+    program = predispatch.export(model, (torch.randn(8, 4),)).module()
+    x = torch.randn(8, 4)
+    _in_threads(lambda: eager(x))
+    _in_threads(lambda: program(x))
+    assert eager.count.item() == program.count.item() == 1200
+    assert eager.bn.num_batches_tracked.item() == program.bn.num_batches_tracked.item() == 1200
+    torch.testing.assert_close(program.bn.running_mean, eager.bn.running_mean)
+    torch.testing.assert_close(program.bn.running_var, eager.bn.running_var)
+
+
+def test_only_programs_that_write_are_serialized(counting_locks):
+    """A program that writes back takes its lock once per call; one that writes nothing has none,
+    and its calls run at once (three threads meet inside their calls, in a hook of the user's)."""
+    import threading
+
+    writing = predispatch.export(CountsAndNormalizes(), (torch.randn(8, 4),)).module()
+    assert len(counting_locks) == 1
+    x = torch.randn(8, 4)
+    _in_threads(lambda: writing(x), calls=50)
+    assert counting_locks[0].acquired == 150 and counting_locks[0].deepest == 1
+
+    torch.manual_seed(0)
+    eager = WritesNothing()
+    reading = predispatch.export(copy.deepcopy(eager), (torch.randn(8, 4),)).module()
+    assert len(counting_locks) == 1  # no lock made for it
+    meet = threading.Barrier(3, timeout=60)  # broken (an error in each thread) if calls were serialized
+
+    def all_inside(module, args):
+        meet.wait()
+
+    reading.register_forward_pre_hook(all_inside)
+    outputs = []
+    _in_threads(lambda: outputs.append(reading(x)), calls=5)
+    assert counting_locks[0].acquired == 150
+    assert len(outputs) == 15 and all(torch.equal(out, eager(x)) for out in outputs)
+
+
+def test_lock_released_when_a_call_raises_and_reentrant(counting_locks):
+    """A call refused by the pre-hook, one that raises after the graph ran, and one nested in a
+    hook of a call of the same module: each leaves the lock free, and another thread can call."""
+    import threading
+
+    model = CountsAndNormalizes()
+    program = predispatch.export(model, (torch.randn(8, 4),)).module()
+    (lock,) = counting_locks
+    with pytest.raises(errors.InputMismatchError):
+        program(torch.randn(8, 5))  # the pre-hook refuses
+    assert lock.depth == 0
+
+    def fails_after(module, args, output):
+        raise ValueError("a forward hook of the user's fails")
+
+    handle = program.register_forward_hook(fails_after)
+    with pytest.raises(ValueError, match="a forward hook"):
+        program(torch.randn(8, 4))
+    handle.remove()
+    assert lock.depth == 0 and model.count.item() == 1  # the graph ran and wrote back before the hook
+
+    nested = []
+
+    def calls_again(module, args):
+        if not nested:
+            nested.append(True)
+            module(torch.randn(8, 4))
+
+    handle = program.register_forward_pre_hook(calls_again)
+    program(torch.randn(8, 4))
+    handle.remove()
+    assert lock.deepest == 2 and lock.depth == 0 and model.count.item() == 3
+
+    other = threading.Thread(target=lambda: program(torch.randn(8, 4)))
+    other.start()
+    other.join(timeout=60)
+    assert not other.is_alive() and model.count.item() == 4
+
+
+def test_deepcopy_gets_its_own_lock(counting_locks):
+    program = predispatch.export(CountsAndNormalizes(), (torch.randn(8, 4),)).module()
+    copied = copy.deepcopy(program)
+    assert len(counting_locks) == 2
+    copied(torch.randn(8, 4))
+    assert [lock.acquired for lock in counting_locks] == [0, 1]
+    assert copied.count.item() == 1 and program.count.item() == 0
+
+
+def test_compiled_calls_step_aside_from_the_lock(counting_locks):
+    """Dynamo cannot trace a lock: under torch.compile (fullgraph) it steps aside, as the checks do."""
+    torch.manual_seed(0)
+    eager = CountsAndNormalizes()
+    program = predispatch.export(copy.deepcopy(eager), (torch.randn(8, 4),)).module()
+    compiled = torch.compile(program, fullgraph=True, backend="eager")
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x), eager(x))
+    assert program.count.item() == eager.count.item() == 2
+    assert counting_locks[0].acquired == 0
+
+
+# --- calls under torch.func (Note [Calls under torch.func] in predispatch/runtime/writes.py) ----
+
+
+class Steps(nn.Module):
+    """A buffer update vmap runs: the same value for the whole batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return self.lin(x) * self.steps
+
+
+class AddsInPlace(nn.Module):
+    def forward(self, x, y):
+        x.add_(y)
+        return x * 2
+
+
+class Accumulates(nn.Module):
+    """A buffer update whose value depends on the (mapped) input."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(4))
+
+    def forward(self, x):
+        self.acc.add_(x)
+        return x * 2
+
+
+class LargeBuffer(nn.Module):
+    """A buffer too large to clone as it is read: the saved-tensor snapshot keeps backward's copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("big", torch.zeros(20000))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x) * (self.big[:4] + 1) * self.big[4:8].sum()
+        self.big.add_(1)
+        return y
+
+
+def _eager_and_program(cls, *example):
+    torch.manual_seed(0)
+    eager = cls()
+    model = copy.deepcopy(eager)
+    return eager, model, predispatch.export(model, example).module()
+
+
+class CallsUnderTorchFunc(TestCase):
+    """Note [Calls under torch.func] in predispatch/runtime/writes.py: eager's cases run, eager's refusals are named."""
+
+    def test_vmap_updates_a_buffer_as_eager_does(self):
+        eager, model, program = _eager_and_program(Steps, torch.randn(4))
+        x = torch.randn(3, 4)
+        for _ in range(2):
+            torch.testing.assert_close(torch.func.vmap(program)(x), torch.func.vmap(eager)(x))
+        assert model.steps.item() == eager.steps.item() == 2
+        nested = torch.randn(2, 3, 4)
+        torch.testing.assert_close(torch.func.vmap(torch.func.vmap(program))(nested), torch.func.vmap(torch.func.vmap(eager))(nested))
+        assert model.steps.item() == eager.steps.item() == 3
+
+
+    def test_vmap_changes_a_mapped_input_in_place_as_eager_does(self):
+        program = predispatch.export(AddsInPlace(), (torch.randn(4), torch.randn(4))).module()
+        x = torch.randn(3, 4)
+        for in_dims, y in (((0, 0), torch.randn(3, 4)), ((0, None), torch.randn(4))):  # the value mapped or not
+            eager_x, program_x = x.clone(), x.clone()
+            expected = torch.func.vmap(AddsInPlace(), in_dims=in_dims)(eager_x, y)
+            actual = torch.func.vmap(program, in_dims=in_dims)(program_x, y)
+            torch.testing.assert_close(actual, expected)
+            torch.testing.assert_close(program_x, eager_x)
+            assert not torch.equal(program_x, x)
+
+
+    def test_vmap_with_gradients_through_a_written_buffer(self):
+        """The snapshot reads the memory under vmap's wrappers (a BatchedTensor has no storage)."""
+        eager, model, program = _eager_and_program(LargeBuffer, torch.randn(4))
+        x = torch.randn(3, 4)
+        expected = torch.autograd.grad(torch.func.vmap(eager)(x).sum(), list(eager.lin.parameters()))
+        actual = torch.autograd.grad(torch.func.vmap(program)(x).sum(), list(model.lin.parameters()))
+        torch.testing.assert_close(actual, expected)
+        assert torch.equal(model.big, eager.big)
+
+
+    def test_vmap_of_a_batched_value_into_one_buffer_is_refused(self):
+        """Eager raises torch's shape error at `self.acc.add_(x)`; the program names it, writes nothing;
+        the fix it gives (a buffer per element through functional_call) runs as eager does."""
+        eager, model, program = _eager_and_program(Accumulates, torch.randn(4))
+        x = torch.randn(3, 4)
+        assert _outcome(lambda: torch.func.vmap(eager)(x)) is not None
+        with pytest.raises(errors.MutationTargetError) as info:
+            torch.func.vmap(program)(x)
+        assert torch.equal(model.acc, torch.zeros(4))
+        self.assertExpectedInline(stable_message(info.value), """\
+under torch.func.vmap the program changes buffer 'acc' in place with a value that differs per batch element (it depends on a mapped input), and that tensor is one for the whole batch: it cannot hold a value per element, so eager raises too (at the in-place op: 'output with shape ... doesn't match the broadcast shape ...'); the graph ran, nothing was written.
+  at test_calls.py:N (torch.func.vmap(program)(x))
+  fix: give each batch element its own 'acc': torch.func.vmap(lambda s, x: torch.func.functional_call(m, {'acc': s}, (x,)))(batched, x) with batched = m.acc.expand(n, *m.acc.shape).clone() (eager needs the same); or write a value the whole batch shares (reduce over the batch outside vmap).
+  see docs/errors.md#mutationtargeterror""")
+        results = []
+        for m in (eager, program):
+            batched = m.acc.expand(3, *m.acc.shape).clone()
+            out = torch.func.vmap(lambda s, x: torch.func.functional_call(m, {"acc": s}, (x,)))(batched, x)
+            results.append((out, batched))
+        torch.testing.assert_close(results[0], results[1])
+
+
+    def test_vmap_of_a_batched_value_into_an_unmapped_input_is_refused(self):
+        program = predispatch.export(AddsInPlace(), (torch.randn(4), torch.randn(4))).module()
+        x, y = torch.zeros(4), torch.randn(3, 4)
+        assert _outcome(lambda: torch.func.vmap(AddsInPlace(), in_dims=(None, 0))(x.clone(), y)) is not None
+        with pytest.raises(errors.MutationTargetError, match="input 'x' in place with a value that differs per batch element") as info:
+            torch.func.vmap(program, in_dims=(None, 0))(x, y)
+        assert "fix: map that input too (in_dims=0 for it" in str(info.value)
+        assert torch.equal(x, torch.zeros(4))
+
+
+    def test_vmap_refuses_what_eager_refuses_under_it(self):
+        """Under vmap eager's in-place op reaches the tensor under the wrapper: an expanded one, a
+        leaf that requires grad; the program checks that tensor, before running anything."""
+        program = predispatch.export(AddsInPlace(), (torch.randn(4), torch.randn(4))).module()
+        y = torch.randn(3, 4)
+        for x, why in ((torch.zeros(1, 4).expand(3, 4), "refers to the same memory"), (torch.zeros(3, 4, requires_grad=True), "leaf tensor that requires grad")):
+            assert _outcome(lambda: torch.func.vmap(AddsInPlace())(x, y)) is not None
+            with pytest.raises(errors.MutationTargetError, match=why):
+                torch.func.vmap(program)(x, y)
+            assert torch.equal(x, torch.zeros(3, 4))
+
+
+    def test_grad_transform_refuses_a_write_to_a_captured_buffer(self):
+        """functorch refuses any in-place change to a tensor a grad transform captured; the program
+        names it before running; the buffer passed as an input of the transform runs as eager does."""
+        eager, model, program = _eager_and_program(Steps, torch.randn(4))
+        x = torch.randn(4)
+        for transform in (torch.func.grad, torch.func.jacrev):
+            assert _outcome(lambda: transform(lambda t: eager(t).sum())(x)) is not None
+            with pytest.raises(errors.MutationTargetError, match="captured rather than took as an input") as info:
+                transform(lambda t: program(t).sum())(x)
+            assert model.steps.item() == 0
+        assert "fix: make it an input of the transformed function: torch.func.grad(lambda x, s: torch.func.functional_call(m, {'steps': s}, (x,)).sum())(x, m.steps)" in str(info.value)
+        grads = [
+            torch.func.grad(lambda x, s, m=m: torch.func.functional_call(m, {"steps": s}, (x,)).sum())(x, m.steps) for m in (eager, program)
+        ]
+        torch.testing.assert_close(grads[1], grads[0])
+        assert model.steps.item() == eager.steps.item() == 1

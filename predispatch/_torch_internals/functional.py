@@ -305,6 +305,58 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
 
 # --- ep.module()'s write-back checks (runtime/writes.py) ----------------------------------------
 
+_FUNCTORCH = torch._C._functorch
+
+
+def functorch_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp, functionalize) is running: only then can a
+    call's tensors be functorch's wrappers (Note [Calls under torch.func] in runtime/writes.py)."""
+    return _FUNCTORCH.peek_interpreter_stack() is not None
+
+
+def memory_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory `t`'s in-place ops write: `t`, or inside functorch's wrappers
+    (vmap's BatchedTensor, grad's GradTrackingTensor, functionalize's), which have no storage to
+    read ("Cannot access storage of BatchedTensorImpl"), the plain tensor under all of them."""
+    while _FUNCTORCH.is_functorch_wrapped_tensor(t):
+        t = _FUNCTORCH.get_unwrapped(t)
+    return t
+
+
+def below_vmap(t: torch.Tensor) -> torch.Tensor:
+    """`t` without vmap's wrappers: the tensor vmap's batching rule runs an in-place op on, whose
+    autograd and inference state eager's op checks (a BatchedTensor reports none of its own:
+    not requires_grad, not a view)."""
+    while _FUNCTORCH.is_batchedtensor(t):
+        t = _FUNCTORCH.get_unwrapped(t)
+    return t
+
+
+def vmap_levels(t: torch.Tensor) -> frozenset[int]:
+    """The vmap levels `t` is batched at (empty outside vmap, or for a tensor vmap did not map)."""
+    levels = set()
+    while _FUNCTORCH.is_functorch_wrapped_tensor(t):
+        if _FUNCTORCH.is_batchedtensor(t):
+            levels.add(_FUNCTORCH.maybe_get_level(t))
+        t = _FUNCTORCH.get_unwrapped(t)
+    return frozenset(levels)
+
+
+def grad_levels_missing(t: torch.Tensor) -> list[int]:
+    """The running grad/jvp transforms (by level) for which `t` is a captured tensor, not one of
+    the transform's own: functorch refuses an in-place op on such a tensor ("would mutate a
+    captured Tensor", `checkForInvalidMutationOnCaptures`), at the op, whatever it writes."""
+    stack = _FUNCTORCH.get_interpreter_stack() or []
+    wanted = [i.level() for i in stack if i.key() in (_FUNCTORCH.TransformType.Grad, _FUNCTORCH.TransformType.Jvp)]
+    if not wanted:
+        return []
+    own = set()
+    while _FUNCTORCH.is_functorch_wrapped_tensor(t):
+        if _FUNCTORCH.is_gradtrackingtensor(t):
+            own.add(_FUNCTORCH.maybe_get_level(t))
+        t = _FUNCTORCH.get_unwrapped(t)
+    return [level for level in wanted if level not in own]
+
 
 def view_creation_meta(t: torch.Tensor) -> str:
     """How autograd recorded the view `t` was made (`"DEFAULT"`, `"MULTI_OUTPUT_NODE"`,

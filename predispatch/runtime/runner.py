@@ -9,7 +9,8 @@ graph, in hooks, because they inspect Python values rather than compute:
   dtype and shape, dynamic-shape ranges), then the saved-tensor snapshot (`_snapshot_saved`);
 - `_after_call` (forward hook, always called): closes the snapshot.
 
-Under Dynamo both hooks step aside (see Note [Checks under torch.compile]).
+Under Dynamo both hooks step aside (see Note [Checks under torch.compile]).  A program that writes
+back holds its module's lock for the whole call, hooks included (Note [Concurrent calls]).
 
 Where later steps plug in: a check of the call goes in `_before_call` after `check_inputs`; a
 check of every write target before any write goes at the top of `apply_mutations`; a new kind
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -104,6 +106,15 @@ class ProgramModule(fx.GraphModule):
     graph itself creates are held by `GraphConstant`s, which are neither state nor submodules.
     """
 
+    def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
+        """nn.Module's call (hooks, forward), under the module's lock if it writes anything back:
+        see Note [Concurrent calls]."""
+        lock = None if torch.compiler.is_dynamo_compiling() else _CALL_LOCKS.get(self)
+        if lock is None:
+            return super()._call_impl(*args, **kwargs)
+        with lock:
+            return super()._call_impl(*args, **kwargs)
+
     def __deepcopy__(self, memo: dict) -> ProgramModule:
         """A copy with the same kinds of state (fx's own deepcopy re-creates each attribute the
         graph reads as a persistent buffer), sharing only the exported module kept for its
@@ -114,6 +125,8 @@ class ProgramModule(fx.GraphModule):
         memo[id(self)] = copied
         skip = ("_graph", "_code", "_in_spec", "_out_spec", "_call_plan")  # the copy plans its own calls
         copied.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in skip}, memo))
+        if self in _CALL_LOCKS:
+            _CALL_LOCKS[copied] = new_call_lock()  # its own state: calls of the two do not wait for each other
         graph = fx.Graph()
         output, old_output = graph.graph_copy(self.graph, {}, return_output_node=True)
         graph.output(output, type_expr=getattr(old_output, "type", None))
@@ -216,9 +229,39 @@ def keep_class_names(original: nn.Module, copied: nn.Module) -> None:
 
 
 def attach_call_hooks(module: ProgramModule) -> None:
-    """Register the input checks and the saved-tensor snapshot around each call."""
+    """Register the input checks and the saved-tensor snapshot around each call; give a program
+    that writes back its lock (Note [Concurrent calls])."""
     module.register_forward_pre_hook(_before_call, with_kwargs=True)
     module.register_forward_hook(_after_call, always_call=True)
+    if module.call_contract.writes:
+        _CALL_LOCKS[module] = new_call_lock()
+
+
+# Note [Concurrent calls]
+# A call reads the state it writes when the graph starts and writes the new values back when it
+# ends (`apply_mutations`): two threads calling one module at once would both read the old
+# count and both write old + 1, losing an update eager's in-place op keeps (3 threads x 400
+# calls of `self.count.add_(1)` kept 487 to 621 of 1200).  So a module whose program writes
+# anything back (state or inputs) holds a re-entrant lock of its own for the whole call, from
+# before the pre-hook's checks to after the write-back and the forward hooks (`_call_impl`; a
+# `with`, so a call that raises, even in a hook, releases it): its calls run one at a time, in
+# some order, as eager's would have each applied its updates.  A program that writes nothing
+# has no lock, and its calls run concurrently.  Re-entrant, so a call made inside a call of the
+# same module (by a hook) does not wait for itself; a re-export traces a call like any other;
+# `copy.deepcopy` gives the copy a lock of its own (its own state).  Not covered: two modules over the same
+# tensors (`ep.module()` twice, or the model itself, for a module export) do not wait for each
+# other, as two eager modules sharing a buffer do not; and under Dynamo the lock steps aside
+# like the checks (Note [Checks under torch.compile]: Dynamo cannot trace a lock), so calls of
+# `torch.compile(ep.module())` are not serialized, as those of `torch.compile(model)` are not.
+
+#: The lock of each module that writes back (Note [Concurrent calls]); kept here, not as an
+#: attribute, whose name a state of the program could take.
+_CALL_LOCKS: weakref.WeakKeyDictionary[ProgramModule, Any] = weakref.WeakKeyDictionary()
+
+
+def new_call_lock() -> Any:
+    """A module's call lock (Note [Concurrent calls]); re-entrant, so nested calls pass."""
+    return threading.RLock()
 
 
 # Note [Checks under torch.compile]
@@ -239,7 +282,7 @@ def _before_call(module: ProgramModule, args: tuple, kwargs: dict) -> None:
         tensors = check_inputs(module.call_contract, args, kwargs)
     inputs = (*plan.read_state(), *tensors)
     targets = [inputs[i] for i in plan.target_at]
-    check_write_targets(plan.write_plans, targets, inputs, plan.target_at, plan.shared)  # before any write
+    check_write_targets(plan.write_plans, targets, inputs, plan.target_at, plan.shared, module.call_contract.writes)  # before any write
     _open_snapshots().append((module, _keep_saved_values(plan, targets)))
 
 
@@ -250,7 +293,8 @@ def _keep_saved_values(plan: _CallPlan, targets: list[torch.Tensor]) -> tuple[An
     if not targets or not (plan.enables_grad or torch.is_grad_enabled()):
         _THREAD.clone_on_read = _NOTHING  # autograd saves nothing: no copy at all
         return contextlib.nullcontext(), previous
-    on_read = [t for t, may in zip(targets, plan.may_clone_on_read) if may and _small_plain(t)]
+    wrapped = ti.functorch_active()
+    on_read = [t for t, may in zip(targets, plan.may_clone_on_read) if may and _small_plain(ti.memory_of(t) if wrapped else t)]
     watched = [t for t in targets if all(t is not c for c in on_read)]
     snapshot = _snapshot_saved(watched) if watched else contextlib.nullcontext()
     snapshot.__enter__()
@@ -785,7 +829,12 @@ def apply_mutations(writers: tuple[str, ...], targets: tuple[torch.Tensor, ...],
     half-way; what only the values tell (`check_write_values`) is checked before the first write.
     """
     if not torch.compiler.is_dynamo_compiling():
-        check_write_values(targets, values)
+        calls = _open_snapshots()
+        if calls:  # the running call's: its plans and names word an error
+            module = calls[-1][0]
+            check_write_values(targets, values, module.call_contract.write_plans, module.call_contract.writes)
+        else:
+            check_write_values(targets, values)
     for writer, target, value in zip(writers, targets, values):
         _WRITE_BACK[writer](target, value)
 
@@ -827,12 +876,13 @@ def _snapshot_saved(targets: list[torch.Tensor]):
     new values back in place, which would bump the saved tensors' versions.  Saving a copy of
     exactly those tensors keeps backward's view of the values the graph read.
     """
-    if not targets or any(type(t) not in PLAIN_TENSOR_TYPES for t in targets):
+    memories = [ti.memory_of(t) for t in targets]  # under torch.func: Note [Calls under torch.func] in writes.py
+    if not targets or any(type(t) not in PLAIN_TENSOR_TYPES for t in memories):
         return contextlib.nullcontext()  # nothing written, or being traced (a re-export)
-    storages = {t.untyped_storage().data_ptr() for t in targets}
+    storages = {t.untyped_storage().data_ptr() for t in memories}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() in storages:
+        if type(memory := ti.memory_of(t)) in PLAIN_TENSOR_TYPES and memory.untyped_storage().data_ptr() in storages:
             return t.clone()
         return t
 

@@ -36,8 +36,32 @@ into such a view even when the view itself does not.  `check_write_values` check
 after the graph ran and before the first write, so that call too writes nothing (the graph
 has run, so a random draw in it has happened).
 
+Under torch.func's transforms the checks read through functorch's wrappers (Note [Calls under
+torch.func]).
+
 The helpers take plain lists so any runner (today's `ProgramModule`, or a generated
 `GraphModule`) can call them.
+
+Note [Calls under torch.func]
+-----------------------------
+`torch.func.vmap(ep.module())(x)` calls the module with `x` wrapped in a BatchedTensor (grad's
+GradTrackingTensor likewise), and the write-back's `copy_` runs through the wrapper as eager's
+in-place op does: into the plain tensor under it for a batched input, into the buffer itself for
+state vmap did not map.  So eager's vmap cases run here too: a buffer update whose value is the
+same for the whole batch (`self.steps.add_(1)`), an in-place op on a batched input.  The checks
+read the tensors eager's op would reach: memory (storage, overlap, data pointers) of the plain
+tensor under every wrapper (`ti.memory_of`; a wrapper has none to read), and autograd's view,
+leaf and inference state of the tensor under vmap's wrappers (`ti.below_vmap`: the batching rule
+runs the op on it, and the wrapper reports none of its own).  Two writes eager refuses, we refuse
+by name before any write:
+
+- a value batched at a vmap level its target is not (`self.acc.add_(x)` into a buffer vmap did not
+  map): one buffer cannot hold a value per batch element; eager raises at the op ("output with
+  shape [4] doesn't match the broadcast shape [3, 4]").  Only the computed value tells, so
+  `check_write_values` refuses it after the graph ran, before the first write;
+- any write to a tensor a running grad/jvp transform captured (the module's own buffer under
+  `torch.func.grad`): functorch refuses every in-place op on it ("would mutate a captured
+  Tensor"); `check_write_targets` refuses it before the graph runs.
 
 Note [State a kernel resizes]
 -----------------------------
@@ -171,6 +195,7 @@ def check_write_targets(
     inputs: Sequence[torch.Tensor] = (),
     positions: Sequence[int] | None = None,
     shared: Mapping[int, frozenset[int]] | None = None,
+    names: Sequence[object] = (),
 ) -> None:
     """Raise `MutationTargetError` if eager would refuse to change any of `targets` in place.
 
@@ -183,17 +208,22 @@ def check_write_targets(
         [All or nothing calls]).
     shared: position -> positions of the state that shared its memory at export: the graph
         writes those back consistently, so their overlap is not refused.
+    names: per target, its `CallContract.writes` entry (the state's name, a user input's index), for fixes.
     Called before the graph runs, so a failing call changes nothing (Note [All or nothing calls]).
     """
     if not plans or _traced(targets):
         return  # nothing written, or a re-export traces this call: checks would be recorded as ops
+    wrapped = ti.functorch_active()  # Note [Calls under torch.func]
     storages = None
     for i, (plan, target) in enumerate(zip(plans, targets)):
         grad_on = torch.is_grad_enabled() if plan.grad_mode is None else plan.grad_mode
-        problem = _eager_refusal(target, grad_on, plan.writes_data)
+        problem = _captured_by_transform(target, names[i] if i < len(names) else None) if wrapped else None
+        if problem is None:
+            problem = _eager_refusal(ti.below_vmap(target) if wrapped else target, grad_on, plan.writes_data, wrapped)
         if problem is None and plan.writes_data:
             if storages is None:  # one list comprehension: this runs at every call
-                storages = [t.untyped_storage().data_ptr() if type(t) in PLAIN_TENSOR_TYPES and t.numel() else None for t in inputs]
+                memories = [ti.memory_of(t) for t in inputs] if wrapped else inputs
+                storages = [t.untyped_storage().data_ptr() if type(t) in PLAIN_TENSOR_TYPES and t.numel() else None for t in memories]
             position = _position(target, inputs) if positions is None else positions[i]
             if position < 0 or storages.count(storages[position]) > 1:
                 problem = _shared_memory(target, inputs, position, (shared or {}).get(position, frozenset()))
@@ -216,15 +246,26 @@ def _position(target: torch.Tensor, inputs: Sequence[torch.Tensor]) -> int:
     return next((i for i, t in enumerate(inputs) if t is target), -1)
 
 
-def check_write_values(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+def check_write_values(
+    targets: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    plans: Sequence[WritePlan] = (),
+    names: Sequence[object] = (),
+) -> None:
     """Raise `MutationTargetError` before the first write-back if any would raise: a view eager
     may not change in place with grad mode on (`_eager_view_refusal`) that gets a value that
-    requires grad.  `check_write_targets` refused the targets that require grad themselves
-    before the graph ran; what a value requires is known only once the graph has run."""
-    if not torch.is_grad_enabled():
+    requires grad; under vmap, a value batched where its target is not (Note [Calls under
+    torch.func]).  `check_write_targets` refused the targets that require grad themselves
+    before the graph ran; what a value is is known only once the graph has run.  `plans` and
+    `names` (the state's name, or a user input's index) word the error when given."""
+    wrapped = ti.functorch_active()
+    if not (wrapped or torch.is_grad_enabled()):
         return
-    for target, value in zip(targets, values):
-        if type(target) in PLAIN_TENSOR_TYPES and value.requires_grad and target._is_view():
+    for i, (target, value) in enumerate(zip(targets, values)):
+        if wrapped:
+            _check_batched_value(target, value, plans[i].label if i < len(plans) else "a tensor", names[i] if i < len(names) else None)
+            target, value = ti.below_vmap(target), ti.below_vmap(value)
+        if torch.is_grad_enabled() and type(target) in PLAIN_TENSOR_TYPES and value.requires_grad and target._is_view():
             problem = _eager_view_refusal(target)
             if problem is not None:
                 raise MutationTargetError(
@@ -233,6 +274,55 @@ def check_write_values(targets: Sequence[torch.Tensor], values: Sequence[torch.T
                     where=user_frame(),
                     fix=problem[1],
                 )
+
+
+def _state_name(name: object) -> str | None:
+    """The state's name of a `CallContract.writes` entry (a name, or (name, part) for a part of a
+    tensor subclass), None for a user input (its index)."""
+    return name if isinstance(name, str) else name[0] if isinstance(name, tuple) else None
+
+
+def _check_batched_value(target: torch.Tensor, value: torch.Tensor, label: str, name: object) -> None:
+    """Refuse a value batched at a vmap level its target is not (Note [Calls under torch.func])."""
+    if not ti.vmap_levels(value) - ti.vmap_levels(target):
+        return
+    name = _state_name(name)
+    if name is not None:
+        fix = (
+            f"give each batch element its own {name!r}: torch.func.vmap(lambda s, x: torch.func.functional_call(m, "
+            f"{{{name!r}: s}}, (x,)))(batched, x) with batched = m.{name}.expand(n, *m.{name}.shape).clone() (eager "
+            "needs the same); or write a value the whole batch shares (reduce over the batch outside vmap)."
+        )
+    else:
+        fix = "map that input too (in_dims=0 for it: each batch element gets its own), as eager needs."
+    raise MutationTargetError(
+        f"under torch.func.vmap the program changes {label} in place with a value that differs per batch element "
+        "(it depends on a mapped input), and that tensor is one for the whole batch: it cannot hold a value per "
+        "element, so eager raises too (at the in-place op: 'output with shape ... doesn't match the broadcast "
+        "shape ...'); the graph ran, nothing was written.",
+        where=user_frame(),
+        fix=fix,
+    )
+
+
+def _captured_by_transform(target: torch.Tensor, name: object) -> tuple[str, str] | None:
+    """(what, fix) when a running grad/jvp transform captured `target` (Note [Calls under torch.func])."""
+    if not ti.grad_levels_missing(target):
+        return None
+    name = _state_name(name)
+    if name is not None:
+        fix = (
+            f"make it an input of the transformed function: torch.func.grad(lambda x, s: torch.func.functional_call("
+            f"m, {{{name!r}: s}}, (x,)).sum())(x, m.{name}), as eager needs; or call outside the transform."
+        )
+    else:
+        fix = "pass that tensor to the transformed function as an argument, as eager needs; or call outside the transform."
+    return (
+        "it is a tensor the running torch.func transform (grad, vjp, jacrev, jvp) captured rather than took as "
+        "an input, which functorch lets no in-place op change, so eager raises too ('would mutate a captured "
+        "Tensor')",
+        fix,
+    )
 
 
 def apply_metadata_mutation(target: torch.Tensor, value: torch.Tensor, writes_data: bool) -> None:
@@ -260,10 +350,11 @@ def _extent(t: torch.Tensor) -> int:
     return 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s > 0)
 
 
-def _eager_refusal(target: torch.Tensor, grad_on: bool, writes_data: bool) -> tuple[str, str] | None:
+def _eager_refusal(target: torch.Tensor, grad_on: bool, writes_data: bool, wrapped: bool = False) -> tuple[str, str] | None:
     """(what, fix) when eager's in-place op on `target` would raise, else None (a pure metadata
-    change such as `t_()` is allowed on an expanded tensor)."""
-    if writes_data and ti.has_internal_overlap(target):
+    change such as `t_()` is allowed on an expanded tensor).  `wrapped`: a torch.func transform
+    runs, so the memory is under functorch's wrappers (Note [Calls under torch.func])."""
+    if writes_data and ti.has_internal_overlap(ti.memory_of(target) if wrapped else target):
         return (
             "more than one of its elements refers to the same memory (an expanded tensor), so eager "
             "would raise too ('more than one element of the written-to tensor refers to a single "
@@ -347,6 +438,7 @@ def _shared_memory(
 def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
     """(first byte, one past the last byte) of `t`'s elements, as addresses.  None when empty or
     without readable memory (a tensor subclass, a traced tensor of a re-export)."""
+    t = ti.memory_of(t)  # Note [Calls under torch.func]
     if type(t) not in PLAIN_TENSOR_TYPES or t.numel() == 0:
         return None
     start = t.data_ptr()
