@@ -363,7 +363,7 @@ def duplicate_key_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterat
     yield Attack("duplicate_key", "a signature kind given twice", edited(data, lambda p: None, raw=lambda t: _inject_duplicate(
         t, b'"kind": "user_output"', b', "kind": "buffer_mutation"')), ("program.json", "the key 'kind' appears twice"))
     members = members_of(data)
-    manifest = members["manifest.json"].replace(b'"version":1', b'"version":1,"version":2')
+    manifest = members["manifest.json"].replace(b'"version":2', b'"version":2,"version":3')
     yield Attack("duplicate_key", "a manifest version given twice", zip_of({**members, "manifest.json": manifest}), ("manifest.json", "the key 'version' appears twice"))
     yield Attack("duplicate_key", "an integer out of range", edited(data, lambda p: None, raw=lambda t: t.replace(b'"args": [2,', b'"args": [99999999999999999999999,', 1)
                                                                    if b'"args": [2,' in t else t.replace(b'"shape": [3, 3]', b'"shape": [3, 99999999999999999999999]', 1)),

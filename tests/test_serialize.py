@@ -259,7 +259,7 @@ def test_file_layout():
         "manifest.json", "program.json", "state.safetensors", "constants.safetensors", "graph.safetensors"
     ]
     assert {i.compress_type for i in infos} == {zipfile.ZIP_STORED}
-    assert (manifest["format"], manifest["version"]) == ("predispatch.program", 1)
+    assert (manifest["format"], manifest["version"]) == ("predispatch.program", 2)
     nodes = [{k: v for k, v in n.items() if k != "meta"} for n in program["graph_module"]["nodes"]]
     assert nodes == [
         {"op": "placeholder", "name": "x", "target": "x"},
@@ -341,10 +341,10 @@ class RefusedFiles(TestCase):
 
     def test_newer_version(self):
         def newer(program, manifest):
-            manifest["version"] = 2
+            manifest["version"] = 3
 
         self.assertExpectedInline(load_error(rewrite(self.data, newer)), """\
-the file has format version 2; predispatch 0.1.0 reads version 1.
+the file has format version 3; predispatch 0.1.0 reads versions 1, 2.
   fix: upgrade predispatch to a release that reads it.
   see docs/errors.md#serializationerror""")
 
@@ -1048,7 +1048,7 @@ def test_a_namedtuple_with_its_own_constructor_needs_types():
 def test_types_must_be_classes_load_can_build():
     data = saved(export_case("autograd_functions")[0])
     assert "types=: 'Out' is not a class." in load_error(data, types=["Out"])
-    assert "types=: test_serialize:ReturnsFresh is neither a dataclass, a namedtuple class nor a registered pytree node type" in load_error(
+    assert "types=: test_serialize:ReturnsFresh is neither a dataclass, a namedtuple class, an enum, a tensor subclass nor a registered pytree node type" in load_error(
         data, types=[ReturnsFresh])
 
 
