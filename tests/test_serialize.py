@@ -818,7 +818,7 @@ ROOT = os.path.dirname(TESTS)
 ATTACK_CLASSES = (
     "io", "unsafe_constructor", "mutable", "global_state", "uninitialised", "output_type_lie",
     "hop_operand_lie", "duplicate_key", "compression_bomb", "registration", "names",
-    "function_structure", "kernels", "classes",
+    "function_structure", "kernels", "classes", "subclasses",
 )
 
 

@@ -72,6 +72,7 @@ _NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*
 #: What building a class may run, for the refusal, by what the file uses it for.
 _RUNS = "its __new__, __init__ and __post_init__, or its pytree unflatten function"
 _RUNS_SUBCLASS = "its __tensor_unflatten__, and its __torch_dispatch__ on every op applied to it"
+_RUNS_ENUM = "its methods, which using a member calls: __eq__, __hash__, __repr__, ..."
 #: The classes load allows unasked, for the refusal, by what the file uses the class for.
 _REGISTERED = "those your code or a library you imported registered as pytree nodes"
 _WITHOUT_TYPES = {
@@ -212,7 +213,7 @@ class FileClasses:
             if found is not None and (found in pytree.SUPPORTED_NODES or plain(found)):
                 cls = found
         if cls is None:
-            return self._refuse(name, where, _WITHOUT_TYPES[tag])
+            return self._refuse(name, where, _WITHOUT_TYPES[tag], _RUNS_ENUM if tag == "enum" else _RUNS)
         if not kind(cls):
             raise SerializationError(f"{where}: the file names {name} as the class of a {tag}, which it is not.")
         return cls

@@ -250,7 +250,7 @@ def _decode_class(name: Any, where: str, refs: Refs) -> type:
 def _decode_object(tag: str, payload: Any, where: str, refs: Refs) -> Any:
     """An enum member, dataclass or namedtuple instance of a flatten context (`Refs.objects`)."""
     if refs.objects is None:
-        raise SerializationError(f"{where}: a {tag} value ({short(payload)}) is only valid in a tensor subclass's flatten context.")
+        raise SerializationError(f"{where}: a value tagged {tag!r} ({short(payload)}) is only valid in a tensor subclass's flatten context.")
     return refs.objects(tag, payload, where, lambda data, at: decode(data, at, refs))
 
 
