@@ -1058,9 +1058,30 @@ def test_files_of_the_first_version_1_writers_still_load():
 
     ep, args, kwargs = export_case("buffer_mutation")
     members = load_attacks.members_of(saved(ep))
-    members["manifest.json"] = json.dumps({k: v for k, v in json.loads(members["manifest.json"]).items() if k != "sizes"}).encode()
+    manifest = {k: v for k, v in json.loads(members["manifest.json"]).items() if k != "sizes"}
+    members["manifest.json"] = json.dumps({**manifest, "version": 1}).encode()
     loaded = predispatch.load(io.BytesIO(load_attacks.zip_of(members)))
     assert_same_behaviour(ep, loaded, args, kwargs)
+    members["manifest.json"] = json.dumps(manifest).encode()  # version 2 writers always write them
+    assert "manifest.json is corrupted: format version 2 lists every member's size" in load_error(load_attacks.zip_of(members))
+
+
+#: The fields format version 2 added (tensor subclasses): a plain program's file has none.
+VERSION_2_FIELDS = ('"inner"', '"layout"', '"subclass_state"', '"subclasses"', '"enum"', '"dataclass"', '"namedtuple"')
+
+
+@pytest.mark.parametrize("case", ["buffer_mutation", "autograd_functions", "kwargs"])
+def test_plain_programs_save_as_version_2_files_version_1_readers_knew(case):
+    """A plain program's file differs from version 1's only in the version number: a version 1
+    file (the same bytes, the manifest saying 1) still loads and behaves the same."""
+    import load_attacks
+
+    ep, args, kwargs = export_case(case)
+    members = load_attacks.members_of(saved(ep))
+    assert json.loads(members["manifest.json"])["version"] == 2
+    assert not any(field.encode() in members["program.json"] for field in VERSION_2_FIELDS)
+    version_1 = load_attacks.zip_of(load_attacks.checksummed(members, {**json.loads(members["manifest.json"]), "version": 1}))
+    assert_same_behaviour(ep, predispatch.load(io.BytesIO(version_1)), args, kwargs)
 
 
 class _NonZero(torch.nn.Module):

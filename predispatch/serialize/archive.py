@@ -289,6 +289,8 @@ def _checked_members(archive: zipfile.ZipFile, manifest: dict) -> dict[str, byte
     if not isinstance(digests, dict) or set(digests) != expected:
         raise SerializationError(f"manifest.json is corrupted: it lists members {short(digests)}, expected {sorted(expected)}.")
     sizes = manifest.get("sizes")  # optional in version 1: files of the first writers lack it
+    if sizes is None and manifest["version"] >= 2:
+        raise SerializationError("manifest.json is corrupted: format version 2 lists every member's size ('sizes'); it has none.")
     if sizes is not None and sizes != {name: archive.getinfo(name).file_size for name in expected}:
         raise SerializationError(f"the file is corrupted: its members' sizes differ from the manifest's {short(sizes)}.")
     members = {}
