@@ -150,7 +150,7 @@ class SubclassLayout:
     size, stride: the subclass tensor's outer size and stride.
     """
 
-    cls: type
+    cls: type[Any]
     context: Any
     inner: tuple[tuple[str, SubclassLayout | None], ...]
     size: tuple[int, ...]

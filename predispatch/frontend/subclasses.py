@@ -94,7 +94,7 @@ def has_own_rules(t: Any) -> bool:
     )
 
 
-def _overrides_torch(cls: type) -> bool:
+def _overrides_torch(cls: type[Any]) -> bool:
     """Whether `cls` brings its own torch function or dispatch rules."""
     return cls.__torch_function__ is not torch.Tensor.__torch_function__ or getattr(cls, "__torch_dispatch__", None) not in (
         None, torch.Tensor.__torch_dispatch__)
@@ -103,7 +103,7 @@ def _overrides_torch(cls: type) -> bool:
 def layout_of(t: torch.Tensor, where: str) -> SubclassLayout:
     """`t`'s layout (`SubclassLayout`), its parts checked: each a plain tensor or a subclass
     that is itself taken apart; sizes static."""
-    names, context = t.__tensor_flatten__()
+    names, context = t.__tensor_flatten__()  # type: ignore[attr-defined]  # a traceable wrapper subclass
     inner: list[tuple[str, SubclassLayout | None]] = []
     for name in names:
         value = getattr(t, name)

@@ -479,8 +479,10 @@ def _check_version_fields(signature: Any, tensors: Any, version: int) -> None:
     """A file claiming version 1 holds none of the fields version 2 added (`VERSION_2_FIELDS`)."""
     if version >= 2 or not isinstance(signature, dict):
         return
-    places = {"signature": [signature], "tensors": [tensors]}
-    places.update({key: signature.get(key) if isinstance(signature.get(key), list) else [] for key in VERSION_2_FIELDS if key not in places})
+    places: dict[str, list] = {"signature": [signature], "tensors": [tensors]}
+    for key in VERSION_2_FIELDS.keys() - places.keys():
+        records = signature.get(key)
+        places[key] = records if isinstance(records, list) else []
     for key, fields in VERSION_2_FIELDS.items():
         for record in places[key]:
             found = [f for f in fields if isinstance(record, dict) and f in record]

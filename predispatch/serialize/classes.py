@@ -197,8 +197,9 @@ class FileClasses:
                 _check_fields(cls, list(args), where)
         else:
             args = tuple(decode(value, f"{where}[{i}]") for i, value in enumerate(payload["values"]))
-            if displayed_name(cls) is None and len(args) != len(cls._fields):
-                raise SerializationError(f"{where}: {len(args)} values for the namedtuple {payload['class']}, which has {len(cls._fields)} fields.")
+            fields = None if displayed_name(cls) is not None else getattr(cls, "_fields")
+            if fields is not None and len(args) != len(fields):
+                raise SerializationError(f"{where}: {len(args)} values for the namedtuple {payload['class']}, which has {len(fields)} fields.")
         return Unbuilt(tag, cls, args)
 
     def _context_class(self, tag: str, name: str, where: str) -> type:

@@ -132,7 +132,7 @@ def _encode_object(value: Any, where: str) -> dict | None:
         fields = [[f.name, encode(getattr(value, f.name), f"{where}.{f.name}", objects=True)] for f in dataclasses.fields(value) if f.init]
         return {"dataclass": {"class": class_name(type(value), where), "fields": fields}}
     if isinstance(value, tuple) and type(value) is not tuple and pytree.is_namedtuple_instance(value):
-        values = [encode(v, f"{where}.{name}", objects=True) for name, v in zip(type(value)._fields, value)]
+        values = [encode(v, f"{where}.{name}", objects=True) for name, v in zip(getattr(type(value), "_fields"), value)]
         return {"namedtuple": {"class": class_name(type(value), where), "values": values}}
     return None
 

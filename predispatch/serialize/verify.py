@@ -753,8 +753,10 @@ def _part_output_problems(ep: Program, node: Any, spec: OutputSpec) -> Iterator[
 
 def _whole_specs(inputs: tuple[InputSpec, ...]) -> tuple[InputSpec, ...]:
     """One spec per lifted tensor: a subclass's parts share its names (its first part stands for it)."""
-    seen: set[str] = set()
-    return tuple(s for s in inputs if not s.inner or s.kind is InputKind.USER_INPUT or not (s.target in seen or seen.add(s.target)))
+    firsts: dict[Any, InputSpec] = {}
+    for i, s in enumerate(inputs):
+        firsts.setdefault(s.target if s.inner and s.kind is not InputKind.USER_INPUT else i, s)
+    return tuple(firsts.values())
 
 
 def _is_subclass_tensor(t: Any) -> bool:

@@ -257,11 +257,11 @@ def _unrepresentable(ep: Program) -> list[str]:
         if leaf.layout is not None:
             problems.append(f"{leaf.path} is a tensor subclass ({leaf.layout.class_name}); torch's program would take or "
                             "return its parts instead (Note [Tensor subclass state in torch's ExportedProgram])")
-    names = [fqn for spec in sig.inputs if spec.kind is not InputKind.USER_INPUT for fqn in spec.names]
-    for spec in sig.inputs:
-        for fqn in spec.names if spec.inner else ():
-            if torch_name(fqn, spec.inner) in names:
-                problems.append(f"part {spec.inner!r} of {fqn!r} would be named {torch_name(fqn, spec.inner)!r}, which is another state's name")
+    names = [fqn for state in sig.inputs if state.kind is not InputKind.USER_INPUT for fqn in state.names]
+    for state in sig.inputs:
+        for fqn in state.names if state.inner else ():
+            if torch_name(fqn, state.inner) in names:
+                problems.append(f"part {state.inner!r} of {fqn!r} would be named {torch_name(fqn, state.inner)!r}, which is another state's name")
     for path, module in ep.graph_module.named_modules():
         for node in module.graph.nodes if isinstance(module, fx.GraphModule) else ():
             target = node.target
