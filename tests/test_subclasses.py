@@ -424,3 +424,17 @@ def test_to_torch_refuses_a_subclass_input_and_output_by_name():
         ep.to_torch()
     assert "y is a tensor subclass (torch.testing._internal.two_tensor.TwoTensor)" in str(err.value)
     assert "output is a tensor subclass" in str(err.value)
+
+
+def test_a_joint_program_with_subclass_gradients_saves_and_loads():
+    """The joint's gradient of a TwoTensor parameter is its parts' outputs, built again into a
+    TwoTensor by the loaded program; the loaded program saves to the same bytes."""
+    m, x = TwoLoss(), torch.tensor([[0, 3], [4, 1]])
+    data = saved(predispatch.export(m, (x,)).joint())
+    loaded = predispatch.load(io.BytesIO(data), types=[TwoTensor])
+    assert saved(loaded) == data
+    eager = copy.deepcopy(m)
+    eager(x).backward()
+    loss, grads = loaded.module()(x)
+    assert_same(loss, eager(x))
+    assert_same(grads["w"], eager.w.grad)
