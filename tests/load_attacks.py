@@ -917,6 +917,9 @@ def subclass_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[At
     yield Attack("subclasses", "a plain input claiming to be a part",
                  edited(data, lambda p: next(s for s in p["signature"]["inputs"] if s["name"] == "x").update(inner="a")),
                  ("signature input x", "its graph inputs are the parts ['a'], its layout's ['']"), types=allowed)
+    yield Attack("subclasses", "a layout for a tensor the program does not have",
+                 edited(data, lambda p: p["signature"]["subclass_state"].append({"target": "nowhere", "layout": layout_of(p)})),
+                 ("signature subclass_state['nowhere']", "names no lifted state of the program"), types=allowed)
     yield Attack("subclasses", "subclasses nested deeper than a file holds", nested_layout(data, 9),
                  ("signature subclass_state['w'].a", "nest more than 8 deep"), types=allowed)
     yield Attack("subclasses", "subclass fields in a file claiming format version 1",

@@ -438,3 +438,40 @@ def test_a_joint_program_with_subclass_gradients_saves_and_loads():
     loss, grads = loaded.module()(x)
     assert_same(loss, eager(x))
     assert_same(grads["w"], eager.w.grad)
+
+
+def test_plain_enums_are_those_naming_a_member_runs_no_code_of():
+    """A file may name a member of a plain enum without `types=`: made by `enum.EnumType`, no
+    Python code of its own (its members' `==`, hash and repr are the enum module's or C's)."""
+    import enum
+
+    from predispatch.serialize.classes import is_plain_enum
+
+    class Text(str, enum.Enum):
+        A = "a"
+
+    class Number(enum.IntEnum):
+        A = 1
+
+    class Missing(enum.Enum):
+        A = 1
+
+        @classmethod
+        def _missing_(cls, value):
+            return cls.A
+
+    class Meta(enum.EnumMeta):
+        pass
+
+    class WithMeta(enum.Enum, metaclass=Meta):
+        A = 1
+
+    class Named(enum.Enum):
+        A = 1
+
+        @property
+        def label(self):
+            return "a"
+
+    assert [is_plain_enum(c) for c in (Rounding, Text, Number)] == [True, True, True]
+    assert [is_plain_enum(c) for c in (Fancy, Missing, WithMeta, Named, int, QuantConfig)] == [False] * 6

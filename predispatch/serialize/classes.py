@@ -216,7 +216,7 @@ class FileClasses:
         if cls is None:
             return self._refuse(name, where, _WITHOUT_TYPES[tag], _RUNS_ENUM if tag == "enum" else _RUNS)
         if not kind(cls):
-            raise SerializationError(f"{where}: the file names {name} as the class of a {tag}, which it is not.")
+            raise SerializationError(f"{where}: the file names {name} as the class of {'an' if tag == 'enum' else 'a'} {tag}, which it is not.")
         return cls
 
     def _factory(self, name: str, where: str) -> type:
@@ -358,7 +358,8 @@ def is_plain_enum(cls: Any) -> bool:
         for value in vars(c).values():
             if isinstance(value, cls) or isinstance(value, (_C_LEVEL, _PLAIN_DATA)):
                 continue
-            if isinstance(value, pytypes.FunctionType) and value.__module__ == "enum":
+            function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            if isinstance(function, pytypes.FunctionType) and function.__module__ == "enum":
                 continue
             return False
     return True

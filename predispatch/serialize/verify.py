@@ -702,6 +702,9 @@ def _subclass_state_problems(ep: Program, target: str, layout: SubclassLayout) -
     the same aliases), and the stored tensor is that subclass or has exactly those parts."""
     specs = [(i, s) for i, s in enumerate(ep.signature.inputs) if s.kind is not InputKind.USER_INPUT and s.target == target]
     paths = list(layout.paths())
+    if not specs:
+        yield "names no lifted state of the program"
+        return
     if [s.inner for _, s in specs] != paths:
         yield f"its parts {paths} are not the inner paths of the inputs whose target it is ({[s.inner for _, s in specs]})"
         return
