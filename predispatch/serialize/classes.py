@@ -40,10 +40,10 @@ a plain enum brings no Python code of its own that using the member could run.  
 them waits until the whole file is verified (`Unbuilt`).
 
 Anything else is refused with `SerializationError` naming the class, where the file names it,
-and the `types=` that allows it: every class of the file not allowed, in one message.  A program read for display only (`predispatch show`,
-`draw`: `load_for_display`) looks nothing up: every class beyond pytree's containers is a
-`DisplayedClass` carrying the file's name, which cannot be built, and the program it is in
-has no `module()`.
+and the `types=` that allows it: every class of the file not allowed, in one message.  A
+program read for display only (`predispatch show`, `draw`: `load_for_display`) looks nothing
+up: every class beyond pytree's containers is a `DisplayedClass` carrying the file's name,
+which cannot be built, and the program it is in has no `module()`.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class FileClasses:
 
     def tensor_subclass(self, name: str, where: str) -> type:
         """The class a tensor subclass layout names: only one passed in `types=` (whether it is
-        a tensor subclass load can build is the verifier's: `subclass_layout_problems`)."""
+        a tensor subclass load can build is the verifier's: `subclass_problems` in verify.py)."""
         if not _NAME.fullmatch(name):
             raise SerializationError(f"{where}: {short(name)} is not a class name (module:qualname).")
         if self.display:
@@ -296,8 +296,9 @@ def _payload(tag: str, payload: Any, where: str) -> dict:
     if tag == "enum" and not isinstance(payload["name"], str):
         raise SerializationError(f"{where}: an enum member's name is a string, not {short(payload['name'])}.")
     if tag == "dataclass" and not (isinstance(payload["fields"], list) and all(
-            isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) for f in payload["fields"])):
-        raise SerializationError(f"{where}: a dataclass's fields are [[name, value], ...], not {short(payload['fields'])}.")
+            isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) for f in payload["fields"])
+            and len({f[0] for f in payload["fields"]}) == len(payload["fields"])):
+        raise SerializationError(f"{where}: a dataclass's fields are [[name, value], ...], each name once, not {short(payload['fields'])}.")
     if tag == "namedtuple" and not isinstance(payload["values"], list):
         raise SerializationError(f"{where}: a namedtuple's values are a list, not {short(payload['values'])}.")
     return payload

@@ -20,6 +20,8 @@ What it checks, each from a table so that a new op family, HOP or output kind is
   stored tensor's dtype and shape, and every output is a node whose value is what its
   `OutputKind` says (`OUTPUT_RULES`): a tensor where a tensor is promised, a mutation with
   its target's dtype and shape;
+- tensor subclasses (`subclass_problems`): each layout's class can be taken apart and built,
+  each subclass's parts are its inputs (or outputs) in its layout's order, and all stored;
 - with `stored=True` (a program read from or written to a file): no op of a `files_only`
   family (sparse, nested, quantized; export emits them for the user's own code), every tensor
   is a dense strided tensor with data, inside its storage, never on the `meta` device, and
@@ -49,7 +51,7 @@ from predispatch.signature import MUTATION_KINDS, ExportSignature, InputKind, In
 
 __all__ = [
     "HOP_CONVENTIONS", "OUTPUT_RULES", "PYTHON_CALLABLES", "HopConvention", "Problem", "custom_namespaces",
-    "graph_problems", "program_problems", "stored_tensor_problems", "verify_program", "verifying",
+    "graph_problems", "program_problems", "stored_tensor_problems", "subclass_problems", "verify_program", "verifying",
 ]
 
 
@@ -554,8 +556,6 @@ OUTPUT_RULES: dict[str, Callable[[Any, Any, str], str | None]] = {
     "GRADIENT_TO_PARAMETER": _parameter_gradient,
     "GRADIENT_TO_USER_INPUT": _input_gradient,
 }
-
-
 
 
 def _signature_problems(ep: Program) -> Iterator[Problem]:
