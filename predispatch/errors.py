@@ -226,15 +226,16 @@ class SerializationError(PredispatchError):
 
     Cause (load): the file is not a predispatch program, is truncated or corrupted (every
     member is checksummed), has a format version this release does not read, names an op that
-    is not allowed or does not exist in this torch, or names a class from a module that is not
-    imported, or breaks the IR contract export keeps (serialize/verify.py: an op outside the
+    is not allowed or does not exist in this torch, or names a class you did not allow (`types=`:
+    a dataclass, a tensor subclass, a class its flatten context holds), or breaks the IR contract export keeps (serialize/verify.py: an op outside the
     allow list, a HOP operand or output that lies, a kernel fed what its forward never makes,
     a name that is not an identifier or would replace a module attribute, subgraphs nested
     deeper than 32, a meta tensor record), or is a compressed or oversized archive.  Load never returns a partial program and never runs code the file chooses.
     Cause (call): `ep.module()` refuses to run a backward kernel that reads its gradient
     unchecked, given a gradient of another shape than its forward's output (an edited file).
-    Cause (save): the program holds something format version 1 cannot describe (a tensor
-    subclass, a sparse tensor, a symbolic shape, a class defined inside a function).
+    Cause (save): the program holds something format version 2 cannot describe (a sparse
+    tensor, a symbolic shape, a class defined inside a function, a tensor subclass whose flatten
+    context holds more than plain data, enum members, dataclasses and namedtuples).
     Fix: the message names the file member and the node or input; see docs/format.md.
     """
 

@@ -10,7 +10,8 @@ Classes (the issue's list): io, unsafe_constructor, mutable, global_state, unini
 output_type_lie, hop_operand_lie, duplicate_key, compression_bomb, registration; and since:
 names, function_structure, kernels (issue 21); classes (issue 40: classes the user did not
 allow); sizes (issue 40: size expressions beyond the grammar's bounds); call_sites (issue 40:
-subgraphs called from many places, nested shared bodies).
+subgraphs called from many places, nested shared bodies); subclasses (issue 32: tensor subclass
+layouts, parts and flatten contexts that lie).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import enum
 import hashlib
 import io
 import json
@@ -72,6 +74,25 @@ class NotPlain(collections.namedtuple("NotPlain", "a")):
         with open(MARKER, "w"):
             pass
         return super().__new__(cls, *values)
+
+
+class PlainMode(enum.Enum):
+    """A plain enum: a file may name its members, not members it does not have."""
+
+    ONE = 1
+
+
+class CodedMode(enum.Enum):
+    """An enum with code of its own: a file may name its members only when the user allows it."""
+
+    ONE = 1
+
+    def __eq__(self, other):
+        with open(MARKER, "w"):
+            pass
+        return self is other
+
+    __hash__ = enum.Enum.__hash__
 
 
 # --------------------------------------------------------------------------- crafting
@@ -160,7 +181,8 @@ def base_programs() -> dict[str, bytes]:
 
     bases = {name: saved(export_case(name)[0]) for name in ("autograd_functions", "buffer_mutation", "graph_tensors", "kwargs")}
     regions = saved(export_case("region_detached_double")[0])
-    return {**bases, "regions": regions, "kernels": kernel_program(), "shape_kernels": shape_kernel_program(), "sizes": chain_program(1)}
+    return {**bases, "regions": regions, "kernels": kernel_program(), "shape_kernels": shape_kernel_program(),
+            "sizes": chain_program(1), "subclasses": subclass_program()}
 
 
 # --------------------------------------------------------------------------- attack classes
@@ -366,7 +388,7 @@ def duplicate_key_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterat
     yield Attack("duplicate_key", "a signature kind given twice", edited(data, lambda p: None, raw=lambda t: _inject_duplicate(
         t, b'"kind": "user_output"', b', "kind": "buffer_mutation"')), ("program.json", "the key 'kind' appears twice"))
     members = members_of(data)
-    manifest = members["manifest.json"].replace(b'"version":1', b'"version":1,"version":2')
+    manifest = members["manifest.json"].replace(b'"version":2', b'"version":2,"version":3')
     yield Attack("duplicate_key", "a manifest version given twice", zip_of({**members, "manifest.json": manifest}), ("manifest.json", "the key 'version' appears twice"))
     yield Attack("duplicate_key", "an integer out of range", edited(data, lambda p: None, raw=lambda t: t.replace(b'"args": [2,', b'"args": [99999999999999999999999,', 1)
                                                                    if b'"args": [2,' in t else t.replace(b'"shape": [3, 3]', b'"shape": [3, 99999999999999999999999]', 1)),
@@ -1062,6 +1084,117 @@ def kernel_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Atta
                            "(trusts_inputs:", bases["autograd_functions"], rng)
 
 
+# --------------------------------------------------------------------------- tensor subclasses (issue 32)
+
+
+class SubclassState(torch.nn.Module):
+    """A TwoTensor parameter and a TwoTensor buffer (stored as their parts, format version 2),
+    a plain input and output."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(TwoTensor(torch.randn(3, 3), torch.randn(3, 3)))
+        self.register_buffer("s", TwoTensor(torch.ones(3), torch.full((3,), 2.0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = (x @ self.w) * self.s
+        return y.get_elem_a() + y.b
+
+
+def subclass_program() -> bytes:
+    from test_serialize import saved
+
+    return saved(predispatch.export(SubclassState(), (torch.randn(4, 3),)))
+
+
+def layout_of(program: dict, target: str = "w") -> dict:
+    return next(e["layout"] for e in program["signature"]["subclass_state"] if e["target"] == target)
+
+
+def retensored(data: bytes, edit: Callable[[dict, dict], None]) -> bytes:
+    """`data` with `edit(program, state)` applied to program.json and state.safetensors's tensors."""
+    import safetensors.torch
+
+    members = members_of(data)
+    program, state = json.loads(members["program.json"]), safetensors.torch.load(members["state.safetensors"])
+    edit(program, state)
+    members.update({"program.json": json.dumps(program).encode(), "state.safetensors": safetensors.torch.save(state)})
+    return zip_of(checksummed(members))
+
+
+def _without_part(program: dict, state: dict) -> None:
+    del program["tensors"]["state"]["w:b"], state["w:b"]
+
+
+def _renamed_part(program: dict, state: dict) -> None:
+    program["tensors"]["state"]["v:a"], state["v:a"] = program["tensors"]["state"].pop("w:a"), state.pop("w:a")
+
+
+def nested_layout(data: bytes, depth: int) -> bytes:
+    """The parameter's layout nested `depth` deep (a subclass whose part is a subclass ...)."""
+    def edit(p):
+        layout = layout_of(p)
+        for _ in range(depth - 1):
+            layout["inner"][0][1] = copy.deepcopy(layout_of(p))
+            layout = layout["inner"][0][1]
+    return edited(data, edit)
+
+
+def subclass_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    """Files whose tensor subclasses lie: refused by name before any subclass is built."""
+    data, two = bases["subclasses"], ("torch.testing._internal.two_tensor.TwoTensor",)
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    allowed = (TwoTensor,)
+    yield Attack("subclasses", "a subclass the user did not allow", data,
+                 ("signature subclass_state['w']", "torch.testing._internal.two_tensor:TwoTensor", "__tensor_unflatten__",
+                  "types=[torch.testing._internal.two_tensor.TwoTensor]"))
+    yield Attack("subclasses", "a layout whose parts are not its inputs'",
+                 edited(data, lambda p: layout_of(p).update(inner=[["b", None], ["a", None]])),
+                 ("signature subclass_state['w']", "its parts ['b', 'a'] are not the inner paths"), types=allowed)
+    yield Attack("subclasses", "a part missing", retensored(data, _without_part),
+                 ("signature subclass_state['w']", "the file stores the parts ['a'], its layout has ['a', 'b']"), types=allowed)
+    yield Attack("subclasses", "a part of a subclass tensor the file does not list", retensored(data, _renamed_part),
+                 ("state.safetensors['v:a']", "tensors.subclasses does not list"), types=allowed)
+    yield Attack("subclasses", "a part whose record lies about its shape",
+                 edited(data, lambda p: p["tensors"]["state"]["w:a"].update(shape=[9], stride=[1])),
+                 ("signature input p_w__a (PARAMETER 'w')", "its value is torch.float32[2 dims], its target torch.float32[1 dims]"),
+                 types=allowed)
+    yield Attack("subclasses", "a layout class that is no tensor subclass",
+                 edited(data, lambda p: layout_of(p).update({"class": f"{__name__}:Unregistered"})),
+                 ("signature subclass_state['w']", "its class Unregistered is not a tensor subclass with __tensor_flatten__"),
+                 types=(TwoTensor, Unregistered))
+    yield Attack("subclasses", "a context naming torch's ProcessFailure, which reads the file it names",
+                 edited(data, lambda p: layout_of(p).update(context={"dataclass": {"class": PROCESS_FAILURE, "fields": [
+                     ["local_rank", 0], ["pid", 1], ["exitcode", 1], ["error_file", SECRET]]}})),
+                 ("signature subclass_state['w'] context", f"the class {PROCESS_FAILURE};", "types=[" + PROCESS_FAILURE.replace(":", ".")),
+                 types=allowed, never_opened=SECRET)
+    yield Attack("subclasses", "a context enum with code of its own",
+                 edited(data, lambda p: layout_of(p).update(context={"enum": {"class": f"{__name__}:CodedMode", "name": "ONE"}})),
+                 ("signature subclass_state['w'] context", f"{__name__}:CodedMode", "plain enums"), types=allowed)
+    yield Attack("subclasses", "a context enum member that does not exist",
+                 edited(data, lambda p: layout_of(p).update(context={"enum": {"class": f"{__name__}:PlainMode", "name": "TWO"}})),
+                 ("signature subclass_state['w'] context", f"{__name__}:PlainMode has no member 'TWO'"), types=allowed)
+    yield Attack("subclasses", "a context value outside a flatten context",
+                 edited(data, lambda p: p["signature"]["input_leaves"][0].update(is_tensor=False, value={"enum": {
+                     "class": f"{__name__}:PlainMode", "name": "ONE"}})),
+                 ("signature input_leaves", "is only valid in a tensor subclass's flatten context"), types=allowed)
+    yield Attack("subclasses", "a plain input claiming to be a part",
+                 edited(data, lambda p: next(s for s in p["signature"]["inputs"] if s["name"] == "x").update(inner="a")),
+                 ("signature input x", "its graph inputs are the parts ['a'], its layout's ['']"), types=allowed)
+    yield Attack("subclasses", "a layout for a tensor the program does not have",
+                 edited(data, lambda p: p["signature"]["subclass_state"].append({"target": "nowhere", "layout": layout_of(p)})),
+                 ("signature subclass_state['nowhere']", "names no lifted state of the program"), types=allowed)
+    yield Attack("subclasses", "subclasses nested deeper than a file holds", nested_layout(data, 9),
+                 ("signature subclass_state['w'].a", "nest more than 8 deep"), types=allowed)
+    yield Attack("subclasses", "subclass fields in a file claiming format version 1",
+                 zip_of(checksummed(members_of(data), {**json.loads(members_of(data)["manifest.json"]), "version": 1})),
+                 ("signature: holds 'subclass_state', which format version 2 introduced",), types=allowed)
+
+
 ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[Attack]]] = {
     "io": io_attacks,
     "unsafe_constructor": unsafe_constructor_attacks,
@@ -1079,6 +1212,7 @@ ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[A
     "kernels": kernel_attacks,
     "sizes": size_attacks,
     "call_sites": call_site_attacks,
+    "subclasses": subclass_attacks,
 }
 
 

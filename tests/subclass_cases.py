@@ -8,13 +8,16 @@ and a method forward calls (`dequantize`).  Module level, so a loading process f
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-__all__ = ["Scaled", "ScaledLinear", "TwoTensor", "Opaque", "quantize"]
+__all__ = ["Configured", "Fancy", "Opaque", "QuantConfig", "Rounding", "Scaled", "ScaledLinear", "TwoTensor", "quantize"]
 
 
 class Scaled(torch.Tensor):
@@ -55,7 +58,8 @@ class Scaled(torch.Tensor):
         kwargs = kwargs or {}
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default):
             (t,) = args
-            out = Scaled(func(t.qdata), func(t.scale), t.dtype)
+            names, context = t.__tensor_flatten__()
+            out = type(t).__tensor_unflatten__({n: func(getattr(t, n)) for n in names}, context, t.shape, t.stride())
             return return_and_correct_aliasing(func, args, kwargs, out)
         raise NotImplementedError(f"Scaled does not implement {func}")
 
@@ -66,16 +70,64 @@ def quantize(w: torch.Tensor) -> Scaled:
     return Scaled(torch.round(w / scale).to(torch.int8), scale, w.dtype)
 
 
+class Rounding(enum.Enum):
+    """A plain enum: a file may name its members without `types=` (no code of its own)."""
+
+    NEAREST = 1
+    DOWN = 2
+
+
+class Fancy(enum.Enum):
+    """An enum with a method of its own: a file may name its members only with `types=`."""
+
+    PLAIN = 1
+
+    def describe(self) -> str:
+        return self.name.lower()
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """A quantization config in a flatten context, as torchao's `QuantizeTensorToInt8Kwargs`."""
+
+    bits: int
+    rounding: Rounding
+    fancy: Fancy = Fancy.PLAIN
+
+
+class Configured(Scaled):
+    """A `Scaled` whose flatten context holds a dataclass instance and enum members, as
+    torchao's `Int8Tensor(act_quant_kwargs=QuantizeTensorToInt8Kwargs(PerRow(), ...))`."""
+
+    @staticmethod
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, config: QuantConfig):
+        return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=dtype, device=qdata.device)
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, config: QuantConfig):
+        super().__init__(qdata, scale, dtype)
+        self.config = config
+
+    def __tensor_flatten__(self):
+        return ["qdata", "scale"], {"dtype": self.dtype, "config": self.config}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, context, outer_size, outer_stride):
+        return Configured(inner["qdata"], inner["scale"], context["dtype"], context["config"])
+
+
 class ScaledLinear(torch.nn.Module):
     """Two linears whose weights are `Scaled`, frozen as a quantized model's are."""
 
-    def __init__(self):
+    def __init__(self, config: QuantConfig | None = None):
         super().__init__()
         torch.manual_seed(0)
         self.a = torch.nn.Linear(8, 16)
         self.b = torch.nn.Linear(16, 4)
         for lin in (self.a, self.b):
-            lin.weight = torch.nn.Parameter(quantize(lin.weight.detach()), requires_grad=False)
+            weight = quantize(lin.weight.detach())
+            if config is not None:
+                weight = Configured(weight.qdata, weight.scale, weight.dtype, config)
+            lin.weight = torch.nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.relu(self.a(x)))

@@ -259,7 +259,7 @@ def test_file_layout():
         "manifest.json", "program.json", "state.safetensors", "constants.safetensors", "graph.safetensors"
     ]
     assert {i.compress_type for i in infos} == {zipfile.ZIP_STORED}
-    assert (manifest["format"], manifest["version"]) == ("predispatch.program", 1)
+    assert (manifest["format"], manifest["version"]) == ("predispatch.program", 2)
     nodes = [{k: v for k, v in n.items() if k != "meta"} for n in program["graph_module"]["nodes"]]
     assert nodes == [
         {"op": "placeholder", "name": "x", "target": "x"},
@@ -341,10 +341,10 @@ class RefusedFiles(TestCase):
 
     def test_newer_version(self):
         def newer(program, manifest):
-            manifest["version"] = 2
+            manifest["version"] = 3
 
         self.assertExpectedInline(load_error(rewrite(self.data, newer)), """\
-the file has format version 2; predispatch 0.1.0 reads version 1.
+the file has format version 3; predispatch 0.1.0 reads versions 1, 2.
   fix: upgrade predispatch to a release that reads it.
   see docs/errors.md#serializationerror""")
 
@@ -926,7 +926,7 @@ ROOT = os.path.dirname(TESTS)
 ATTACK_CLASSES = (
     "io", "unsafe_constructor", "mutable", "global_state", "uninitialised", "output_type_lie",
     "hop_operand_lie", "duplicate_key", "compression_bomb", "registration", "names",
-    "function_structure", "kernels", "classes", "sizes", "call_sites",
+    "function_structure", "kernels", "classes", "sizes", "call_sites", "subclasses",
 )
 
 
@@ -1156,7 +1156,7 @@ def test_a_namedtuple_with_its_own_constructor_needs_types():
 def test_types_must_be_classes_load_can_build():
     data = saved(export_case("autograd_functions")[0])
     assert "types=: 'Out' is not a class." in load_error(data, types=["Out"])
-    assert "types=: test_serialize:ReturnsFresh is neither a dataclass, a namedtuple class nor a registered pytree node type" in load_error(
+    assert "types=: test_serialize:ReturnsFresh is neither a dataclass, a namedtuple class, an enum, a tensor subclass nor a registered pytree node type" in load_error(
         data, types=[ReturnsFresh])
 
 
@@ -1166,9 +1166,30 @@ def test_files_of_the_first_version_1_writers_still_load():
 
     ep, args, kwargs = export_case("buffer_mutation")
     members = load_attacks.members_of(saved(ep))
-    members["manifest.json"] = json.dumps({k: v for k, v in json.loads(members["manifest.json"]).items() if k != "sizes"}).encode()
+    manifest = {k: v for k, v in json.loads(members["manifest.json"]).items() if k != "sizes"}
+    members["manifest.json"] = json.dumps({**manifest, "version": 1}).encode()
     loaded = predispatch.load(io.BytesIO(load_attacks.zip_of(members)))
     assert_same_behaviour(ep, loaded, args, kwargs)
+    members["manifest.json"] = json.dumps(manifest).encode()  # version 2 writers always write them
+    assert "manifest.json is corrupted: format version 2 lists every member's size" in load_error(load_attacks.zip_of(members))
+
+
+#: The fields format version 2 added (tensor subclasses): a plain program's file has none.
+VERSION_2_FIELDS = ('"inner"', '"layout"', '"subclass_state"', '"subclasses"', '"enum"', '"dataclass"', '"namedtuple"')
+
+
+@pytest.mark.parametrize("case", ["buffer_mutation", "autograd_functions", "kwargs"])
+def test_plain_programs_save_as_version_2_files_version_1_readers_knew(case):
+    """A plain program's file differs from version 1's only in the version number: a version 1
+    file (the same bytes, the manifest saying 1) still loads and behaves the same."""
+    import load_attacks
+
+    ep, args, kwargs = export_case(case)
+    members = load_attacks.members_of(saved(ep))
+    assert json.loads(members["manifest.json"])["version"] == 2
+    assert not any(field.encode() in members["program.json"] for field in VERSION_2_FIELDS)
+    version_1 = load_attacks.zip_of(load_attacks.checksummed(members, {**json.loads(members["manifest.json"]), "version": 1}))
+    assert_same_behaviour(ep, predispatch.load(io.BytesIO(version_1)), args, kwargs)
 
 
 class _NonZero(torch.nn.Module):

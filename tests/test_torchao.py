@@ -10,15 +10,20 @@ trains: `ep.module()`'s and `ep.joint()`'s gradients equal eager's.  Needs the `
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 
 import pytest
+import safetensors.torch
 import torch
 
 import predispatch
 from predispatch.frontend.subclasses import is_subclass
 from predispatch.passes import mutable_ops
 
-from helpers import assert_verified
+from helpers import assert_verified, subprocess_env
 from subclass_cases import TinyLlama
 
 pytestmark = pytest.mark.consumers
@@ -117,3 +122,142 @@ def test_qat_prepared_model_trains_as_eager(model):
     torch.testing.assert_close(loss, expected.float().sum(), rtol=0, atol=0)
     for name, e in eager.named_parameters():
         torch.testing.assert_close(grads[f"inner.{name}"], e.grad, rtol=0, atol=0, msg=name)
+
+
+# --------------------------------------------------------------------------- saved, loaded elsewhere
+
+
+#: The classes each config's program needs in `load(path, types=...)`: the tensor subclass, and
+#: the classes its flatten context holds (torchao's `MappingType` and `KernelPreference` are
+#: plain enums: a file may name their members).
+TYPES = {
+    "int8_weight_only": ["torchao.quantization:Int8Tensor"],
+    "int8_dynamic_activation": [
+        "torchao.quantization:Int8Tensor",
+        "torchao.quantization.quantize_.workflows.int8.int8_tensor:QuantizeTensorToInt8Kwargs",
+        "torchao.quantization.granularity:PerRow",
+    ],
+    "intx_weight_only": ["torchao.quantization:IntxUnpackedToInt8Tensor"],
+    "8da4w": ["torchao.quantization:IntxUnpackedToInt8Tensor"],
+    "float8_weight_only": ["torchao.quantization:Float8Tensor"],
+    "qat": [],
+}
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Loss(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return self.inner(*args).float().sum()
+
+
+def _saved_case(folder: str, model: str, config: str) -> dict:
+    """Export, save and run one case here: the job for the fresh process, and eager's results
+    (the QAT case: its forward program, then its joint, whose results are the loss and gradients)."""
+    m, example, other = _case(model)
+    if config == "qat":
+        m.train()
+        quantize_(m, QATConfig(Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4), step="prepare"))
+        programs = {"forward": predispatch.export(m, example), "joint": predispatch.export(Loss(m), example).joint()}
+        eager = copy.deepcopy(m)
+        leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in example]  # the joint's input gradients too
+        loss = eager(*leaves).float().sum()
+        loss.backward()
+        grads = [*(p.grad for _, p in eager.named_parameters()), *(a.grad for a in leaves if a.requires_grad)]
+        expected = {"forward": [eager(*example)], "joint": [loss, *grads]}
+        calls = {"forward": [example], "joint": [example]}
+    else:
+        m.eval()
+        quantize_(m, CONFIGS[config]())
+        programs = {"forward": predispatch.export(m, example)}
+        with torch.no_grad():
+            expected = {"forward": [m(*example), m(*other)]}
+        calls = {"forward": [example, other]}
+    jobs = []
+    for kind, ep in programs.items():
+        stem = os.path.join(folder, f"{model}-{config}-{kind}")
+        predispatch.save(ep, f"{stem}.pd")
+        safetensors.torch.save_file({f"{i}.{j}": a for i, args in enumerate(calls[kind]) for j, a in enumerate(args)}, f"{stem}.inputs")
+        jobs.append({"program": f"{stem}.pd", "inputs": f"{stem}.inputs", "outputs": f"{stem}.outputs", "types": TYPES[config],
+                     "expected": [t.detach() for t in expected[kind]]})
+    return {"jobs": jobs}
+
+
+@pytest.fixture(scope="module")
+def loaded_elsewhere(tmp_path_factory):
+    """Every case saved here and loaded and run in one fresh interpreter that imports torchao
+    and passes each case's `types=` (tests/load_in_fresh_process.py)."""
+    folder = str(tmp_path_factory.mktemp("torchao"))
+    cases = {(model, config): _saved_case(folder, model, config) for model in ("mlp", "llama") for config in TYPES}
+    jobs = [{k: v for k, v in job.items() if k != "expected"} for case in cases.values() for job in case["jobs"]]
+    with open(os.path.join(folder, "jobs.json"), "w") as f:
+        json.dump(jobs, f)
+    result = subprocess.run([sys.executable, os.path.join(HERE, "load_in_fresh_process.py"), os.path.join(folder, "jobs.json")],
+                            capture_output=True, text=True, timeout=900, env=subprocess_env(os.path.dirname(HERE)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return cases
+
+
+@pytest.mark.parametrize("model", ["mlp", "llama"])
+@pytest.mark.parametrize("config", list(TYPES))
+def test_saved_program_loads_in_a_fresh_process_as_eager(loaded_elsewhere, model, config):
+    """Quantized weights stored as their parts, built again by torchao's own classes in a process
+    that imported torchao and allowed them (`types=`); QAT's forward and joint programs too."""
+    for job in loaded_elsewhere[(model, config)]["jobs"]:
+        got = safetensors.torch.load_file(job["outputs"])
+        assert len(got) == len(job["expected"])
+        actual = [got[key] for key in sorted(got, key=lambda k: tuple(map(int, k.split("."))))]
+        for a, e in zip(actual, job["expected"], strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0, msg=job["program"])
+
+
+@pytest.mark.parametrize("config", [c for c in TYPES if TYPES[c]])
+def test_a_quantized_file_names_the_types_it_needs(loaded_elsewhere, config):
+    """Without `types=` load refuses, naming every class the file needs; its fix is `TYPES`."""
+    (job,) = loaded_elsewhere[("mlp", config)]["jobs"]
+    with pytest.raises(predispatch.errors.SerializationError) as err:
+        predispatch.load(job["program"])
+    fix = str(err.value).split("predispatch.load(path, types=[")[1].split("])")[0]
+    assert fix.split(", ") == [name.replace(":", ".") for name in TYPES[config]], str(err.value)
+
+
+# --------------------------------------------------------------------------- torch's consumers
+
+
+def _torch_part_name(target: str, index: int) -> str:
+    """Where torch's `run_decompositions()` puts part `index` of the subclass parameter `target`
+    (`unwrap_tensor_subclass_parameters`: `up.parametrizations.weight.original0`)."""
+    owner, _, attribute = target.rpartition(".")
+    return f"{owner}.parametrizations.{attribute}.original{index}".lstrip(".")
+
+
+@pytest.mark.parametrize("model", ["mlp", "llama"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_to_torch_gives_torch_consumers_torch_exports_program(tmp_path, model, config):
+    """`to_torch()` holds each quantized weight as its plain parts (`up.weight__qdata`): torch's
+    verifier, torch.export.save/load and module() take it, equal to eager.  torch.export's own
+    route for the same model (`torch.export.export`, then the inference lowering consumers use,
+    `run_decompositions({})`) holds the same tensors under torch's names and computes the same;
+    so does `to_torch(for_inference=True)`."""
+    m, example, other = _case(model)
+    m.eval()
+    quantize_(m, CONFIGS[config]())
+    ep = predispatch.export(m, example)
+    converted = ep.to_torch()
+    assert all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (*converted.state_dict.values(), *converted.constants.values()))
+    torch.export.save(converted, tmp_path / "converted.pt2")
+    reloaded = torch.export.load(tmp_path / "converted.pt2")
+    torch_route = torch.export.export(m, example).run_decompositions({})
+    lowered = ep.to_torch(for_inference=True)
+    for target, layout in ep.signature.subclass_state:
+        for index, path in enumerate(layout.paths()):
+            ours = converted.state_dict[f"{target}__{path}"]
+            torch.testing.assert_close(ours, torch_route.state_dict[_torch_part_name(target, index)], rtol=0, atol=0)
+    with torch.no_grad():
+        for args in (example, other):
+            expected = m(*args)
+            for program in (converted, reloaded, torch_route, lowered):
+                torch.testing.assert_close(program.module()(*args), expected, rtol=0, atol=0)

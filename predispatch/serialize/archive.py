@@ -1,16 +1,22 @@
 """`save` / `load`: a program as a zip of JSON and safetensors.  No pickle; loading runs no code.
 
-Layout of format version 1 (docs/format.md states the guarantees and the version policy):
+Layout of format version 2 (docs/format.md states the guarantees and the version policy):
 
-    manifest.json          {"format": "predispatch.program", "version": 1,
+    manifest.json          {"format": "predispatch.program", "version": 2,
                             "writer": {"predispatch": "0.1.0", "torch": "2.13.0"},
                             "members": {"program.json": "<sha256>", ...},
                             "sizes": {"program.json": <bytes>, ...}}     (optional)
     program.json           {"graph_module": ..., "signature": ..., "decompositions": ...,
-                            "tensors": {"state": {name: record}, "constants": ..., "graph": ...}}
-    state.safetensors      parameters and buffers, by fully qualified name
+                            "tensors": {"state": {name: record}, "constants": ..., "graph": ...,
+                                        "subclasses": {target: record}}}    (only with subclasses)
+    state.safetensors      parameters and buffers, by fully qualified name; a tensor subclass's
+                           parts by `target:path` (Note [Tensor subclasses in files] in subclasses.py)
     constants.safetensors  lifted constant tensors, by fully qualified name
     graph.safetensors      tensors graph modules hold themselves (`_tensor_constant0`), by path
+
+Version 2 added tensor subclasses (`inner`, `layout`, `subclass_state`, `tensors.subclasses`,
+the context values of values.py's `_encode_object`); a version 1 file reads as before, and one
+claiming version 1 that holds any of them is refused (`_check_version_fields`).
 
 Members are stored uncompressed with a fixed timestamp, so a program always saves to the same
 bytes.  `load` checks the archive's layout and sizes before reading a byte (Note [Bounded
@@ -68,6 +74,15 @@ from predispatch.serialize.graph import (
     encode_module,
 )
 from predispatch.serialize.shapes import SymbolTable, unbacked_declarations
+from predispatch.serialize.subclasses import (
+    apart,
+    build_program,
+    decode_layout,
+    decode_wholes,
+    encode_layout,
+    missing_wholes,
+    together,
+)
 from predispatch.serialize.values import (
     decode,
     decode_spec,
@@ -99,9 +114,12 @@ FORMAT = "predispatch.program"
 P = TypeVar("P", bound=Program)
 
 #: The version `save` writes.
-VERSION = 1
+VERSION = 2
 #: The versions `load` reads (see docs/format.md for the policy).
-READABLE_VERSIONS = (1,)
+READABLE_VERSIONS = (1, 2)
+#: What version 2 added, where (a file claiming version 1 that holds one is refused).
+VERSION_2_FIELDS = {"signature": ("subclass_state",), "inputs": ("inner",), "outputs": ("inner",),
+                    "input_leaves": ("layout",), "output_leaves": ("layout",), "tensors": ("subclasses",)}
 
 _MANIFEST = "manifest.json"
 _PROGRAM = "program.json"
@@ -124,7 +142,7 @@ def save(ep: Program, f: str | os.PathLike | BinaryIO) -> None:
     loaded program's `module()` always holds copies of the state.
     """
     members = _encode_program(ep)  # first: its refusals (dynamic shapes, unnamed targets) are the more precise
-    verify_program(ep, op_namespaces=custom_namespaces(ep.graph_module), stored=True, context="format version 1 cannot hold this program: ")
+    verify_program(ep, op_namespaces=custom_namespaces(ep.graph_module), stored=True, context=f"format version {VERSION} cannot hold this program: ")
     manifest = {
         "format": FORMAT, "version": VERSION, "writer": _writer(), "members": {n: _digest(d) for n, d in members.items()},
         "sizes": {n: len(d) for n, d in members.items()},  # checked before a member is read
@@ -148,8 +166,8 @@ def load(f: str | os.PathLike | BinaryIO, make: Callable[..., P], *, op_namespac
     classes = classes if classes is not None else FileClasses()
     with open(f, "rb") if isinstance(f, (str, os.PathLike)) else contextlib.nullcontext(f) as file:
         with _reading("the file"):
-            members = _read_archive(file)
-    return _decode_program(members, namespaces, make, classes)
+            members, version = _read_archive(file)
+    return _decode_program(members, version, namespaces, make, classes)
 
 
 # --------------------------------------------------------------------------- the archive
@@ -192,8 +210,9 @@ def _zip_into(out: BinaryIO, members: Mapping[str, bytes]) -> None:
             zf.writestr(info, data)
 
 
-def _read_archive(f: BinaryIO) -> dict[str, bytes]:
-    """The members, after the layout and size checks, the version check and every checksum.
+def _read_archive(f: BinaryIO) -> tuple[dict[str, bytes], int]:
+    """The members and the format version, after the layout and size checks, the version check
+    and every checksum.
 
     See Note [Bounded reading]: nothing is inflated, and no member is read before its name,
     storage method and size have been checked against the format and the file's length.
@@ -212,7 +231,7 @@ def _read_archive(f: BinaryIO) -> dict[str, bytes]:
             raise SerializationError("the file is not a predispatch program: it has no manifest.json.")
         _check_layout(infos, length)
         manifest = _check_manifest(archive.read(_MANIFEST))
-        return _checked_members(archive, manifest)
+        return _checked_members(archive, manifest), manifest["version"]
 
 
 #: The most bytes a member may hold, besides the file's own length (tensor members: only that).
@@ -270,6 +289,8 @@ def _checked_members(archive: zipfile.ZipFile, manifest: dict) -> dict[str, byte
     if not isinstance(digests, dict) or set(digests) != expected:
         raise SerializationError(f"manifest.json is corrupted: it lists members {short(digests)}, expected {sorted(expected)}.")
     sizes = manifest.get("sizes")  # optional in version 1: files of the first writers lack it
+    if sizes is None and manifest["version"] >= 2:
+        raise SerializationError("manifest.json is corrupted: format version 2 lists every member's size ('sizes'); it has none.")
     if sizes is not None and sizes != {name: archive.getinfo(name).file_size for name in expected}:
         raise SerializationError(f"the file is corrupted: its members' sizes differ from the manifest's {short(sizes)}.")
     members = {}
@@ -347,12 +368,13 @@ def _reading(what: str) -> Iterator[None]:
 
 def _encode_signature(sig: ExportSignature) -> dict:
     where = "signature"
-    return {
+    encoded = {
         "inputs": [
-            {"kind": s.kind.value, "name": s.name, "target": s.target, "aliases": list(s.aliases), "persistent": s.persistent}
+            {"kind": s.kind.value, "name": s.name, "target": s.target, "aliases": list(s.aliases), "persistent": s.persistent,
+             **_inner(s.inner)}
             for s in sig.inputs
         ],
-        "outputs": [{"kind": s.kind.value, "name": s.name, "target": s.target} for s in sig.outputs],
+        "outputs": [{"kind": s.kind.value, "name": s.name, "target": s.target, **_inner(s.inner)} for s in sig.outputs],
         "in_spec": encode_spec(sig.in_spec, f"{where} in_spec"),
         "out_spec": encode_spec(sig.out_spec, f"{where} out_spec"),
         "input_leaves": [_encode_leaf(leaf, f"{where} input {leaf.path}") for leaf in sig.input_leaves],
@@ -365,6 +387,17 @@ def _encode_signature(sig: ExportSignature) -> dict:
         "state_order": list(sig.state_order),
         "placements": [_encode_placement(p) for p in sig.placements],
     }
+    if sig.subclass_state:  # version 2; plain programs' files keep their bytes
+        encoded["subclass_state"] = [
+            {"target": target, "layout": encode_layout(layout, f"{where} subclass_state[{target!r}]")}
+            for target, layout in sig.subclass_state
+        ]
+    return encoded
+
+
+def _inner(inner: str) -> dict:
+    """A spec's `inner` (version 2), written only for a part of a tensor subclass."""
+    return {"inner": inner} if inner else {}
 
 
 def _encode_placement(placement: StatePlacement) -> dict:
@@ -398,7 +431,10 @@ def _encode_leaf(leaf: Leaf, where: str) -> dict:
             f"{where}: the argument is a module ({type(leaf.value).__name__}); a file cannot hold a live module.",
             fix="export a module that owns it as a submodule, so its state is saved by name.",
         )
-    return {"path": leaf.path, "is_tensor": leaf.is_tensor, "value": encode(leaf.value, where)}
+    encoded = {"path": leaf.path, "is_tensor": leaf.is_tensor, "value": encode(leaf.value, where)}
+    if leaf.layout is not None:  # version 2
+        encoded["layout"] = encode_layout(leaf.layout, f"{where} layout")
+    return encoded
 
 
 def _encode_shapes(shapes: ShapeRecord) -> dict:
@@ -439,6 +475,24 @@ def _deep_tuple(value: Any) -> Any:
     return tuple(map(_deep_tuple, value)) if isinstance(value, (list, tuple)) else value
 
 
+def _check_version_fields(signature: Any, tensors: Any, version: int) -> None:
+    """A file claiming version 1 holds none of the fields version 2 added (`VERSION_2_FIELDS`)."""
+    if version >= 2 or not isinstance(signature, dict):
+        return
+    places: dict[str, list] = {"signature": [signature], "tensors": [tensors]}
+    for key in VERSION_2_FIELDS.keys() - places.keys():
+        records = signature.get(key)
+        places[key] = records if isinstance(records, list) else []
+    for key, fields in VERSION_2_FIELDS.items():
+        for record in places[key]:
+            found = [f for f in fields if isinstance(record, dict) and f in record]
+            if found:
+                raise SerializationError(
+                    f"{key}: holds {found[0]!r}, which format version 2 introduced, in a file whose manifest says version 1.",
+                    fix="save the program again; a file edited by hand or by another tool may be damaged or crafted.",
+                )
+
+
 def _decode_signature(data: Any, classes: FileClasses) -> ExportSignature:
     where = "signature"
     data = expect(data, dict, where)
@@ -450,8 +504,8 @@ def _decode_signature(data: Any, classes: FileClasses) -> ExportSignature:
         tuple(_decode_output(expect(s, dict, where), where) for s in expect(data.get("outputs"), list, where)),
         decode_spec(data.get("in_spec"), f"{where} in_spec", classes),
         decode_spec(data.get("out_spec"), f"{where} out_spec", classes),
-        tuple(_decode_leaf(leaf, f"{where} input_leaves") for leaf in expect(data.get("input_leaves"), list, where)),
-        tuple(_decode_leaf(leaf, f"{where} output_leaves") for leaf in expect(data.get("output_leaves"), list, where)),
+        tuple(_decode_leaf(leaf, f"{where} input_leaves", classes) for leaf in expect(data.get("input_leaves"), list, where)),
+        tuple(_decode_leaf(leaf, f"{where} output_leaves", classes) for leaf in expect(data.get("output_leaves"), list, where)),
         grad_mode,
         tuple(expect(n, str, where) for n in expect(data.get("arg_names"), list, where)),
         _decode_shapes(data.get("shapes"), f"{where} shapes"),
@@ -459,7 +513,20 @@ def _decode_signature(data: Any, classes: FileClasses) -> ExportSignature:
         tuple(expect(p, str, where) for p in expect(data.get("outside_tree", []), list, where)),  # absent before the field
         tuple(expect(n, str, where) for n in expect(data.get("state_order", []), list, where)),  # absent before the field
         tuple(_decode_placement(p, f"{where} placements") for p in expect(data.get("placements", []), list, where)),
+        _decode_subclass_state(data.get("subclass_state", []), f"{where} subclass_state", classes),  # version 2
     )
+
+
+def _decode_subclass_state(data: Any, where: str, classes: FileClasses) -> tuple:
+    """`[{"target", "layout"}, ...]`: each subclass state tensor's layout."""
+    entries = []
+    for entry in expect(data, list, where):
+        entry = expect(entry, dict, where)
+        if set(entry) != {"target", "layout"}:
+            raise SerializationError(f"{where}: an entry has the fields ['layout', 'target'], not {sorted(entry)}.")
+        target = expect(entry["target"], str, where)
+        entries.append((target, decode_layout(entry["layout"], f"{where}[{target!r}]", classes)))
+    return tuple(entries)
 
 
 
@@ -490,20 +557,28 @@ def _decode_input(data: dict, where: str) -> InputSpec:
         expect(data.get("target"), str, where),
         tuple(expect(a, str, where) for a in expect(data.get("aliases"), list, where)),
         persistent,
+        expect(data.get("inner", ""), str, where),  # version 2
     )
 
 
 def _decode_output(data: dict, where: str) -> OutputSpec:
-    return OutputSpec(_enum(OutputKind, data.get("kind"), where), expect(data.get("name"), str, where), expect(data.get("target"), str, where))
+    return OutputSpec(
+        _enum(OutputKind, data.get("kind"), where), expect(data.get("name"), str, where), expect(data.get("target"), str, where),
+        expect(data.get("inner", ""), str, where),  # version 2
+    )
 
 
-def _decode_leaf(data: Any, where: str) -> Leaf:
+def _decode_leaf(data: Any, where: str, classes: FileClasses) -> Leaf:
     data = expect(data, dict, where)
     is_tensor = expect(data.get("is_tensor"), bool, where)
     value = decode(data.get("value"), where)
     if is_tensor and value is not None:
         raise SerializationError(f"{where}: a tensor leaf with a value.")
-    return Leaf(expect(data.get("path"), str, where), is_tensor, value)
+    path = expect(data.get("path"), str, where)
+    layout = None if data.get("layout") is None else decode_layout(data["layout"], f"{where} {path} layout", classes)  # version 2
+    if layout is not None and not is_tensor:
+        raise SerializationError(f"{where} {path}: a constant leaf with a tensor subclass layout.")
+    return Leaf(path, is_tensor, value, layout)
 
 
 # --------------------------------------------------------------------------- the program
@@ -517,25 +592,38 @@ def _encode_program(ep: Program) -> dict[str, bytes]:
         "signature": _encode_signature(ep.signature),
         "decompositions": {name: {"kept_whole": kept, "why": why} for name, (kept, why) in ep.decompositions.decisions.items()},
     }
-    groups = {"state": ep.state_dict, "constants": ep.constants, "graph": graph_tensors}
+    layouts = dict(ep.signature.subclass_state)
+    (state, wholes), (constants, constant_wholes) = (apart(group, layouts, name) for name, group in (
+        ("state_dict", ep.state_dict), ("constants", ep.constants)))
+    groups = {"state": state, "constants": constants, "graph": graph_tensors}
     packed = {group: pack(tensors, group) for group, tensors in groups.items()}
     program["tensors"] = {group: records for group, (_, records) in packed.items()}
+    if wholes or constant_wholes:  # version 2: only files with tensor subclasses have it
+        program["tensors"]["subclasses"] = {**wholes, **constant_wholes}
     unbacked = unbacked_declarations(ep.graph_module)
     if unbacked:  # only files with unbacked values (a while_loop's int carry) have it: others keep their bytes
         program["unbacked_symbols"] = unbacked
     return {_PROGRAM: _json_bytes(program), **{_TENSOR_MEMBERS[g]: data for g, (data, _) in packed.items()}}
 
 
-def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...], make: Callable[..., P], classes: FileClasses) -> P:
+def _decode_program(
+    members: Mapping[str, bytes], version: int, namespaces: tuple[str, ...], make: Callable[..., P], classes: FileClasses
+) -> P:
     with _reading(_PROGRAM):
         program = expect(_parse_json(members[_PROGRAM], _PROGRAM), dict, _PROGRAM)
         records = expect(program.get("tensors"), dict, "tensors")
+        _check_version_fields(program.get("signature"), records, version)
+        wholes = decode_wholes(records.get("subclasses", {}), "tensors.subclasses")
     tensors = {}
     for group, member in _TENSOR_MEMBERS.items():
         with _reading(member):
             tensors[group] = unpack(members[member], records.get(group), member)
+            if group != "graph":  # a tensor subclass's parts, gathered (Note [Tensor subclasses in files])
+                tensors[group] = together(tensors[group], wholes, member)
     with _reading(_PROGRAM):
+        missing_wholes(wholes, "tensors.subclasses")
         signature = _decode_signature(program.get("signature"), classes)  # first: it declares the size symbols
+        classes.check()  # every class the file names that the user did not allow, in one message
         fake_mode = ti.new_fake_mode()
         symbols = SymbolTable(fake_mode, signature.shapes, "signature shapes", program.get("unbacked_symbols", []))
         loading = GraphLoading(namespaces, fake_mode, tensors["graph"], symbols)
@@ -545,6 +633,8 @@ def _decode_program(members: Mapping[str, bytes], namespaces: tuple[str, ...], m
             _decode_decompositions(program.get("decompositions")),
         )
         verify_program(ep, op_namespaces=namespaces, stored=True, context="the program breaks the IR contract (docs/ir.md): ")
+        if not classes.display:  # tensor subclasses built once the whole file is verified (subclasses.py)
+            ep = build_program(ep, make)
     classes.register()  # the first global change, once the whole file is verified
     return ep
 

@@ -7,6 +7,9 @@ object tagged by type otherwise:
     {"dtype": "float32"}  {"device": "cpu"}  {"layout": "strided"}  {"memory_format": "channels_last"}
     {"class": "collections:namedtuple"}              only in pytree contexts
     {"tensor": {"shape", "stride", ...}}             only in node meta (fake tensors: no data)
+    {"enum": {"class", "name"}}                      only in a tensor subclass's flatten context
+    {"dataclass": {"class", "fields": [[name, value], ..]}}     (format version 2): the objects
+    {"namedtuple": {"class", "values": [..]}}                   load builds once the file is verified
 
 Tensors with data go to safetensors, with a JSON record each for what safetensors does not keep
 (stride, Parameter-ness, requires_grad, device).  Which classes a file may name, and how:
@@ -15,6 +18,8 @@ Note [Classes a file may name] in classes.py.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 import re
 from collections import namedtuple
@@ -87,9 +92,12 @@ TORCH_VALUES: dict[str, tuple[type, Callable[[Any], str], Callable[[str], Any]]]
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
-def encode(value: Any, where: str, *, classes: bool = False, tensors: bool = False) -> Any:
+def encode(value: Any, where: str, *, classes: bool = False, tensors: bool = False, objects: bool = False) -> Any:
     """`value` as JSON data (see the module docstring); `classes` and `tensors` allow type
-    references (pytree contexts) and tensor metadata (node meta)."""
+    references (pytree contexts) and tensor metadata (node meta), `objects` enum members,
+    dataclass and namedtuple instances (a tensor subclass's flatten context: `_encode_object`)."""
+    if objects and (found := _encode_object(value, where)) is not None:
+        return found
     if value is None or isinstance(value, (bool, str)) or type(value) is int:
         return value
     if type(value) is float:
@@ -97,7 +105,7 @@ def encode(value: Any, where: str, *, classes: bool = False, tensors: bool = Fal
     if isinstance(value, fx.Node):
         return {"node": value.name}
     if isinstance(value, (list, tuple, dict)):
-        return _encode_container(value, where, classes=classes, tensors=tensors)
+        return _encode_container(value, where, classes=classes, tensors=tensors, objects=objects)
     for tag, (kind, name_of, _) in TORCH_VALUES.items():
         if isinstance(value, kind) and _round_trips(tag, value):
             return {tag: name_of(value)}
@@ -110,7 +118,23 @@ def encode(value: Any, where: str, *, classes: bool = False, tensors: bool = Fal
     if classes and isinstance(value, type):
         return {"class": class_name(value, where)}
     hint = " Symbolic floats and bools are not part of format version 1." if isinstance(value, _SYMBOLIC) else ""
-    raise SerializationError(f"{where}: a {type(value).__name__} ({short(value)}) has no encoding in format version 1.{hint}")
+    raise SerializationError(f"{where}: a {type(value).__name__} ({short(value)}) has no encoding in format version 2.{hint}")
+
+
+def _encode_object(value: Any, where: str) -> dict | None:
+    """An enum member (by its class and name: first, as a `str` or `int` enum is also a str or
+    an int, which would read back as one), a dataclass instance (its class and the fields its
+    `__init__` takes) or a namedtuple instance (its class and values); None for any other value.
+    Which of these classes load may build: Note [Classes a file may name] in classes.py."""
+    if isinstance(value, enum.Enum):
+        return {"enum": {"class": class_name(type(value), where), "name": value.name}}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = [[f.name, encode(getattr(value, f.name), f"{where}.{f.name}", objects=True)] for f in dataclasses.fields(value) if f.init]
+        return {"dataclass": {"class": class_name(type(value), where), "fields": fields}}
+    if isinstance(value, tuple) and type(value) is not tuple and pytree.is_namedtuple_instance(value):
+        values = [encode(v, f"{where}.{name}", objects=True) for name, v in zip(getattr(type(value), "_fields"), value)]
+        return {"namedtuple": {"class": class_name(type(value), where), "values": values}}
+    return None
 
 
 def _round_trips(tag: str, value: Any) -> bool:
@@ -158,12 +182,17 @@ class Refs:
     nodes: graph nodes defined so far, by name (in node arguments).
     classes: how a {"class": name} becomes a class (in pytree contexts: classes.py); None: it may not.
     fake_mode: the mode {"tensor": ...} metadata becomes fake tensors in (in node meta).
+    objects: how an {"enum"}, {"dataclass"} or {"namedtuple"} value becomes one, unbuilt until
+        the file is verified (in a tensor subclass's flatten context: `FileClasses.context_value`
+        in classes.py; called with the tag, the payload, where, and how to decode its values);
+        None: it may not.
     """
 
     nodes: Mapping[str, fx.Node] | None = None
     classes: Callable[[str, str], type] | None = None
     fake_mode: Any = None
     symbols: Any = None  # the program's SymbolTable (shapes.py): symbolic sizes in node meta
+    objects: Callable[[str, Any, str, Callable[[Any, str], Any]], Any] | None = None
 
 
 _PLAIN = Refs()
@@ -216,6 +245,13 @@ def _decode_class(name: Any, where: str, refs: Refs) -> type:
     if refs.classes is None:
         raise SerializationError(f"{where}: {short(name)} is not a class a pytree spec may name here.")
     return refs.classes(expect(name, str, where), where)
+
+
+def _decode_object(tag: str, payload: Any, where: str, refs: Refs) -> Any:
+    """An enum member, dataclass or namedtuple instance of a flatten context (`Refs.objects`)."""
+    if refs.objects is None:
+        raise SerializationError(f"{where}: a value tagged {tag!r} ({short(payload)}) is only valid in a tensor subclass's flatten context.")
+    return refs.objects(tag, payload, where, lambda data, at: decode(data, at, refs))
 
 
 def _decode_tensor_meta(meta: Any, where: str, refs: Refs) -> torch.Tensor:
@@ -278,6 +314,7 @@ _DECODERS: dict[str, Callable[[Any, str, Refs], Any]] = {
     "tensor": _decode_tensor_meta,
     "symint": lambda data, where, refs: _symbolic(data, where, refs, relation=False),
     "symbool": lambda data, where, refs: _symbolic(data, where, refs, relation=True),
+    **{tag: (lambda data, where, refs, tag=tag: _decode_object(tag, data, where, refs)) for tag in ("enum", "dataclass", "namedtuple")},
     **{tag: (lambda name, where, refs, tag=tag: decode_named(tag, name, where)) for tag in TORCH_VALUES},
 }
 

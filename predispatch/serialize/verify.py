@@ -23,6 +23,8 @@ What it checks, each from a table so that a new op family, HOP or output kind is
   stored tensor's dtype and shape, and every output is a node whose value is what its
   `OutputKind` says (`OUTPUT_RULES`): a tensor where a tensor is promised, a mutation with
   its target's dtype and shape;
+- tensor subclasses (`subclass_problems`): each layout's class can be taken apart and built,
+  each subclass's parts are its inputs (or outputs) in its layout's order, and all stored;
 - with `stored=True` (a program read from or written to a file): no op of a `files_only`
   family (sparse, nested, quantized; export emits them for the user's own code), every tensor
   is a dense strided tensor with data, inside its storage, never on the `meta` device, and
@@ -44,14 +46,16 @@ from torch import fx, nn
 from predispatch.errors import SerializationError
 from predispatch.runtime import names as naming
 from predispatch.runtime.writes import resized_by_kernel, resized_targets
+from predispatch.serialize.classes import displayed_name, is_tensor_subclass
+from predispatch.serialize.subclasses import SEPARATOR, StoredParts, part_of
 from predispatch.serialize.values import STORED_DEVICE_TYPES
 from predispatch.serialize.kernel_inputs import BodyCalls, FunctionPair, callers_of, trusted_input_problems
 from predispatch.serialize.op_allowlist import decide
-from predispatch.signature import MUTATION_KINDS, ExportSignature, InputKind, Program, state_names
+from predispatch.signature import MUTATION_KINDS, ExportSignature, InputKind, InputSpec, OutputKind, OutputSpec, Program, SubclassLayout, state_names
 
 __all__ = [
     "HOP_CONVENTIONS", "MAX_CALL_EXPANSION", "MAX_CALL_WORK", "OUTPUT_RULES", "PYTHON_CALLABLES", "HopConvention", "Problem", "custom_namespaces",
-    "graph_problems", "program_problems", "stored_tensor_problems", "verify_program", "verifying",
+    "graph_problems", "program_problems", "stored_tensor_problems", "subclass_problems", "verify_program", "verifying",
 ]
 
 
@@ -700,13 +704,6 @@ OUTPUT_RULES: dict[str, Callable[[Any, Any, str], str | None]] = {
 }
 
 
-def _part(tensor: Any, inner: str) -> Any:
-    """The plain tensor at attribute path `inner` of a subclass tensor (`tensor` itself for "")."""
-    for name in inner.split(".") if inner else ():
-        tensor = getattr(tensor, name, None)
-    return tensor
-
-
 def _signature_problems(ep: Program) -> Iterator[Problem]:
     """The signature, the graph and the state describe one program."""
     sig = ep.signature
@@ -721,7 +718,8 @@ def _signature_problems(ep: Program) -> Iterator[Problem]:
     resized = resized_targets(ep.graph_module, sig)
     for node, spec in zip(placeholders, sig.inputs):
         if spec.target in stored and spec.kind != InputKind.USER_INPUT and node.name == spec.name:
-            why = _same_metadata(_val(node), _part(stored[spec.target], spec.inner), resizable=spec.target in resized)
+            part = part_of(stored[spec.target], spec.inner)
+            why = _same_metadata(_val(node), part, resizable=spec.target in resized) if isinstance(part, torch.Tensor) else None
             if why:
                 yield Problem(f"signature input {spec.name} ({spec.kind.name} {spec.target!r})", why)
     tensor_leaves = sum(leaf.width for leaf in sig.input_leaves)
@@ -730,6 +728,7 @@ def _signature_problems(ep: Program) -> Iterator[Problem]:
     yield from _outside_tree_problems(sig)
     yield from _state_order_problems(sig)
     yield from _placement_problems(sig, stored)
+    yield from subclass_problems(ep)
     yield from _output_problems(ep)
 
 
@@ -783,10 +782,147 @@ def _output_problems(ep: Program) -> Iterator[Problem]:
             yield Problem(where, f"returns node {value.name}, the signature names {spec.name}")
         elif rule is None:
             yield Problem(where, f"no rule checks output kind {spec.kind.name}; add one to OUTPUT_RULES in predispatch/serialize/verify.py")
+        elif spec.inner and spec.kind.name in _PART_OUTPUT_KINDS:  # a part of a subclass: its own tensor
+            yield from (Problem(where, why) for why in _part_output_problems(ep, value, spec))
         elif (why := rule(ep, value, spec.target)) is not None:
             yield Problem(where, why)
     if sig.out_spec.num_leaves != len(sig.output_leaves) or sum(leaf.width for leaf in sig.output_leaves) != user_outputs:
         yield Problem("signature output_leaves", "the output spec, output leaves and user outputs disagree")
+
+
+# --------------------------------------------------------------------------- tensor subclasses
+
+
+#: Output kinds whose check reads the stored tensor they stand for: for a part of a subclass,
+#: the part (`_part_output_problems`).
+_PART_OUTPUT_KINDS = frozenset({"BUFFER_MUTATION", "PARAMETER_MUTATION", "GRADIENT_TO_PARAMETER"})
+
+
+def subclass_problems(ep: Program) -> Iterator[Problem]:
+    """The tensor subclasses of the program fit together (Note [Tensor subclasses] in
+    frontend/subclasses.py; Note [Tensor subclasses in files] in serialize/subclasses.py): each
+    layout is one `module()` can take apart and build, each subclass state target's parts are
+    its inputs with `inner`, in `paths()` order, one after another, and stored; each subclass
+    leaf's inputs or outputs are its parts, in order.  Without this a crafted file loads and
+    fails at its first call (or builds a subclass from the wrong tensors)."""
+    sig = ep.signature
+    layouts: dict[str, SubclassLayout] = {}
+    for target, layout in sig.subclass_state:
+        where = f"signature subclass_state[{target!r}]"
+        if target in layouts:
+            yield Problem(where, "is given twice")
+        layouts[target] = layout
+        yield from (Problem(where, why) for why in _layout_problems(layout))
+        yield from (Problem(where, why) for why in _subclass_state_problems(ep, target, layout))
+    for spec in sig.inputs:
+        if spec.inner and spec.kind is not InputKind.USER_INPUT and spec.target not in layouts:
+            yield Problem(f"signature input {spec.name}", f"is part {spec.inner!r} of {spec.target!r}, which subclass_state does not list")
+    for group, tensors in (("state_dict", ep.state_dict), ("constants", ep.constants)):
+        for name, tensor in tensors.items():
+            if name not in layouts and (isinstance(tensor, StoredParts) or _is_subclass_tensor(tensor)):
+                yield Problem(f"{group}[{name!r}]", "is a tensor subclass, which subclass_state does not list")
+    user_outputs = [s for s in sig.outputs if s.kind not in MUTATION_KINDS]
+    for kind, leaves, specs in (("input", sig.input_leaves, sig.inputs_of(InputKind.USER_INPUT)), ("output", sig.output_leaves, user_outputs)):
+        yield from _leaf_part_problems(kind, leaves, specs)
+
+
+def _layout_problems(layout: SubclassLayout, depth: int = 0) -> Iterator[str]:
+    """A layout `module()` can take apart and build: a traceable wrapper subclass (a file's
+    class read for display only is its name), attribute names that are distinct identifiers,
+    as many strides as sizes; nested layouts alike."""
+    if displayed_name(layout.cls) is None and not is_tensor_subclass(layout.cls):
+        yield (f"its class {getattr(layout.cls, '__qualname__', layout.cls)!s} is not a tensor subclass with "
+               "__tensor_flatten__ and __tensor_unflatten__, so module() could not take it apart or build it")
+    names = [name for name, _ in layout.inner]
+    if not names or len(set(names)) != len(names) or not all(isinstance(n, str) and n.isidentifier() for n in names):
+        yield f"its attribute names {names} are not distinct identifiers"
+    if len(layout.size) != len(layout.stride):
+        yield f"its size {list(layout.size)} and stride {list(layout.stride)} differ in length"
+    for name, sub in layout.inner:
+        if sub is not None:
+            yield from (f"its part {name!r}: {why}" for why in _layout_problems(sub, depth + 1))
+
+
+def _subclass_state_problems(ep: Program, target: str, layout: SubclassLayout) -> Iterator[str]:
+    """The inputs of one subclass state tensor are its parts in order, one tensor's (one kind,
+    the same aliases), and the stored tensor is that subclass or has exactly those parts."""
+    specs = [(i, s) for i, s in enumerate(ep.signature.inputs) if s.kind is not InputKind.USER_INPUT and s.target == target]
+    paths = list(layout.paths())
+    if not specs:
+        yield "names no lifted state of the program"
+        return
+    if [s.inner for _, s in specs] != paths:
+        yield f"its parts {paths} are not the inner paths of the inputs whose target it is ({[s.inner for _, s in specs]})"
+        return
+    if [i for i, _ in specs] != list(range(specs[0][0], specs[0][0] + len(specs))):
+        yield "its parts' inputs are not one after another"
+    if len({(s.kind, s.aliases, s.persistent) for _, s in specs}) != 1:
+        yield "its parts' inputs differ in kind, aliases or persistence"
+    group = ep.constants if specs[0][1].kind is InputKind.CONSTANT_TENSOR else ep.state_dict
+    stored = group.get(target)
+    if isinstance(stored, StoredParts):
+        missing, extra = sorted(set(paths) - set(stored.parts)), sorted(set(stored.parts) - set(paths))
+        if missing or extra:
+            yield f"the file stores the parts {sorted(stored.parts)}, its layout has {paths}"
+    elif isinstance(stored, torch.Tensor) and (why := layout.mismatch(stored)) is not None:
+        yield f"the stored tensor is {why}"
+
+
+def _leaf_part_problems(kind: str, leaves: tuple, specs: list) -> Iterator[Problem]:
+    """Each tensor leaf's inputs (or outputs) in order: a plain tensor's one without `inner`, a
+    subclass's one per part, their `inner` its layout's paths.  Counts that differ are
+    reported by the checks of the leaves (`_signature_problems`, `_output_problems`)."""
+    if sum(leaf.width for leaf in leaves) != len(specs):
+        return
+    position = 0
+    for leaf in leaves:
+        if leaf.layout is not None:
+            where = f"signature {kind} {leaf.path}"
+            yield from (Problem(where, why) for why in _layout_problems(leaf.layout))
+        inner = [s.inner for s in specs[position : position + leaf.width]]
+        expected = list(leaf.layout.paths()) if leaf.layout is not None else [""] * leaf.width
+        if inner != expected:
+            yield Problem(f"signature {kind} {leaf.path}", f"its graph {kind}s are the parts {inner}, its layout's {expected}")
+        position += leaf.width
+
+
+def _part_output_problems(ep: Program, node: Any, spec: OutputSpec) -> Iterator[str]:
+    """A mutation or gradient of one part of a subclass state tensor: its part's dtype and shape."""
+    layouts = dict(ep.signature.subclass_state)
+    owner = spec.target
+    if spec.kind is OutputKind.GRADIENT_TO_PARAMETER:  # named by any of the parameter's names
+        owner = next((s.target for s in ep.signature.inputs_of(InputKind.PARAMETER) if spec.target in s.names), spec.target)
+    if owner not in layouts or spec.inner not in layouts[owner].paths():
+        yield f"is part {spec.inner!r} of {spec.target!r}, which is no part of a tensor subclass of the program's state"
+        return
+    part = part_of({**ep.state_dict, **ep.constants}.get(owner), spec.inner)
+    if isinstance(part, torch.Tensor) and (why := _same_metadata(_val(node), part)) is not None:
+        yield why
+
+
+def _whole_specs(inputs: tuple[InputSpec, ...]) -> tuple[InputSpec, ...]:
+    """One spec per lifted tensor: a subclass's parts share its names (its first part stands for it)."""
+    firsts: dict[Any, InputSpec] = {}
+    for i, s in enumerate(inputs):
+        firsts.setdefault(s.target if s.inner and s.kind is not InputKind.USER_INPUT else i, s)
+    return tuple(firsts.values())
+
+
+def _is_subclass_tensor(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, nn.Parameter)
+
+
+def _stored_tensors(tensors: Any, sig: ExportSignature) -> Iterator[tuple[str, Any]]:
+    """Each stored tensor by name, a subclass tensor's parts by `target:path` (a file's names):
+    what a file holds, each checked as plain state is."""
+    layouts = dict(sig.subclass_state)
+    for name, tensor in tensors.items():
+        if isinstance(tensor, StoredParts):
+            yield from ((f"{name}{SEPARATOR}{path}", part) for path, part in tensor.parts.items())
+        elif name in layouts and _is_subclass_tensor(tensor) and layouts[name].mismatch(tensor) is None:
+            yield from ((f"{name}{SEPARATOR}{path}", part) for path, part in zip(layouts[name].paths(), layouts[name].flatten(tensor)))
+        else:
+            yield name, tensor
 
 
 #: Root attribute names `ep.module()` gives its own objects (unlift.py, runner.py): a state
@@ -800,7 +936,7 @@ def _name_problems(ep: Program) -> Iterator[Problem]:
     sig = ep.signature
     for why in naming.call_spec_problems(sig.in_spec, sig.arg_names):
         yield Problem("signature in_spec", why)
-    fqns = state_names(sig.inputs)
+    fqns = state_names(_whole_specs(sig.inputs))
     for fqn in fqns:
         for why in naming.state_name_problems(fqn):
             yield Problem("signature inputs", why)
@@ -836,7 +972,7 @@ def program_problems(ep: Program, *, op_namespaces: tuple[str, ...] = (), stored
     if stored:
         problems += list(_name_problems(ep))
         for group, tensors in (("state_dict", ep.state_dict), ("constants", ep.constants)):
-            problems += [Problem(f"{group}[{name!r}]", why) for name, t in tensors.items() for why in stored_tensor_problems(t)]
+            problems += [Problem(f"{group}[{name!r}]", why) for name, t in _stored_tensors(tensors, ep.signature) for why in stored_tensor_problems(t)]
     return problems
 
 

@@ -13,6 +13,9 @@ The differences are in the calling convention, which `to_torch` rewrites on a co
     functional batch norm, native_dropout        aten.batch_norm (statistics updated in place),
                                                  aten.dropout: torch's training IR, which PT2E's
                                                  patterns match (transforms/recompose_for_torch.py)
+    a tensor subclass in the state (torchao's    its parts, each a plain parameter or buffer of the
+    quantized weights), taken apart              owner module (`up.weight__qdata`): Note [Tensor
+                                                 subclass state in torch's ExportedProgram]
 
 What converts: every OpOverload (aten, prims, and custom ops such as predispatch::keep_history,
 which `torch.export.load` finds once `predispatch.ops` is imported), `operator.getitem`, and the
@@ -41,6 +44,21 @@ Shared bodies of repeated blocks are inlined (`invoke_subgraph` becomes the flat
 torch.export gives): torch's eager `invoke_subgraph` differentiates only under a fake mode
 ("fake_mode should be enabled for HOPs") and Dynamo refuses a direct call of it, so a program
 that kept it could neither train through `module()` nor compile (tests/test_consumers.py).
+
+Note [Tensor subclass state in torch's ExportedProgram]
+-------------------------------------------------------
+A program computes on the plain parts of its tensor subclasses (Note [Tensor subclasses] in
+frontend/subclasses.py).  torch.export keeps a subclass parameter whole in its state
+(`access_subclass_inner_tensor` reads its parts in the graph), which `torch.export.save`
+pickles, and its `run_decompositions()` makes each part a parameter of its own,
+`up.parametrizations.weight.original0` (torch's `unwrap_tensor_subclass_parameters`).
+`to_torch()` gives torch's consumers that plain program directly, naming each part after its
+owner's attribute and its own (`up.weight__qdata`, `up.weight__scale`; a part of a nested
+subclass `w__a__scale`): a parameter (requiring grad as the subclass does) or buffer of the
+subclass's kind, so torch's verifier, `torch.export.save`/`load` and `module()` see plain
+tensors only.  A subclass user input or output is refused: torch's program would take or return
+the parts instead of the user's tensor (torch.export keeps it whole, and its
+`run_decompositions()` fails on it).
 
 Train-mode batch norm that `recompose_for_torch` cannot give torch's in-place form (inside a
 region, or with its new statistics read afterwards) saves copies of the running statistics
@@ -236,6 +254,14 @@ def _unrepresentable(ep: Program) -> list[str]:
     for leaf in (*sig.input_leaves, *sig.output_leaves):
         if not leaf.is_tensor and type(leaf.value) not in _CONSTANT_TYPES:
             problems.append(f"{leaf.path} is a constant {type(leaf.value).__name__}; torch holds int, float, bool, str or None")
+        if leaf.layout is not None:
+            problems.append(f"{leaf.path} is a tensor subclass ({leaf.layout.class_name}); torch's program would take or "
+                            "return its parts instead (Note [Tensor subclass state in torch's ExportedProgram])")
+    names = [fqn for state in sig.inputs if state.kind is not InputKind.USER_INPUT for fqn in state.names]
+    for state in sig.inputs:
+        for fqn in state.names if state.inner else ():
+            if torch_name(fqn, state.inner) in names:
+                problems.append(f"part {state.inner!r} of {fqn!r} would be named {torch_name(fqn, state.inner)!r}, which is another state's name")
     holding: dict[int, bool] = {}  # subgraph id -> whether it or a subgraph in it reads a tensor attribute
     for path, module in ep.graph_module.named_modules():
         for node in module.graph.nodes if isinstance(module, fx.GraphModule) else ():
@@ -249,6 +275,13 @@ def _unrepresentable(ep: Program) -> list[str]:
                 problems.append(f"{where}: its subgraphs hold tensors (made inside them), which to_torch cannot "
                                 f"lift into them; {_HELD_TENSORS_FIX.get(target.name(), _HELD_TENSORS_FIX[''])}")
     return problems
+
+
+def torch_name(fqn: str, inner: str) -> str:
+    """The name of a tensor subclass's part in torch's program: the subclass's name and the
+    part's attribute path (`up.weight`, `qdata` -> `up.weight__qdata`); `fqn` for a whole tensor
+    (Note [Tensor subclass state in torch's ExportedProgram])."""
+    return f"{fqn}__{inner.replace('.', '__')}" if inner else fqn
 
 
 def _holds_tensors(module: fx.GraphModule, node: fx.Node, holding: dict[int, bool]) -> bool:
@@ -309,20 +342,21 @@ class _TorchGraph:
         self._operands: dict[str, list[fx.Node]] = {}  # per subgraph: its lifted tensors' placeholders
         self.lifter = ConstantLifter()
         self._taken = {node.name for node in ep.graph.nodes}
-        mutated = {s.target for s in ep.signature.outputs_of(OutputKind.BUFFER_MUTATION)}
+        mutated = {(s.target, s.inner) for s in ep.signature.outputs_of(OutputKind.BUFFER_MUTATION)}
         placeholders = ep.graph.find_nodes(op="placeholder")
         for spec, node in zip(ep.signature.inputs, placeholders):
             if spec.kind is not InputKind.USER_INPUT:
-                self._add_state(spec, node, spec.target in mutated)
+                self._add_state(spec, node, (spec.target, spec.inner) in mutated)
         self._lift_graph_tensors()
         self._add_user_inputs([n for s, n in zip(ep.signature.inputs, placeholders) if s.kind is InputKind.USER_INPUT])
         self._copy_body()
         self._add_outputs()
 
     def _add_state(self, spec: InputSpec, node: fx.Node, mutated: bool) -> None:
-        """One placeholder per name of the tensor (tied names share the tensor, as in torch)."""
-        tensor = _copy(self.ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else self.ep.state_dict[spec.target])
-        for i, fqn in enumerate(spec.names):
+        """One placeholder per name of the tensor (tied names share the tensor, as in torch); a
+        part of a tensor subclass under its own name (`torch_name`)."""
+        tensor = _state_copy(self.ep.constants if spec.kind is InputKind.CONSTANT_TENSOR else self.ep.state_dict, spec)
+        for i, fqn in enumerate(torch_name(name, spec.inner) for name in spec.names):
             name = node.name if i == 0 else unique_identifier(PLACEHOLDER_PREFIX[spec.kind] + fqn, self._taken)
             placeholder = self._placeholder(name, _meta_with_grad(node.meta, tensor.requires_grad))
             if i == 0:
@@ -403,7 +437,7 @@ class _TorchGraph:
         outputs = []
         for spec, value in zip(sig.mutations, values):
             outputs.append(self._env[value])
-            target = placeholders[spec.target].name if spec.kind is OutputKind.USER_INPUT_MUTATION else spec.target
+            target = placeholders[spec.target].name if spec.kind is OutputKind.USER_INPUT_MUTATION else torch_name(spec.target, spec.inner)
             arg = tsig.TensorArgument(outputs[-1].name)
             self.output_specs.append(tsig.OutputSpec(_OUTPUT_KIND[spec.kind], arg, target))
         results = iter(values[len(sig.mutations) :])
@@ -432,7 +466,7 @@ def _output_kind(spec: OutputSpec, sig: Any, placeholders: dict[str, fx.Node]) -
     """torch's kind and target of a user output or a joint program's gradient output (torch
     names a user input's gradient by the input's placeholder)."""
     if spec.kind is OutputKind.GRADIENT_TO_PARAMETER:
-        return tsig.OutputKind.GRADIENT_TO_PARAMETER, spec.target
+        return tsig.OutputKind.GRADIENT_TO_PARAMETER, torch_name(spec.target, spec.inner)
     if spec.kind is OutputKind.GRADIENT_TO_USER_INPUT:
         name = next(s.name for s in sig.inputs_of(InputKind.USER_INPUT) if s.target == spec.target)
         return tsig.OutputKind.GRADIENT_TO_USER_INPUT, placeholders[name].name
@@ -447,6 +481,20 @@ def _meta_with_grad(meta: dict, requires_grad: bool) -> dict:
     if not isinstance(val, torch.Tensor) or val.requires_grad == requires_grad:
         return meta
     return {**meta, "val": val.detach().requires_grad_(requires_grad)}
+
+
+def _state_copy(group: Any, spec: InputSpec) -> torch.Tensor:
+    """A copy of the state tensor `spec` stands for: a part of a tensor subclass is a parameter
+    (requiring grad as the subclass does) when the subclass is one, a plain tensor otherwise."""
+    whole = group[spec.target]
+    if not spec.inner:
+        return _copy(whole)
+    part = whole
+    for name in spec.inner.split("."):
+        part = getattr(part, name)
+    if isinstance(whole, torch.nn.Parameter):
+        return torch.nn.Parameter(part.detach().clone(), requires_grad=whole.requires_grad)
+    return part.detach().clone()
 
 
 def _copy(tensor: torch.Tensor) -> torch.Tensor:
