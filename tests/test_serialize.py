@@ -793,7 +793,7 @@ def test_missing_path_is_an_os_error(tmp_path):
 
 def test_unsaveable_program_says_what():
     ep, _, _ = export_case("region_detached_double")
-    with pytest.raises(SerializationError, match=r"calls <built-in function truediv>, which format version 1 cannot name"):
+    with pytest.raises(SerializationError, match=r"calls <built-in function truediv>, which the file format cannot name"):
         saved(_unsaveable(ep))
 
 
@@ -1014,7 +1014,7 @@ the program breaks the IR contract (docs/ir.md): graph module <root>, node wrap_
             program["tensors"]["state"]["weight"]["device"] = "meta"
 
         self.assertExpectedInline(self.refusal(meta), """\
-state.safetensors['weight']: a tensor on device meta; format version 1 holds tensors with data (cpu, cuda, ...).
+state.safetensors['weight']: a tensor on device meta; the file format holds tensors with data (cpu, cuda, ...).
   see docs/errors.md#serializationerror""")
 
     def test_duplicate_key(self):
@@ -1373,7 +1373,7 @@ class GraphModule(torch.nn.Module):
             return rewrite(self.data, edit)
 
         self.assertExpectedInline(load_error(meta_of("storage_offset", {"sym": "32*u0 - 32", "hint": None})), """\
-graph module <root>, nodes[9] (getitem_1) meta['val']: {'sym': '32*u0 - 32', 'hint': None} is a size without a value at export (an unbacked symbol); format version 1 holds symbolic sizes of inputs only.
+graph module <root>, nodes[9] (getitem_1) meta['val']: {'sym': '32*u0 - 32', 'hint': None} is a size without a value at export (an unbacked symbol); the file format holds symbolic sizes of inputs only.
   see docs/errors.md#serializationerror""")
         self.assertExpectedInline(load_error(meta_of("storage_offset", {"sym": "32*u0 - 32", "hint": 0})), """\
 graph module <root>, nodes[9] (getitem_1) meta['val']: '32*u0 - 32' is not a size expression over the program's symbols.

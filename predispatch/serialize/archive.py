@@ -243,7 +243,7 @@ def _check_layout(infos: list[zipfile.ZipInfo], length: int) -> None:
     ------------------------
     A zip's central directory states each member's method and sizes; `zipfile` would inflate
     whatever it is told to.  Before any member is read: the names are exactly the format's
-    members (each once), each is stored (format version 1 compresses nothing, so there is
+    members (each once), each is stored (the file format compresses nothing, so there is
     nothing to inflate), its stated size equals its stored size and fits in the file and in
     `MEMBER_LIMITS` (the manifest is small).  Reading then costs at most the file's length.
     """
@@ -255,7 +255,7 @@ def _check_layout(infos: list[zipfile.ZipInfo], length: int) -> None:
         if info.compress_type != zipfile.ZIP_STORED:
             raise SerializationError(
                 f"the file is corrupted: {member} is compressed (method {info.compress_type}); "
-                "format version 1 stores members as they are, so load inflates nothing."
+                "the file format stores members as they are, so load inflates nothing."
             )
         limit = min(length, MEMBER_LIMITS.get(info.filename, length))
         if info.file_size != info.compress_size or info.file_size > limit or info.header_offset + info.compress_size > length:

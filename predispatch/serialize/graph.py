@@ -87,7 +87,7 @@ def _target_name(node: fx.Node, where: str) -> str:
         if target is fn:
             return name
     raise SerializationError(
-        f"{where}: calls {short(target)}, which format version 1 cannot name: it holds OpOverloads, "
+        f"{where}: calls {short(target)}, which the file format cannot name: it holds OpOverloads, "
         f"the higher-order ops {sorted(HIGHER_ORDER_OPS)} and {sorted(PYTHON_CALLABLES)}.",
         fix="keep the program in memory, or save ep.to_torch() with torch.export.save if torch's format holds "
         "the op (a predispatch HOP missing here is our bug: report it).",
@@ -253,7 +253,7 @@ def decode_module(data: Any, path: str, loading: GraphLoading) -> fx.GraphModule
     where = f"graph module {path or '<root>'}"
     if path and path.count(".") + 1 > MAX_SUBGRAPH_DEPTH:
         raise SerializationError(
-            f"graph module {short(path)}: subgraphs nest more than {MAX_SUBGRAPH_DEPTH} deep; format version 1 reads at most that "
+            f"graph module {short(path)}: subgraphs nest more than {MAX_SUBGRAPH_DEPTH} deep; the file format reads at most that "
             "(programs export makes nest a few levels: regions, custom Functions, repeated blocks).",
             fix="save the program again; a file nesting this deep is damaged or crafted.",
         )

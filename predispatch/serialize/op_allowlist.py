@@ -113,7 +113,7 @@ FAMILIES: tuple[OpFamily, ...] = (
     OpFamily("unsafe_layout", False,
              "builds or reads sparse, nested, quantized or MKL-DNN tensors, or views memory through sizes, "
              "strides or indices it does not check against the storage (`_sparse_coo_tensor_with_dims_and_tensors`, "
-             "`_reshape_alias`, `set` onto a raw Storage); format version 1 holds strided tensors only",
+             "`_reshape_alias`, `set` onto a raw Storage); the file format holds strided tensors only",
              lambda p: p.name.startswith("aten.") and bool(_UNSAFE_LAYOUT.search(p.short))
              and not p.short.lstrip("_").startswith("fake_quantize"),  # dense in, dense out
              files_only=True),

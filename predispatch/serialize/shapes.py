@@ -49,7 +49,7 @@ def encode_size(size: int | torch.SymInt, where: str) -> Any:
     if isinstance(size, torch.SymInt) and size.node.hint is None:
         raise SerializationError(
             f"{where}: the size {size.node.expr} depends on data (an unbacked size, from .item(), "
-            "nonzero() or a data-dependent op); format version 1 holds symbolic sizes of inputs only. "
+            "nonzero() or a data-dependent op); the file format holds symbolic sizes of inputs only. "
             "Keep using the program in memory, or make the size static."
         )
     if isinstance(size, torch.SymInt):
@@ -96,7 +96,7 @@ def encode_symbolic(value: torch.SymInt | torch.SymBool, where: str) -> Any:
     if not unbacked:
         if isinstance(value, torch.SymBool):
             raise SerializationError(
-                f"{where}: a SymBool ({value}) has no encoding in format version 1, which holds symbolic bools only "
+                f"{where}: a SymBool ({value}) has no encoding in the file format, which holds symbolic bools only "
                 "as comparisons of unbacked symbols (a while_loop's condition on an int carry)."
             )
         return encode_size(value, where)
@@ -183,7 +183,7 @@ class SymbolTable:
         if isinstance(data, dict) and set(data) == {"sym", "hint"} and data["hint"] is None:
             raise SerializationError(
                 f"{where}: {data!r} is a size without a value at export (an unbacked symbol); "
-                "format version 1 holds symbolic sizes of inputs only."
+                "the file format holds symbolic sizes of inputs only."
             )
         if not isinstance(data, dict) or set(data) != {"sym", "hint"} or type(data["hint"]) is not int:
             raise SerializationError(f"{where}: {data!r} is not a size.")

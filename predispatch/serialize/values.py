@@ -117,7 +117,7 @@ def encode(value: Any, where: str, *, classes: bool = False, tensors: bool = Fal
         return {"symbool": encode_symbolic(value, where)}
     if classes and isinstance(value, type):
         return {"class": class_name(value, where)}
-    hint = " Symbolic floats and bools are not part of format version 1." if isinstance(value, _SYMBOLIC) else ""
+    hint = " Symbolic floats and bools are not part of the file format." if isinstance(value, _SYMBOLIC) else ""
     raise SerializationError(f"{where}: a {type(value).__name__} ({short(value)}) has no encoding in format version 2.{hint}")
 
 
@@ -153,13 +153,13 @@ def _encode_container(value: Any, where: str, **allow: bool) -> Any:
         return {"tuple": [encode(v, f"{where}[{i}]", **allow) for i, v in enumerate(value)]}
     if isinstance(value, dict):
         return {"dict": [[encode(k, where, **allow), encode(v, f"{where}[{k!r}]", **allow)] for k, v in value.items()]}
-    raise SerializationError(f"{where}: a {type(value).__name__} has no encoding in format version 1 (only plain tuples).")
+    raise SerializationError(f"{where}: a {type(value).__name__} has no encoding in the file format (only plain tuples).")
 
 
 def _tensor_meta(t: torch.Tensor, where: str) -> dict:
     """A tensor's metadata (node meta "val" is a fake tensor: there is no data to keep)."""
     if t.layout != torch.strided:
-        raise SerializationError(f"{where}: a {t.layout} tensor; format version 1 holds strided tensors only.")
+        raise SerializationError(f"{where}: a {t.layout} tensor; the file format holds strided tensors only.")
     return {
         "shape": [encode_size(s, where) for s in t.shape],  # symbolic sizes: shapes.py
         "stride": [encode_size(s, where) for s in t.stride()],
@@ -208,7 +208,7 @@ def decode(data: Any, where: str, refs: Refs = _PLAIN) -> Any:
         decoder = _DECODERS.get(tag)
         if decoder is not None:
             return decoder(payload, where, refs)
-    raise SerializationError(f"{where}: {short(data)} is not a value format version 1 knows.")
+    raise SerializationError(f"{where}: {short(data)} is not a value the file format knows.")
 
 
 def expect(data: Any, kind: type | tuple[type, ...], where: str) -> Any:
@@ -264,7 +264,7 @@ def _decode_tensor_meta(meta: Any, where: str, refs: Refs) -> torch.Tensor:
     dtype = decode_named("dtype", meta.get("dtype"), where)
     device = parse_device(meta.get("device"))
     if device.type not in STORED_DEVICE_TYPES:
-        raise SerializationError(f"{where}: tensor metadata on device {device}; format version 1 holds tensors with data (cpu, cuda, ...).")
+        raise SerializationError(f"{where}: tensor metadata on device {device}; the file format holds tensors with data (cpu, cuda, ...).")
     if len(shape) != len(stride) or (type(offset) is int and offset < 0):
         raise SerializationError(f"{where}: inconsistent tensor metadata {short(meta)}.")
     with refs.fake_mode:
@@ -383,7 +383,7 @@ def _tensor_record(t: torch.Tensor, where: str) -> dict:
     if type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided or t.is_quantized or t.is_meta:
         raise SerializationError(
             f"{where}: a {type(t).__name__} ({t.layout}{', meta' if t.is_meta else ''}) cannot be saved; "
-            "format version 1 holds dense tensors with data.",
+            "the file format holds dense tensors with data.",
             fix="convert it to a plain dense tensor before export.",
         )
     return {
@@ -432,7 +432,7 @@ def _restore(raw: torch.Tensor, record: dict, where: str) -> torch.Tensor:
         raise SerializationError(f"{where}: the stored data ({values.dtype}, {values.numel()} elements) does not match its record {short(record)}.")
     device = parse_device(record.get("device"))
     if device.type not in STORED_DEVICE_TYPES:
-        raise SerializationError(f"{where}: a tensor on device {device}; format version 1 holds tensors with data (cpu, cuda, ...).")
+        raise SerializationError(f"{where}: a tensor on device {device}; the file format holds tensors with data (cpu, cuda, ...).")
     tensor = torch.empty_strided(shape, stride, dtype=dtype).copy_(values.reshape(shape))
     if device.type != "cpu":
         tensor = tensor.to(device)

@@ -28,7 +28,7 @@ What it checks, each from a table so that a new op family, HOP or output kind is
 - with `stored=True` (a program read from or written to a file): no op of a `files_only`
   family (sparse, nested, quantized; export emits them for the user's own code), every tensor
   is a dense strided tensor with data, inside its storage, never on the `meta` device, and
-  node metadata holds no meta, sparse or quantized tensor (format version 1 holds none).
+  node metadata holds no meta, sparse or quantized tensor (the file format holds none).
 """
 
 from __future__ import annotations
@@ -589,26 +589,26 @@ def _hashable(value: Any) -> bool:
 
 
 def _meta_problems(value: Any) -> Iterator[str]:
-    """A stored program's node metadata: format version 1's tensors only."""
+    """A stored program's node metadata: the file format's tensors only."""
     if isinstance(value, (list, tuple)):
         for item in value:
             yield from _meta_problems(item)
     elif isinstance(value, torch.Tensor):
         if value.layout != torch.strided or value.is_quantized:
-            yield f"its value is a {value.layout} tensor; format version 1 holds strided tensors only"
+            yield f"its value is a {value.layout} tensor; the file format holds strided tensors only"
         if value.device.type == "meta":
-            yield "its value is on the meta device (no data); format version 1 holds tensors with data"
+            yield "its value is on the meta device (no data); the file format holds tensors with data"
 
 
 # --------------------------------------------------------------------------- tensors
 
 
 def stored_tensor_problems(t: Any) -> list[str]:
-    """Why `t` is not a tensor format version 1 holds: dense, strided, with data in bounds."""
+    """Why `t` is not a tensor the file format holds: dense, strided, with data in bounds."""
     if type(t) not in (torch.Tensor, nn.Parameter):
         return [f"a {type(t).__name__}, not a tensor"]
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
-        return [f"a {t.layout} tensor; format version 1 holds strided tensors only"]
+        return [f"a {t.layout} tensor; the file format holds strided tensors only"]
     if t.device.type not in STORED_DEVICE_TYPES:
         return [f"on device {t.device}, which has no data to hold" if t.device.type == "meta" else f"on device {t.device}"]
     if t.numel():
