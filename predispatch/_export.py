@@ -26,7 +26,7 @@ from typing import Any
 
 from predispatch import _torch_internals as ti
 from predispatch._isolation import isolated
-from predispatch.frontend import modules_of, prepare, refuse_per_rank_options, walks_shared
+from predispatch.frontend import modules_of, prepare, refuse_per_rank_options, registrations, walks_shared
 from predispatch.errors import UnsupportedInputError, user_frame
 from predispatch.program import ExportedProgram, build_program
 from predispatch.program.train_eval import TrainEvalProgram
@@ -108,14 +108,18 @@ def _export_locked(
 ) -> ExportedProgram:
     """`_export_with_policy` under the lock."""
     if is_tracing():  # called by the code another export is tracing
-        with ti.outside_trace(keep_decomposition_policy=False), isolated(modules_of(module_or_fn, args, kwargs), module_or_fn):
+        with registrations.journal(), ti.outside_trace(keep_decomposition_policy=False), isolated(
+                modules_of(module_or_fn, args, kwargs), module_or_fn):
             return _export_nested(module_or_fn, args, kwargs, policy)
-    with walks_shared() as walked, isolated(modules_of(module_or_fn, args, kwargs), module_or_fn):
-        prepared = prepare(module_or_fn, args, kwargs, dynamic_shapes)
-        walked.clear()  # forward may change what is reachable: a walk from here on is fresh
-        refuse_per_rank_options(prepared.placements, (*policy.preserve, *policy.decompose))
-        traced = trace(prepared, policy, dedup)
-    return build_program(prepared, traced)
+    # Ctrl-C is raised between ops (a safe point) or at the end: where torch's C++ calls Python,
+    # it would abort the process (ti.interrupts_at_safe_points)
+    with ti.interrupts_at_safe_points(), registrations.journal():  # registrations undone if anything below fails
+        with walks_shared() as walked, isolated(modules_of(module_or_fn, args, kwargs), module_or_fn):
+            prepared = prepare(module_or_fn, args, kwargs, dynamic_shapes)
+            walked.clear()  # forward may change what is reachable: a walk from here on is fresh
+            refuse_per_rank_options(prepared.placements, (*policy.preserve, *policy.decompose))
+            traced = trace(prepared, policy, dedup)
+        return build_program(prepared, traced)
 
 
 def _export_nested(module_or_fn: Any, args: tuple, kwargs: dict | None, policy: DecompositionPolicy) -> ExportedProgram:

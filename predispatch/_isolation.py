@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from predispatch import _torch_internals as ti
-from predispatch.errors import OutsideWriteError, user_frame
+from predispatch.errors import OutsideWriteError, RestoreError, user_frame
 from predispatch.frontend.reachable import ATOMS, Outside, beyond_tree, outside_places
 
 #: Every device type's autocast state, not only CPU's and CUDA's (forward may enter any).
@@ -113,11 +113,23 @@ class ObjectState:
             containers.extend((c, _copy(c)) for c in beyond.containers if id(c) not in seen and not seen.add(id(c)))
         return cls(tuple(namespaces), tuple(containers))
 
-    def restore(self) -> None:
-        for container, saved in self.containers:
-            _put_back(container, saved)
-        for owner, saved in self.namespaces:
-            _put_back(vars(owner), saved)
+    def restore(self) -> list[tuple[str, BaseException]]:
+        """Put everything back; each container and namespace on its own, so one that raises (a
+        user `__eq__`, `__hash__`) stops nothing else.  Returns what could not be put back."""
+        failures = [_attempt(f"a container of {type(container).__name__}", _put_back, container, saved)
+                    for container, saved in self.containers]
+        failures += [_attempt(f"the attributes of {type(owner).__name__}", _put_back, vars(owner), saved)
+                     for owner, saved in self.namespaces]
+        return [f for f in failures if f is not None]
+
+
+def _attempt(what: str, step: Callable[..., None], *args: Any) -> tuple[str, BaseException] | None:
+    """Run one restore step; what it was and what it raised, if it raised."""
+    try:
+        step(*args)
+    except Exception as exc:  # noqa: BLE001 - a user's __eq__/__hash__ may raise anything
+        return what, exc
+    return None
 
 
 def _copy(container: Any) -> Any:
@@ -126,7 +138,8 @@ def _copy(container: Any) -> Any:
 
 def _put_back(container: Any, saved: Any) -> None:
     """Make `container` hold what `saved` holds, in place (others may hold a reference to it);
-    `saved` None: it was empty."""
+    `saved` None: it was empty.  Compared by identity, never with the elements' `__eq__` (the
+    user's, which may raise or lie)."""
     if saved is None:
         if container:
             container.clear()
@@ -134,10 +147,11 @@ def _put_back(container: Any, saved: Any) -> None:
         if len(container) != len(saved) or any(a is not b for a, b in zip(container, saved)):
             container[:] = saved
     elif isinstance(container, dict):
-        if container.keys() != saved.keys() or any(container[k] is not v for k, v in saved.items()):
+        if len(container) != len(saved) or any(
+                ka is not kb or va is not vb for (ka, va), (kb, vb) in zip(container.items(), saved.items())):
             container.clear()
             container.update(saved)
-    elif container != saved:
+    elif len(container) != len(saved) or {id(x) for x in container} != {id(x) for x in saved}:
         container.clear()
         container.update(saved)
 
@@ -343,10 +357,33 @@ def isolated(modules: list[nn.Module], fn: Any = None) -> Iterator[None]:
     try:
         yield
     finally:
-        state.restore()
-        objects.restore()
-        outside.restore()
+        with ti.interrupts_deferred():  # Note [Putting back, whatever happens]
+            failures = [f for f in (_attempt("torch's global state", state.restore),) if f]
+            failures += objects.restore()
+            failures += [f for f in (_attempt("state outside the module", outside.restore),) if f]
+        if failures:
+            _refuse_unrestored(failures)
     _refuse_leaks(outside)
+
+
+# Note [Putting back, whatever happens]
+# Every step that puts back what forward changed runs, whatever an earlier one raised (a user
+# `__eq__` or `__hash__` on an object forward put in a set or used as a dict key), and a
+# Ctrl-C arriving while they run is held until they are done (`ti.interrupts_deferred`):
+# half-way, the module would keep a tracer tensor and the next export would refuse it.  What
+# could not be put back is then refused by name (`RestoreError`), after all the others ran.
+
+
+def _refuse_unrestored(failures: list[tuple[str, BaseException]]) -> None:
+    what, exc = failures[0]
+    raise RestoreError(
+        f"export could not put back {what}, which forward changed: putting it back raised "
+        f"{type(exc).__name__}: {exc}" + (f" ({len(failures) - 1} more.)" if len(failures) > 1 else "")
+        + " Everything else was put back.",
+        where=f"{user_frame()} (the export call)",
+        fix="make the objects forward stores comparable and hashable without raising (a custom __eq__ "
+        "or __hash__ that raises), or keep forward from changing them during export.",
+    ) from exc
 
 
 def _refuse_leaks(outside: OutsideState) -> None:

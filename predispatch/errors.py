@@ -406,6 +406,21 @@ class OutsideWriteError(PredispatchError):
     anchor = "outsidewriteerror"
 
 
+class RestoreError(PredispatchError):
+    """Export could not put back something forward changed on the module (or outside it).
+
+    Cause: putting a container or namespace back raised: an object forward stored in a set or
+    used as a dict key has an `__eq__` or `__hash__` that raises.  Every other step still ran
+    (Note [Putting back, whatever happens] in predispatch/_isolation.py); the message names
+    what was left and what raised.
+    Example: forward adds a key object whose `__eq__` raises to a dict on the module.
+    Fix: make such objects comparable and hashable without raising, or keep forward from
+    changing them during export.
+    """
+
+    anchor = "restoreerror"
+
+
 class ModuleCopyError(PredispatchError):
     """`pickle` or `copy.copy` of `ep.module()`, which would lose the module's call contract.
 

@@ -57,7 +57,16 @@ from torch.fx.experimental.proxy_tensor import (
 from predispatch._lazy import lazy_getattr
 from predispatch._torch_internals.decomposition import ask as ask_decompose
 from predispatch._torch_internals.decomposition import decomposition_hook, pristine_dispatch, torch_can_decompose_fast
-from predispatch._torch_internals.mechanism import Hook, caller_frame, drift, patched, require
+from predispatch._torch_internals.mechanism import (
+    Hook,
+    caller_frame,
+    drift,
+    interrupts_at_safe_points,
+    interrupts_deferred,
+    patched,
+    raise_held_interrupt,
+    require,
+)
 from predispatch._torch_versions import HAS, TESTED, TORCH, tested, warn_if_untested
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
@@ -151,6 +160,7 @@ from predispatch._torch_internals.switches import (  # noqa: F401
     _set_default_device_context,
     AUTOCAST_DEVICE_TYPES,
     check_module_hook_tables,
+    deregister_pytree_node,
     global_module_hook_tables,
     GLOBAL_SWITCHES,
     GlobalSwitch,
@@ -302,6 +312,9 @@ __all__ = [
     "has_internal_overlap",
     "functional_rewrites",
     "patched",
+    "interrupts_deferred",
+    "interrupts_at_safe_points",
+    "raise_held_interrupt",
     "generate_code",
     "meta_kernels",
     "dispatcher_op_names",

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wr
 
 from predispatch._torch_internals.audit import CIA
 from predispatch._torch_internals.decomposition import ask as ask_decompose, pristine_dispatch
-from predispatch._torch_internals.mechanism import Hook, patched
+from predispatch._torch_internals.mechanism import Hook, patched, raise_held_interrupt
 
 
 TENSOR_HOOKS = "tensor hook capture (Tensor.register_hook)"
@@ -104,6 +104,7 @@ def functional_dispatch_observer(
 
     def observed(original):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            raise_held_interrupt()  # a safe point: Ctrl-C passes from here (interrupts_at_safe_points)
             before(self, func, args, kwargs or {})
             out = original(self, func, types, args, kwargs)
             after(func, out)

@@ -19,6 +19,7 @@ meanwhile gets torch's own (Note [Export touches only its own thread]).
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import threading
 import types
@@ -30,7 +31,9 @@ import torch
 from predispatch._torch_versions import tested_range
 from predispatch.errors import TorchDriftError
 
-__all__ = ["Hook", "caller_frame", "drift", "patched", "require"]
+__all__ = [
+    "Hook", "caller_frame", "drift", "interrupts_at_safe_points", "interrupts_deferred", "patched", "raise_held_interrupt", "require",
+]
 
 
 def drift(mechanism: str, what: str) -> TorchDriftError:
@@ -103,10 +106,68 @@ def patched(
             _run_probe(hook, probe)
         yield hook
     finally:
+        with interrupts_deferred():  # a Ctrl-C here would leave torch patched
+            if held:
+                setattr(owner, name, saved)
+            else:
+                delattr(owner, name)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Run the block to its end even if Ctrl-C arrives meanwhile; raise the KeyboardInterrupt
+    after it.  For the steps that put back what an export changed (a patch of torch, the user's
+    module): cut half-way, they would leave a tracer tensor in the module or torch patched.
+    Only in the main thread (where Python runs signal handlers) and only over Python's own
+    SIGINT handler: a handler of the user's is theirs to keep."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            raise KeyboardInterrupt
+
+
+#: The interrupts held by each open `interrupts_at_safe_points`, innermost last.
+_HELD: list[list[int]] = []
+
+
+@contextlib.contextmanager
+def interrupts_at_safe_points() -> Iterator[None]:
+    """Hold Ctrl-C while the block runs, and raise it at the next safe point
+    (`raise_held_interrupt`, called where predispatch's own code runs between ops) or at the end.
+
+    torch's C++ calls Python at points where a KeyboardInterrupt cannot pass (a dispatch rule's
+    lookup, `torch/_library/simple_registry.py`'s `find`, run from C++ that cannot propagate
+    it): a Ctrl-C landing there terminates the process (SIGABRT, "terminate called after
+    throwing an instance of 'pybind11::error_already_set'").  Held, it is raised where
+    exceptions pass, as any error of the trace does.  Main thread and Python's own handler only,
+    as `interrupts_deferred`."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    _HELD.append(held)
+    try:
+        yield
+    finally:
+        _HELD.pop()
+        signal.signal(signal.SIGINT, previous)
         if held:
-            setattr(owner, name, saved)
-        else:
-            delattr(owner, name)
+            raise KeyboardInterrupt
+
+
+def raise_held_interrupt() -> None:
+    """Raise the KeyboardInterrupt `interrupts_at_safe_points` holds, if any (a safe point)."""
+    if _HELD and _HELD[-1]:
+        _HELD[-1].clear()
+        raise KeyboardInterrupt
 
 
 def _served(hook: Hook, replacement: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:

@@ -513,3 +513,19 @@ def global_module_hook_tables() -> tuple[dict, ...]:
         module._global_forward_hooks_always_called,
         module._global_forward_hooks_with_kwargs,
     )
+
+
+# --- the pytree registry (frontend/registrations.py) --------------------------------------------
+
+
+def deregister_pytree_node(cls: type) -> None:
+    """Undo `torch.utils._pytree.register_dataclass` / `register_pytree_node` of `cls` (torch's
+    own `_deregister_pytree_node`: the node, its serialized name, constant-ness)."""
+    import torch.utils._pytree as pytree
+
+    if cls in pytree.SUPPORTED_NODES:
+        try:
+            undo = pytree._deregister_pytree_node
+        except AttributeError:
+            raise drift("undoing a failed export's pytree registrations", "torch.utils._pytree._deregister_pytree_node does not exist") from None
+        undo(cls)

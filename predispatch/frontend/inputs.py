@@ -15,6 +15,7 @@ from torch import nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import UnsupportedInputError, user_frame
+from predispatch.frontend import registrations
 from predispatch.frontend.distributed import refuse_distributed_state, refuse_wrapped
 from predispatch.frontend.per_rank import has_dtensor_state, per_rank_module
 from predispatch.frontend.dynamic import DynamicInputs, fake_dynamic_inputs
@@ -292,6 +293,7 @@ def register_dataclasses(tree: Any) -> None:
             cls = type(node)
             if cls not in pytree.SUPPORTED_NODES:
                 pytree.register_dataclass(cls)
+                registrations.note(cls)  # undone if the export fails
             for field in dataclasses.fields(node):
                 visit(getattr(node, field.name))
         elif type(node) in pytree.SUPPORTED_NODES:
@@ -334,6 +336,7 @@ def register_hf_caches() -> None:
         from transformers.integrations.executorch import register_dynamic_cache_export_support
 
         register_dynamic_cache_export_support()
+        registrations.note(DynamicCache)
 
 
 def hf_cache_fix(value: Any) -> str:

@@ -349,6 +349,7 @@ def trace(prepared: PreparedInputs, policy: DecompositionPolicy, dedup: Dedup = 
     program = _Program(prepared, dedup)
     log = DecompositionLog()
     with contextlib.ExitStack() as stack:
+        stack.enter_context(ti.interrupts_at_safe_points())  # Ctrl-C raised where torch lets it pass (a no-op under export's)
         stack.enter_context(_no_garbage_collection())
         stack.enter_context(torch.enable_grad())  # the ambient mode regions are relative to
         stack.enter_context(inference_mode_as_grad_mode())  # Note [inference_mode in forward]
