@@ -108,14 +108,6 @@ def test_qat_prepared_model_trains_as_eager(model):
     for (name, e), p in zip(eager.named_parameters(), m.parameters()):
         torch.testing.assert_close(p.grad, e.grad, rtol=0, atol=0, msg=name)
 
-    class Loss(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, *args):
-            return self.inner(*args).float().sum()
-
     joint = predispatch.export(Loss(m), example).joint()
     _check_plain(joint)
     loss, grads = joint.module()(*example)

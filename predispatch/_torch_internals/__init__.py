@@ -85,6 +85,7 @@ from predispatch._torch_internals.nested import (  # noqa: F401
     same_sizes,
     drop_nested_int_guards,
 )
+from predispatch._torch_internals import nested as _nested
 from predispatch._torch_internals.audit import (  # noqa: F401
     aten_overloads,
     CIA,
@@ -322,19 +323,7 @@ __all__ = [
 ]
 
 
-__all__ += [
-    "dynamic_dims",
-    "fake_with_dynamic_dims",
-    "JAGGED_CONSTRUCTORS",
-    "NESTED_VIEW_DUMMY",
-    "NO_FAKE_KERNEL",
-    "NestedTensor",
-    "is_strided_nested",
-    "jagged_constructors_traceable",
-    "lazy_symbolic_sizes",
-    "same_sizes",
-    "drop_nested_int_guards",
-]
+__all__ += ["dynamic_dims", "fake_with_dynamic_dims", *_nested.__all__]
 __all__ += ["PyTreeCodeGen", "PyTreeInfo", "USER_PRESERVED_ATTRIBUTES", "LazyGraphModule", "invoke_subgraph", "is_traceable_wrapper_subclass"]
 
 
