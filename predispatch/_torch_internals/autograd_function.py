@@ -25,7 +25,9 @@ changes.
 Proved, not assumed (Note [Drift is loud]): each hook has a probe that calls torch's apply on a
 Function of each style and must reach the redirected forward and the no-op `setup_context`; and a
 ctx made for a captured call whose forward was never looked up through the hook (torch ran the
-forward itself) is refused by name, at the next ctx or when the export ends.
+forward itself) is refused by name, at the next ctx or when the export ends: `AutogradFunctionError`
+where the Function's own metaclass bypasses FunctionMeta's `__getattribute__`, `TorchDriftError`
+where torch's apply changed.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch.autograd.function import BackwardCFunction, FunctionMeta
 from torch.autograd.function import _SingleLevelFunction as SingleLevelFunction
 
 from predispatch._torch_internals.mechanism import Hook, drift, patched
+from predispatch.errors import AutogradFunctionError, user_frame
 
 __all__ = [
     "APPLY_CAPTURE",
@@ -95,7 +98,8 @@ class _Probe(torch.autograd.Function):
 
 
 class _ProbeSetupContext(torch.autograd.Function):
-    """A new-style probe: its own `setup_context` must never run once its forward was redirected."""
+    """A new-style probe: its own `setup_context` does nothing, and is never reached once its
+    forward was redirected (the probe counts the calls that reached predispatch's instead)."""
 
     @staticmethod
     def forward(x: Any) -> Any:
@@ -103,7 +107,7 @@ class _ProbeSetupContext(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        raise drift(FORWARD_REDIRECT, "torch's apply ran a Function's own setup_context after a redirected forward")
+        pass
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
@@ -132,18 +136,30 @@ class _Redirect:
         self.pending: _Pending | None = None
         self.settled: type | None = None
 
-    def unseen(self) -> Exception:
-        """A ctx made for a captured call whose forward torch never looked up through the hook."""
-        name = self.pending.cls.__qualname__ if self.pending is not None else "?"
-        self.pending = None
+    def unseen(self, pending: _Pending) -> Exception:
+        """The error for a captured call whose forward torch ran without looking it up through
+        the hook: the Function's own metaclass bypasses FunctionMeta's `__getattribute__`, or
+        torch's apply changed (drift).  Its backward would be lost, so export stops."""
+        cls, self.pending = pending.cls, None
+        owner = next(k for k in type(cls).__mro__ if "__getattribute__" in vars(k))
+        if owner is not FunctionMeta:
+            return AutogradFunctionError(
+                f"{cls.__qualname__}.forward was looked up through its metaclass "
+                f"{owner.__qualname__}'s own __getattribute__, which does not call FunctionMeta's: "
+                "export could not capture the call, and its custom backward would be lost.",
+                where=user_frame(),
+                fix=f"let {owner.__qualname__}.__getattribute__ end in super().__getattribute__(name) "
+                "(or define __getattr__, which runs only for missing attributes).",
+            )
         return drift(
             FORWARD_REDIRECT,
-            f"torch's apply made {name}'s ctx but ran its forward without looking it up through "
-            "FunctionMeta.__getattribute__ (its custom backward would be lost)",
+            f"torch's apply made {cls.__qualname__}'s ctx but ran its forward without looking it up "
+            "through FunctionMeta.__getattribute__ (its custom backward would be lost)",
         )
 
     def forward(self, pending: _Pending) -> Callable[..., Any]:
-        """The forward torch's apply calls for `pending`: `run` in the caller's grad mode."""
+        """The forward torch's apply calls for `pending`: `run`, in the grad mode torch's apply
+        gave forward (off; `run` restores the caller's where it needs it)."""
 
         def redirected(*args: Any, **kwargs: Any) -> Any:
             self.hook.calls += 1
@@ -201,7 +217,7 @@ def redirected_applies(route: Callable[[type], Run | None]) -> Iterator[Hook]:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
             if state.pending is not None:
-                raise state.unseen()
+                raise state.unseen(state.pending)
             state.settled = None
             cls = type(self)._forward_cls
             run = _probe_run if hook.probing else route(cls)
@@ -211,8 +227,15 @@ def redirected_applies(route: Callable[[type], Run | None]) -> Iterator[Hook]:
         return __init__
 
     def probe() -> None:
-        torch_apply(_Probe, 0)
-        torch_apply(_ProbeSetupContext, 0)
+        """Both styles through torch's apply: three calls must reach predispatch (two forwards,
+        one setup_context)."""
+        before = hook.calls
+        for function in (_Probe, _ProbeSetupContext):
+            torch_apply(function, 0)
+            state.pending = state.settled = None
+        if hook.calls != before + 3:
+            raise drift(FORWARD_REDIRECT, "torch's apply did not look up a probe Function's forward and "
+                        "setup_context through FunctionMeta.__getattribute__")
 
     ctx_probe = lambda: torch_apply(_Probe, 0)  # noqa: E731
     with (
@@ -221,4 +244,4 @@ def redirected_applies(route: Callable[[type], Run | None]) -> Iterator[Hook]:
     ):
         yield hook
         if state.pending is not None:
-            raise state.unseen()
+            raise state.unseen(state.pending)
