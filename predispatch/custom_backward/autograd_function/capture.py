@@ -113,10 +113,10 @@ def capture_autograd_functions() -> Iterator[None]:
             raise _dtensor_in_forward(cls)
         if _left_to_torch(calls, cls):
             return None
-        torch_call = _TorchCall(torch.is_grad_enabled())  # the caller's mode: torch's apply turns it off
+        grad_enabled = torch.is_grad_enabled()  # the caller's mode: torch's apply turns it off for forward
 
         def run(ctx: Any, args: tuple, kwargs: dict) -> Any:
-            return _apply(calls, cls, _bind(cls, args, kwargs), torch_call, ctx)
+            return _apply(calls, cls, _bind(cls, args, kwargs), _TorchCall(ctx, grad_enabled))
 
         return run
 
@@ -184,7 +184,8 @@ def _left_to_torch(calls: _Calls, cls: type) -> bool:
 # module defines the class (torch.testing's Functions, `torch.distributions`' `_Dirichlet`, a
 # user's), and however `apply` was reached (called in forward, `cube = Cube.apply` bound before
 # export, a table of applies, `functools.partial(Cube.apply)`: each call is seen inside torch's
-# apply, Note [Seeing every apply]): eager differentiates it with its backward, so must the program.  It is left to torch (its forward inlined, the enclosing op recorded) when
+# apply, Note [Seeing every apply]): eager differentiates it with its backward, so must the
+# program.  It is left to torch (its forward inlined, the enclosing op recorded) when
 # - it runs inside an op's kernel: the autograd kernel of a `torch.library.custom_op`
 #   (`predispatch::keep_history` too) or of a HOP (`cond`, `invoke_subgraph`, ...) calls
 #   `apply` from inside the dispatcher, and the op or HOP is what the graph records.  Two
@@ -213,36 +214,37 @@ def _bind(cls: type, args: tuple, kwargs: dict) -> tuple:
 
 @dataclass(frozen=True)
 class _TorchCall:
-    """A call torch's apply is running (its forward redirected to the capture).
+    """A call torch's apply is running, its forward redirected to the capture.
 
+    ctx: torch's ctx for the call (a `BackwardCFunction`), whose outputs it wraps after forward.
     grad_enabled: the caller's grad mode; torch's apply runs forward with grad off.
     """
 
+    ctx: Any
     grad_enabled: bool
 
 
-def _apply(calls: _Calls, cls: type, args: tuple, torch_call: _TorchCall | None = None, ctx: Any = None) -> Any:
+def _apply(calls: _Calls, cls: type, args: tuple, torch_call: _TorchCall | None = None) -> Any:
     """Capture one call, then run it through the HOP into the outer graph.
 
-    Under torch's apply (`torch_call`, with its `ctx`), the HOP runs in forward's grad mode (off),
-    so its outputs come without autograd history and torch's apply gives them the Function's, as
-    eager does; `ctx` is told which inputs forward changed in place and which outputs are not
+    Under torch's apply (`torch_call`) the HOP runs in forward's grad mode (off), so its outputs
+    come without autograd history and torch's apply gives them the Function's, as eager does;
+    torch's ctx is told which inputs forward changed in place and which outputs are not
     differentiable, so torch wraps them as eager does (a changed input is returned as itself).
     The write into a changed input is made in the caller's grad mode, as the call would make it.
-    A pair of graphs met in the trace (`_pair_function`) runs in the caller's mode, no ctx.
+    A pair of graphs met in the trace (`_pair_function`) runs in the caller's mode, with no ctx.
     """
     site = CallSite(cls, args)
     call = _capture(calls, site)
     operands = site.operands()
     outputs = list(function_call(call, *operands))
-    caller_mode = ti.unrecorded_grad_mode(torch_call.grad_enabled) if torch_call is not None else contextlib.nullcontext()
-    with caller_mode:
+    with ti.unrecorded_grad_mode(torch_call.grad_enabled) if torch_call is not None else contextlib.nullcontext():
         for output, operand in call.dirty:  # ctx.mark_dirty: the input now holds the output
             operands[operand].copy_(outputs[output])
             outputs[output] = operands[operand]
-    if ctx is not None:
-        ctx.mark_dirty(*(outputs[output] for output, _ in call.dirty))
-        ctx.mark_non_differentiable(*(outputs[i] for i in call.non_differentiable))
+    if torch_call is not None:
+        torch_call.ctx.mark_dirty(*(outputs[output] for output, _ in call.dirty))
+        torch_call.ctx.mark_non_differentiable(*(outputs[i] for i in call.non_differentiable))
     return call.user_output(outputs)
 
 
