@@ -20,11 +20,13 @@ captured; if so, the next lookup of `MyFn.forward` on the exporting thread (thro
 `run(ctx, args, kwargs)` instead of the user's forward, and a new-style Function's following
 `setup_context` lookup returns one that does nothing (what the user's would record, `run` has
 recorded).  Every call is seen, whatever reached torch's apply; nothing on the user's classes
-changes.
+changes.  (Under an active functorch transform torch's apply hands the call to functorch's
+`custom_function_call` instead, making no ctx at that level; the capture leaves such calls to
+torch anyway: Note [Which Functions are captured] in custom_backward/autograd_function/capture.py.)
 
-Proved, not assumed (Note [Drift is loud]): each hook has a probe that calls torch's apply on a
-Function of each style and must reach the redirected forward and the no-op `setup_context`; and a
-ctx made for a captured call whose forward was never looked up through the hook (torch ran the
+Proved, not assumed (Note [Drift is loud]): the ctx hook's probe must reach it; the forward
+hook's probe applies a Function of each style through torch's apply and must reach the redirected
+forward of both and the no-op `setup_context` of the new-style one; and a ctx made for a captured call whose forward was never looked up through the hook (torch ran the
 forward itself) is refused by name, at the next ctx or when the export ends: `AutogradFunctionError`
 where the Function's own metaclass bypasses FunctionMeta's `__getattribute__`, `TorchDriftError`
 where torch's apply changed.
