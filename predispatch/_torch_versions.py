@@ -2,22 +2,13 @@
 
 The one place that asks for torch's version; it imports no torch (`import predispatch` warns
 from here before torch is loaded), reading the installed release's metadata instead.  Every other module asks this one a question by
-name (`HAS.python_function_apply`, ...), never `torch.__version__`, so the table below is the
+name (`HAS.can_decompose_method`, ...), never `torch.__version__`, so the table below is the
 whole story of what changes from release to release.
 
 Note [Variants by torch version]
 --------------------------------
 | mechanism                         | 2.11 | 2.12 | 2.13 | 2.14 | 2.15 | why                                        |
 |-----------------------------------|------|------|------|------|------|--------------------------------------------|
-| `Function.apply` interception     | A    | A    | A    | B    | B    | A: `Function.apply` is Python and ends in  |
-|                                   |      |      |      |      |      | `super().apply`, so a classmethod on       |
-|                                   |      |      |      |      |      | `_SingleLevelFunction` sees every call,    |
-|                                   |      |      |      |      |      | also an `apply` bound before export.  B:   |
-|                                   |      |      |      |      |      | `Function.apply` *is* the C++ apply        |
-|                                   |      |      |      |      |      | (`_C._FunctionBase.__dict__["apply"]`);    |
-|                                   |      |      |      |      |      | only `Function.apply` itself can be        |
-|                                   |      |      |      |      |      | replaced, and a bound-before-export apply  |
-|                                   |      |      |      |      |      | is refused by the forward detector.        |
 | decomposition question            | C    | M    | M    | M    | M    | M: `FunctionalTensorMode._can_decompose`,  |
 |                                   |      |      |      |      |      | a method we replace for the trace.  C:     |
 |                                   |      |      |      |      |      | a closure inside `__torch_dispatch__`; an  |
@@ -38,10 +29,15 @@ Note [Variants by torch version]
 | non-reentrant checkpoint applies | yes  | no   | no   | no   | no   | 2.11's placeholder Function is run by      |
 | `_NoopSaveInputs`                 |      |      |      |      |      | torch, not captured (RUN_INSTEAD).         |
 | keyword arguments to a            | no   | no   | T    | T    | T    | torch's own C++ apply refuses keywords     |
-| setup_context Function's `apply`  |      |      |      |      |      | before 2.13 (eager raises TypeError); the  |
-|                                   |      |      |      |      |      | capture binds them as later releases do.   |
+| setup_context Function's `apply`  |      |      |      |      |      | before 2.13: eager and export raise the    |
+|                                   |      |      |      |      |      | same TypeError.                            |
 | `_is_grad_layout_enforcement_     | no   | T    | T    | T    | T    | a switch 2.11 lacks: not in its            |
 | enabled` switch                   |      |      |      |      |      | GLOBAL_SWITCHES (nothing to restore).      |
+
+The same on every release, so not a row: the autograd.Function capture sees each call inside
+torch's C++ apply (the ctx it makes, the forward it looks up), which `Function.apply` is on 2.14
+and later and ends in before, however `apply` was reached (Note [Seeing every apply] in
+`_torch_internals/autograd_function.py`).
 
 A mechanism whose hook point is gone on a future torch raises `TorchDriftError` naming it and
 the running version (`_torch_internals/mechanism.py`); it never runs without the hook.
@@ -88,8 +84,6 @@ TORCH = _parse(TORCH_VERSION)
 class _Has:
     """The answers to "which variant does this torch need?", one attribute per row of the table."""
 
-    #: `Function.apply` is Python and calls `super().apply` (variant A); else it is the C++ apply.
-    python_function_apply = TORCH < (2, 14)
     #: `FunctionalTensorMode._can_decompose` is a method (variant M); else a closure (variant C).
     can_decompose_method = TORCH >= (2, 12)
     #: `torch._subclasses.functional_tensor._can_decompose_fast` exists.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -662,14 +663,19 @@ def test_reentrant_checkpoint_runs_plainly(use_reentrant):
 
 
 def test_export_leaves_function_apply_as_found():
+    """Nothing export hooks stays behind: `Function.apply`, the ctx class, the Functions' metaclass."""
     apply = torch.autograd.Function.__dict__["apply"]
     below = {k: v for k, v in vars(torch.autograd.function._SingleLevelFunction).items()}
+    meta = dict(vars(torch.autograd.function.FunctionMeta))
+    ctx = dict(vars(torch.autograd.function.BackwardCFunction))
     numpy = torch.Tensor.numpy
     predispatch.export(Ste(), (torch.randn(3),))
     with pytest.raises(AutogradFunctionError):
         predispatch.export(Apply(NumpyBackward), (torch.randn(3),))
     assert torch.autograd.Function.__dict__["apply"] is apply
     assert dict(vars(torch.autograd.function._SingleLevelFunction)) == below
+    assert dict(vars(torch.autograd.function.FunctionMeta)) == meta
+    assert dict(vars(torch.autograd.function.BackwardCFunction)) == ctx
     assert torch.Tensor.numpy is numpy
 
 
@@ -715,20 +721,219 @@ def _function_applies(ep):
 def test_captured_wherever_defined(module_cls):
     """Before: both were inlined (graph `round`, gradient zero); now the backward is kept.
 
-    An `apply` bound before export is torch's C++ apply itself on torch >= 2.14: export cannot
-    see the call, and the forward detector refuses it by name (never a program without the
-    backward, which is what torch 2.14 and 2.15 gave before the detector)."""
+    An `apply` bound before export is torch's C++ apply itself on torch >= 2.14 (before this
+    change refused there by name): the call is seen inside torch's apply (Note [Seeing every
+    apply]), so it is captured on every release."""
     x = torch.tensor([0.3, 0.6, -0.2, 1.4])
-    if module_cls is BoundApply and not ti.HAS.python_function_apply:
-        module = module_cls()
-        before = copy.deepcopy(module.state_dict())
-        with pytest.raises(AutogradFunctionError, match=r"StraightThrough\.forward ran through an apply export could not intercept"):
-            predispatch.export(module, (x,))
-        assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
-        return
     ep = check_gradients(module_cls(), (x,))
     assert len(_function_applies(ep)) == 1
     torch.testing.assert_close(_input_grad(ep.module(), x), torch.tensor([2.0, 0.0, 2.0, 0.0]), rtol=0, atol=0)
+
+
+# --- however `apply` was reached ------------------------------------------------------------------
+
+
+class ScaleGrad(torch.autograd.Function):
+    """A leading non-tensor argument (what `functools.partial` binds); backward scales the gradient."""
+
+    @staticmethod
+    def forward(ctx, scale, x):
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad * ctx.scale
+
+
+#: Applies bound when this module was imported, as research code and libraries bind them.
+ste_apply, linear_apply, masked_relu_apply = StraightThrough.apply, SetupContextLinear.apply, MaskedRelu.apply
+add_one_apply, scale_grad_apply = AddOneInplace.apply, ScaleGrad.apply
+
+
+def _bound() -> dict[str, object]:
+    """The five applies `Reached` calls, each looked up now (in forward, in `__init__`)."""
+    return {
+        "ste": StraightThrough.apply,
+        "linear": SetupContextLinear.apply,
+        "masked_relu": MaskedRelu.apply,
+        "add_one": AddOneInplace.apply,
+        "scale_grad": ScaleGrad.apply,
+    }
+
+
+def _through_helper(op, *args):
+    """A library helper handed the op as a callable."""
+    return op(*args)
+
+
+class Reached(nn.Module):
+    """Five Functions (old and new style, a default argument, a non-differentiable output, an
+    in-place one, a non-tensor argument), each `apply` reached as `idiom` says."""
+
+    def __init__(self, idiom: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5]]))
+        self.idiom = idiom
+        if idiom == "bound_in_init":
+            self.ste, self.linear, self.masked_relu, self.add_one, self.scale_grad = _bound().values()
+        elif idiom == "kept_in_a_dict":
+            self.table = _bound()
+        elif idiom == "kept_in_a_list":
+            self.table = list(_bound().values())
+        elif idiom == "wrapped_in_partial":
+            self.partials = {
+                "ste": functools.partial(StraightThrough.apply),
+                "linear": functools.partial(SetupContextLinear.apply),
+                "masked_relu": functools.partial(MaskedRelu.apply),
+                "add_one": functools.partial(AddOneInplace.apply),
+                "scale_grad": functools.partial(ScaleGrad.apply, 3.0),  # the scale bound in the partial
+            }
+
+    def op(self, name: str):
+        if self.idiom == "called_in_forward":
+            return _bound()[name]
+        if self.idiom == "bound_at_module_level":
+            return globals()[f"{name}_apply"]
+        if self.idiom == "bound_in_init":
+            return getattr(self, name)
+        if self.idiom == "kept_in_a_dict":
+            return self.table[name]
+        if self.idiom == "kept_in_a_list":
+            return self.table[list(_bound()).index(name)]
+        if self.idiom == "wrapped_in_partial":
+            return self.partials[name]
+        assert self.idiom == "passed_to_a_helper", self.idiom
+        return functools.partial(_through_helper, _bound()[name])
+
+    def forward(self, x):
+        scale = () if self.idiom == "wrapped_in_partial" else (3.0,)
+        h = self.op("ste")(x * 2)
+        h = self.op("linear")(h, self.weight)  # bias: its default
+        h, mask = self.op("masked_relu")(h)
+        h = h * 1.0
+        self.op("add_one")(h)  # in place
+        return self.op("scale_grad")(*scale, h), mask
+
+
+IDIOMS = ["called_in_forward", "bound_at_module_level", "bound_in_init", "kept_in_a_dict", "kept_in_a_list",
+          "wrapped_in_partial", "passed_to_a_helper"]
+
+
+@pytest.mark.parametrize("idiom", IDIOMS)
+def test_every_idiom_of_reaching_apply_is_captured(idiom):
+    """Before: on torch 2.14 and 2.15 every idiom but a call in forward (or through a helper that
+    looks `apply` up) was refused ("bound before export"); now each gives the program a call in
+    forward gives, printed the same, with eager's gradients."""
+    x = torch.tensor([[0.3, 0.6, -0.2], [1.4, -0.7, 0.9]])
+    ep = check_gradients(Reached(idiom), (x,))
+    assert len(_function_applies(ep)) == 5
+    assert str(ep) == str(predispatch.export(Reached("called_in_forward"), (x,)))
+
+
+#: StraightThroughPure's apply bound at module level, for a `torch.cond` arm.
+pure_apply = StraightThroughPure.apply
+
+
+class BoundInCond(nn.Module):
+    """A bound apply inside a `torch.cond` arm (Dynamo traces the arm), bound at module level or in `__init__`."""
+
+    def __init__(self, idiom: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([0.2, -0.7, 0.4]))
+        self.idiom = idiom
+        self.op = StraightThroughPure.apply
+
+    def forward(self, x):
+        if self.idiom == "bound_at_module_level":
+            return torch.cond(x.sum() > 0, lambda t: pure_apply(t * self.weight) * 2, lambda t: t * 3, (x,))
+        return torch.cond(x.sum() > 0, lambda t: self.op(t * self.weight) * 2, lambda t: t * 3, (x,))
+
+
+#: torch 2.11's Dynamo cannot trace a Function's `apply` kept as a module attribute (`self.op =
+#: MyFn.apply`) inside a `torch.cond` arm (eager runs it); later releases can.  README's table says so.
+_DYNAMO_211 = pytest.mark.xfail(
+    ti.TORCH < (2, 12), strict=True, raises=predispatch.errors.TraceError,
+    reason="torch 2.11's Dynamo: GetAttrVariable(AutogradFunctionVariable(), setup_context) has no type",
+)
+
+
+@pytest.mark.parametrize("idiom", ["bound_at_module_level", pytest.param("bound_in_init", marks=_DYNAMO_211)])
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["true_branch", "false_branch"])
+def test_bound_apply_in_cond_branch_keeps_backward(sign, idiom):
+    x = torch.tensor([1.5, 2.0, 0.5]) * sign
+    ep = check_gradients(BoundInCond(idiom), (x,))
+    (branch,) = [m for name, m in ep.graph_module.named_children() if name.startswith("true_graph")]
+    assert branch.graph.find_nodes(op="call_function", target=torch.ops.higher_order.autograd_function_apply)
+    assert str(ep) == str(predispatch.export(FunctionInCond(), (x,)))
+
+
+def test_bound_apply_in_repeated_block_is_captured_in_the_shared_body(monkeypatch):
+    """A repeated block applying an `apply` bound at module level: traced twice, compared, its body
+    shared by the later layers (test_dedup.py, whose small-body threshold it takes), the Function
+    captured inside it."""
+    from test_dedup import Block, Stack, _replayed
+
+    from predispatch.trace.dedup import share
+
+    monkeypatch.setattr(share, "MIN_BODY_OPS", 4)
+
+    class BoundInBlock(Block):
+        def forward(self, x):
+            return super().forward(ste_apply(self.norm(x)))
+
+    torch.manual_seed(0)
+    ep = check_gradients(Stack(4, BoundInBlock), (torch.randn(2, 3, 8),))
+    assert _replayed(ep) == ["layers.2", "layers.3"]
+    bodies = [m for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule) and m is not ep.graph_module]
+    assert any(m.graph.find_nodes(op="call_function", target=torch.ops.higher_order.autograd_function_apply) for m in bodies)
+
+
+def test_torch_apply_reached_directly_is_captured():
+    """torch's C++ apply called with no Python around it (`_C._FunctionBase.apply`), on every
+    release: before, the forward detector refused it; now it is captured like any call."""
+    cpp_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, StraightThrough)
+
+    class Direct(nn.Module):
+        def forward(self, x):
+            return cpp_apply(x * 2) + 1
+
+    x = torch.tensor([0.3, 0.6, -0.2, 1.4])
+    ep = check_gradients(Direct(), (x,))
+    assert str(ep) == str(predispatch.export(BoundApply(), (x,)))
+
+
+def test_other_threads_keep_torch_apply_during_export():
+    """A Function applied on another thread while export traces runs as torch runs it, its
+    forward once per call, never redirected (Note [Export touches only its own thread])."""
+    import threading
+
+    seen: list = []
+    started, release = threading.Event(), threading.Event()
+
+    class Waits(nn.Module):
+        def forward(self, x):
+            started.set()
+            release.wait(10)
+            return ste_apply(x * 2)
+
+    def other():
+        started.wait(10)
+        try:
+            x = torch.tensor([0.3, 1.6], requires_grad=True)
+            y = ste_apply(x)
+            y.sum().backward()
+            seen.append((y.detach(), x.grad))
+        finally:
+            release.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    ep = predispatch.export(Waits(), (torch.tensor([0.3, 0.6]),))
+    thread.join(10)
+    (y, grad), = seen
+    assert torch.equal(y, torch.tensor([0.0, 2.0])) and torch.equal(grad, torch.tensor([1.0, 0.0]))
+    assert len(_function_applies(ep)) == 1
 
 
 @torch.library.custom_op("predispatch_function_test::round_ste", mutates_args=())

@@ -1,19 +1,24 @@
 """Sweep torch's autograd.Function database (`autograd_function_db`) through predispatch.export.
 
 Every entry's first sample (CPU float32) is wrapped in a module whose forward calls the entry's
-op, as tests/test_op_db.py does for op_db.  Each entry either
+op, as tests/test_op_db.py does for op_db, once for each way user code reaches a Function's
+`apply` (`IDIOMS`: called in forward, bound at module level, bound in `__init__`, kept in a
+table, wrapped in `functools.partial`, passed to a helper).  Each entry either
 
     exports: the graph is functional and holds the Function as one `autograd_function_apply`
         (its backward kept, not inlined); the Function's forward ran once at export; the
         program's outputs and the gradients of its inputs, for random output gradients, equal
-        eager's bitwise;
+        eager's bitwise, through `ep.module()` and through the saved and loaded program, and
+        the joint program's (`ep.joint()`) gradients equal eager's;
     or is refused (`REFUSED`): its forward leaves torch (`.numpy()`), and export raises
         `AutogradFunctionError` naming the Function, its `def forward` line and the custom-op fix.
 
 These Functions are defined under `torch.testing`: the sweep is also the test that where a
 Function's class is defined does not decide whether it is captured (Note [Which Functions are
-captured] in predispatch/custom_backward/autograd_function/capture.py).  The whole sweep runs by default
-(about ten seconds):
+captured] in predispatch/custom_backward/autograd_function/capture.py), and, as the database
+binds every `apply` when it is built, that how `apply` was reached does not either (Note [Seeing
+every apply] in predispatch/_torch_internals/autograd_function.py).  The whole sweep runs by
+default (about a minute):
 
     pytest tests/test_autograd_function_db.py
 """
@@ -24,7 +29,7 @@ import contextlib
 import functools
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -39,7 +44,9 @@ import predispatch
 from predispatch import _torch_internals as ti
 from predispatch.errors import AutogradFunctionError
 from predispatch.passes.check_functional import mutable_ops
+from helpers import round_trip
 from sweep_support import assert_same, clone_tree
+from test_joint import Loss, check_joint
 
 DTYPE = torch.float32
 
@@ -69,39 +76,56 @@ FUNCTIONS: dict[str, type] = {
 }
 
 
+def _helper(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """A library helper handed the op as a callable."""
+    return op(*args, **kwargs)
+
+
+#: How a program reaches an entry's `apply`, from the Function class and the database's op (the
+#: class's `apply`, bound when the database was built): the callable the module's forward calls.
+IDIOMS: dict[str, Callable[[type, Any], Callable[..., Any]]] = {
+    "called_in_forward": lambda cls, op: lambda *args, **kwargs: cls.apply(*args, **kwargs),
+    "bound_at_module_level": lambda cls, op: op,
+    "bound_in_init": lambda cls, op: cls.apply,
+    "kept_in_a_table": lambda cls, op: (lambda table: lambda *args, **kwargs: table["op"](*args, **kwargs))({"op": cls.apply}),
+    "wrapped_in_partial": lambda cls, op: functools.partial(cls.apply),
+    "passed_to_a_helper": lambda cls, op: lambda *args, **kwargs: _helper(cls.apply, *args, **kwargs),
+}
+
+
 class OpModule(nn.Module):
     """Calls `op(sample.input, *sample.args, **sample.kwargs)` with the tensors passed in; every
-    other leaf of the sample is held here as a constant."""
+    other leaf of the sample is held here as a constant.  `op` is reached as `idiom` says."""
 
-    def __init__(self, op: Any, sample: SampleInput):
+    def __init__(self, op: Any, sample: SampleInput, idiom: str = "bound_at_module_level"):
         super().__init__()
-        leaves, self._spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
-        self._is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
-        self._constants = [None if t else leaf for t, leaf in zip(self._is_tensor, leaves)]
-        self._op = _looked_up_at_call_time(op)
+        self._rebuild = _rebuilder(sample)
+        owner = getattr(op, "__self__", None)
+        bound_apply = isinstance(owner, type) and issubclass(owner, torch.autograd.Function) and op.__name__ == "apply"
+        assert bound_apply or idiom == "bound_at_module_level", f"{op} is not a Function's apply"
+        self._op = IDIOMS[idiom](owner, op) if bound_apply else op
 
     def forward(self, *tensors: torch.Tensor) -> Any:
-        it = iter(tensors)
-        leaves = [next(it) if t else c for t, c in zip(self._is_tensor, self._constants)]
-        input, args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        input, args, kwargs = self._rebuild(tensors)
         return self._op(input, *args, **kwargs)
 
 
-def _looked_up_at_call_time(op: Any) -> Any:
-    """`MyFn.apply` bound when the database was built, called as `MyFn.apply(...)` in forward.
+def _rebuilder(sample: SampleInput) -> Callable[[tuple], Any]:
+    """`(input, args, kwargs)` of `sample` with its tensors replaced, in order, by those given
+    (a function, which a module's deep copy shares)."""
+    leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+    is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+    constants = [None if t else leaf for t, leaf in zip(is_tensor, leaves)]
 
-    On torch >= 2.14 a bound `apply` is torch's C++ apply itself, which export cannot intercept
-    (it refuses it by name: `test_autograd_function.py::test_apply_bound_before_export`); looked
-    up in forward, as user code writes it, the call is captured on every release.
-    """
-    owner = getattr(op, "__self__", None)
-    if isinstance(owner, type) and issubclass(owner, torch.autograd.Function) and op.__name__ == "apply":
-        return lambda *args, **kwargs: owner.apply(*args, **kwargs)
-    return op
+    def rebuild(tensors: tuple) -> Any:
+        it = iter(tensors)
+        return pytree.tree_unflatten([next(it) if t else c for t, c in zip(is_tensor, constants)], spec)
+
+    return rebuild
 
 
-def first_sample(info: OpInfo) -> tuple[OpModule, tuple[torch.Tensor, ...]]:
-    """The entry's module and tensor inputs, from its first sample, seeded."""
+def first_sample(info: OpInfo, idiom: str = "bound_at_module_level") -> tuple[OpModule, tuple[torch.Tensor, ...]]:
+    """The entry's module (reaching its op as `idiom` says) and tensor inputs, from its first sample, seeded."""
     torch.manual_seed(0)
     samples = iter(info.sample_inputs("cpu", DTYPE, requires_grad=False))
     try:
@@ -109,7 +133,7 @@ def first_sample(info: OpInfo) -> tuple[OpModule, tuple[torch.Tensor, ...]]:
     finally:
         getattr(samples, "close", lambda: None)()  # not left to the collector mid-trace
     leaves = pytree.tree_leaves((sample.input, sample.args, sample.kwargs))
-    return OpModule(info.op, sample), tuple(x for x in leaves if isinstance(x, torch.Tensor))
+    return OpModule(info.op, sample, idiom), tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
 
 @contextlib.contextmanager
@@ -172,9 +196,9 @@ def entry_function(info: OpInfo) -> str:
     return names[0]
 
 
-def check_exported(key: str) -> None:
+def check_exported(key: str, idiom: str) -> None:
     info = INFOS[key]
-    module, inputs = first_sample(info)
+    module, inputs = first_sample(info, idiom)
     with counting_forwards() as counts:
         ep = predispatch.export(module, clone_tree(inputs))
     assert counts[entry_function(info)] == 1, counts
@@ -183,9 +207,11 @@ def check_exported(key: str) -> None:
     assert len(applies) == 1, f"{key}: the Function was not captured as one autograd_function_apply"
 
     expected, expected_grads = run_with_grads(module, inputs)
-    actual, actual_grads = run_with_grads(ep.module(), inputs)
-    assert_same(actual, expected, what="output")
-    assert_same(actual_grads, expected_grads, what="input gradients")
+    for program, what in ((ep.module(), "ep.module()"), (round_trip(ep).module(), "saved and loaded")):
+        actual, actual_grads = run_with_grads(program, inputs)
+        assert_same(actual, expected, what=f"{what}: output")
+        assert_same(actual_grads, expected_grads, what=f"{what}: input gradients")
+    check_joint(Loss(module), clone_tree(inputs))
 
 
 def _params() -> list[Any]:
@@ -194,13 +220,13 @@ def _params() -> list[Any]:
         if key in REFUSED:
             continue
         marks = [pytest.mark.xfail(strict=True, reason=XFAILS[key])] if key in XFAILS else []
-        params.append(pytest.param(key, marks=marks, id=key))
+        params.extend(pytest.param(key, idiom, marks=marks, id=f"{key}-{idiom}") for idiom in IDIOMS)
     return params
 
 
-@pytest.mark.parametrize("key", _params())
-def test_exported(key: str) -> None:
-    check_exported(key)
+@pytest.mark.parametrize(("key", "idiom"), _params())
+def test_exported(key: str, idiom: str) -> None:
+    check_exported(key, idiom)
 
 
 def _stable(text: str) -> str:
@@ -240,4 +266,4 @@ def test_tables_name_entries() -> None:
     """Every database entry is either swept or refused; table keys name real entries."""
     assert set(REFUSED) | set(XFAILS) <= set(INFOS)
     assert all(name in FUNCTIONS for name in REFUSED.values())
-    assert len(_params()) + len(REFUSED) == len(autograd_function_db)
+    assert len(_params()) + len(REFUSED) * len(IDIOMS) == len(autograd_function_db) * len(IDIOMS)

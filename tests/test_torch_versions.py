@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import StraightThrough, stable_message as message
+from helpers import stable_message as message
 from torch import nn
 
 import predispatch
@@ -60,6 +60,7 @@ def _untouched() -> dict:
         "mode": dict(vars(ti.FunctionalTensorMode)),
         "tensor": torch.Tensor.register_hook,
         "backward_cls": dict(vars(torch.autograd.function.BackwardCFunction)),
+        "function_meta": dict(vars(torch.autograd.function.FunctionMeta)),
     }
 
 
@@ -96,21 +97,7 @@ def test_untested_torch_warns_once_naming_the_range(monkeypatch):
 # --- each mechanism's absence, simulated ---------------------------------------------------------
 
 
-def test_apply_interception_not_reached(monkeypatch):
-    """torch moved `Function.apply` out of the class we replace: the probe does not reach us."""
-
-    class Elsewhere:
-        apply = classmethod(lambda cls, *args: None)
-
-    monkeypatch.setattr(ti_function, "_hook_point", lambda: (Elsewhere, "apply"))
-    before = _untouched()
-    with pytest.raises(TorchDriftError) as info:
-        predispatch.export(Straight(), (torch.ones(3),))
-    assert message(info.value) == _drift(ti.APPLY_CAPTURE, "the probe call did not reach predispatch's replacement")
-    assert _untouched() == before
-
-
-def test_forward_detector_not_reached(monkeypatch):
+def test_apply_capture_not_reached(monkeypatch):
     """torch no longer makes a Function's ctx from `_backward_cls` (a `BackwardCFunction`)."""
 
     class NotTheCtx:
@@ -120,26 +107,81 @@ def test_forward_detector_not_reached(monkeypatch):
     before = _untouched()
     with pytest.raises(TorchDriftError) as info:
         predispatch.export(Straight(), (torch.ones(3),))
-    assert message(info.value) == _drift(ti.FORWARD_DETECTOR, "the probe call did not reach predispatch's replacement")
+    assert message(info.value) == _drift(ti.APPLY_CAPTURE, "the probe call did not reach predispatch's replacement")
     assert _untouched() == before
 
 
-def test_forward_run_past_the_interception_is_refused_by_name():
-    """A Function forward torch's C++ apply runs without the capture seeing the call (what a
-    bound-before-export apply is on torch >= 2.14) never becomes a program without its backward."""
-    cpp_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, StraightThrough)
+def test_forward_redirect_not_reached(monkeypatch):
+    """torch's apply no longer looks a Function's forward up on the class through its metaclass."""
 
-    class Hidden(nn.Module):
+    class NotTheMetaclass(type):
+        pass
+
+    monkeypatch.setattr(ti_function, "FunctionMeta", NotTheMetaclass)
+    before = _untouched()
+    with pytest.raises(TorchDriftError) as info:
+        predispatch.export(Straight(), (torch.ones(3),))
+    assert message(info.value) == _drift(
+        ti.FORWARD_REDIRECT,
+        "torch's apply did not look up a probe Function's forward and setup_context through FunctionMeta.__getattribute__",
+    )
+    assert _untouched() == before
+
+
+def test_forward_run_past_the_redirect_is_refused(monkeypatch):
+    """A call whose ctx torch made but whose forward it ran without asking the hook (what a torch
+    that stopped looking forward up through the metaclass, after the probe, would do) never
+    becomes a program without its backward: export stops, naming the Function."""
+    real = ti_function._Redirect.getattribute
+
+    def blind_to_forward(self, cls, name):
+        return type.__getattribute__(cls, name) if name == "forward" and cls is TwiceStraightThrough else real(self, cls, name)
+
+    monkeypatch.setattr(ti_function._Redirect, "getattribute", blind_to_forward)
+    before = _untouched()
+    with pytest.raises(TorchDriftError) as info:
+        predispatch.export(Straight(), (torch.ones(3),))
+    assert message(info.value) == _drift(
+        ti.FORWARD_REDIRECT,
+        "torch's apply made TwiceStraightThrough's ctx but ran its forward without looking it up through "
+        "FunctionMeta.__getattribute__ (its custom backward would be lost)",
+    )
+    assert _untouched() == before
+
+
+class Bypassing(type(torch.autograd.Function)):
+    """A metaclass whose attribute lookup skips FunctionMeta's."""
+
+    def __getattribute__(cls, name):
+        return type.__getattribute__(cls, name)
+
+
+class BypassingStraightThrough(torch.autograd.Function, metaclass=Bypassing):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_metaclass_bypassing_the_redirect_is_refused_by_name():
+    """The Function's own metaclass hides its forward from the capture: refused by name, with the fix."""
+
+    class Bypassed(nn.Module):
         def forward(self, x):
-            return cpp_apply(x) * 1.0
+            return BypassingStraightThrough.apply(x) * 1.0
 
     before = _untouched()
     with pytest.raises(AutogradFunctionError) as info:
-        predispatch.export(Hidden(), (torch.ones(3),))
+        predispatch.export(Bypassed(), (torch.ones(3),))
     text = message(info.value)
-    assert text.startswith("StraightThrough.forward ran through an apply export could not intercept, so its custom backward would be lost."), text
-    assert "  at test_torch_versions.py:N (return cpp_apply(x) * 1.0)" in text, text
-    assert "fix: call StraightThrough.apply(...) inside forward" in text
+    assert text.startswith(
+        "BypassingStraightThrough.forward was looked up through its metaclass Bypassing's own __getattribute__, "
+        "which does not call FunctionMeta's: export could not capture the call, and its custom backward would be lost."
+    ), text
+    assert "fix: let Bypassing.__getattribute__ end in super().__getattribute__(name)" in text, text
     assert _untouched() == before
 
 

@@ -9,7 +9,7 @@ and nowhere else: a torch upgrade touches this package only.
 By concern, one module each; every name is re-exported here, so the rest of predispatch reads
 `ti.<name>` without knowing which module holds it:
     mechanism.py          `patched` and `Hook`: how a patch of torch proves it engaged; drift checks
-    autograd_function.py  `Function.apply` interception and the forward detector
+    autograd_function.py  every `Function.apply` call, seen inside torch's C++ apply
     decomposition.py      the decomposition question (which composites stay whole), per release
     tracing.py            the one functional trace, module-call interception, the joint's trace
     functional.py         FunctionalTensorMode and the mode stacks; functional tensors' values
@@ -41,11 +41,12 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch._functorch.autograd_function import autograd_function_apply
 from predispatch._torch_internals.autograd_function import (
     APPLY_CAPTURE,
-    FORWARD_DETECTOR,
+    FORWARD_REDIRECT,
+    Run,
     SingleLevelFunction,
-    detected_forwards,
-    intercepted_applies,
+    redirected_applies,
     torch_apply,
+    unrecorded_grad_mode,
 )
 from torch._guards import detect_fake_mode
 from torch._ops import HigherOrderOperator
@@ -292,10 +293,11 @@ __all__ = [
     "pre_dispatch_modes",
     "SingleLevelFunction",
     "APPLY_CAPTURE",
-    "FORWARD_DETECTOR",
-    "detected_forwards",
-    "intercepted_applies",
+    "FORWARD_REDIRECT",
+    "Run",
+    "redirected_applies",
     "torch_apply",
+    "unrecorded_grad_mode",
     "TENSOR_HOOKS",
     "probe_register_hook",
     "DISPATCH_OBSERVER",

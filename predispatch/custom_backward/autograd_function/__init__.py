@@ -26,8 +26,9 @@ the Function directly), so the trace reaches the graph through a trace-time HOP 
 (`hop.py`) that dispatches through functionalization, proxy, autograd and fake levels and emits
 torch's op.
 
-Traced once: the user's forward runs once per export, and while it is traced `Function.apply`
-is intercepted (`capture.py`).  Each Function's forward runs once per call, on fresh fake tensors
+Traced once: the user's forward runs once per export, and while it is traced every
+`Function.apply` call is seen inside torch's own apply, however `apply` was reached (`capture.py`,
+Note [Seeing every apply] in _torch_internals/autograd_function.py).  Each Function's forward runs once per call, on fresh fake tensors
 in a nested functional trace; what it left on ctx (saved tensors, attributes, marks) becomes
 data; the backward is traced from fakes of the output gradients and saved values, never running
 forward again.  The outer graph gets the pair through a HOP that runs no user code.  Functions

@@ -1,4 +1,4 @@
-"""`capture_autograd_functions`: intercept `Function.apply` while the user's forward is traced."""
+"""`capture_autograd_functions`: capture every `Function.apply` call while the user's forward is traced."""
 
 from __future__ import annotations
 
@@ -20,21 +20,16 @@ from predispatch.custom_backward.autograd_function.record import CapturedCall
 from predispatch.custom_backward.autograd_function.subgraphs import CallSite, capture_call, has_setup_context
 
 
-def _torch_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-    """torch's own apply for a call not captured: its forward runs inline, and the forward
-    detector lets it (`_Calls.torch_runs`)."""
-    with torch_applies():
-        return ti.torch_apply(cls, *args, **kwargs)
-
-
 def _run_checkpointed(cls, function, preserve_rng_state, *args):
     return function(*args)
 
 
-#: Functions export runs another way instead of capturing, and why that is right for each.
-RUN_INSTEAD: dict[type, tuple[Callable[..., Any], str]] = {
+#: Functions export runs another way instead of capturing, and why that is right for each:
+#: None runs torch's own forward (inlined into the running trace), a function `(cls, *args)`
+#: computes in the forward's place.
+RUN_INSTEAD: dict[type, tuple[Callable[..., Any] | None, str]] = {
     TraceTimeFunction: (
-        _torch_apply,
+        None,
         "predispatch's own trace-time call (a captured Function, a replayed block); never differentiated.",
     ),
     CheckpointFunction: (
@@ -47,7 +42,7 @@ RUN_INSTEAD: dict[type, tuple[Callable[..., Any], str]] = {
 }
 if ti.NOOP_SAVE_INPUTS is not None:
     RUN_INSTEAD[ti.NOOP_SAVE_INPUTS] = (
-        _torch_apply,
+        None,
         "non-reentrant activation checkpointing's placeholder (torch 2.11): it only anchors saved-tensor "
         "hooks, and its backward is never meant to run; the program runs the checkpointed function plainly "
         "(same values and gradients, without the memory saving), as later releases' export does.",
@@ -75,14 +70,13 @@ def _dtensor_in_forward(cls: type) -> DistributedError:
 
 @dataclass
 class _Calls:
-    """What the interception keeps during one export.
+    """What the capture keeps during one export.
 
     program_modes: the PreDispatch modes (proxy tracer, functional mode) while the traced
         program's own Python runs; see Note [Which Functions are captured].
     depth: > 0 while a Function's own forward or backward is being traced: Functions they call
         are inlined (eager runs them under no_grad, so their backward is never used).
-    torch_runs: > 0 while torch's own apply runs a call the capture decided to leave to torch
-        (or while `torch_applies` is active): the forward detector lets its forward run.
+    torch_runs: > 0 while `torch_applies` is active: every apply runs as torch's own.
     pairs: `autograd_function_apply` graph pairs met in the trace, as Functions (`_pair_function`).
     """
 
@@ -92,37 +86,39 @@ class _Calls:
     pairs: dict[tuple[int, int], tuple[type, Any, Any]] = field(default_factory=dict)
 
 
-#: The running exports' interceptions, innermost last (an export nested in an export).
+#: The running exports' captures, innermost last (an export nested in an export).
 _ACTIVE: list[_Calls] = []
 
 
 @contextlib.contextmanager
 def capture_autograd_functions() -> Iterator[None]:
-    """While active, each `Function.apply` becomes one `autograd_function_apply` node.
+    """While active, each `Function.apply` call becomes one `autograd_function_apply` node.
 
-    Each call is traced as it is met, its forward once and its backward from fakes; see
-    Note [Capturing autograd.Function].  A Function forward that torch's apply runs without the
-    capture having seen the call (an `apply` bound before export, on torch >= 2.14) is refused by
-    name (`_refuse_unseen_forward`): a program never silently loses a custom backward.
+    Each call is seen inside torch's own apply, however `apply` was reached (called in forward,
+    bound before export, kept in a table, wrapped in `functools.partial`): Note [Seeing every
+    apply] in _torch_internals/autograd_function.py.  Its forward is traced once and its backward
+    from fakes; see Note [Capturing autograd.Function].
     """
     calls = _Calls(ti.pre_dispatch_modes())
     hop_type = type(ti.autograd_function_apply)
     original_hop_call = hop_type.__dict__["__call__"]
 
-    def apply(cls, args, kwargs):
+    def route(cls: type) -> ti.Run | None:
+        """Asked by torch's apply as it makes `cls`'s ctx: how this call runs."""
         if calls.torch_runs > 0:
-            return ti.torch_apply(cls, *args, **kwargs)
+            return None
         if cls in RUN_INSTEAD:
-            return RUN_INSTEAD[cls][0](cls, *args, **kwargs)
+            return _instead(cls, RUN_INSTEAD[cls][0])
         if cls.__module__.startswith(_DTENSOR_PACKAGE):
             raise _dtensor_in_forward(cls)
         if _left_to_torch(calls, cls):
-            return _torch_apply(cls, *args, **kwargs)
-        return _apply(calls, cls, _bind(cls, args, kwargs))
+            return None
+        grad_enabled = torch.is_grad_enabled()  # the caller's mode: torch's apply turns it off for forward
 
-    def on_forward(cls):
-        if calls.depth == 0 and calls.torch_runs == 0:
-            _refuse_unseen_forward(cls)
+        def run(ctx: Any, args: tuple, kwargs: dict) -> Any:
+            return _apply(calls, cls, _bind(cls, args, kwargs), _TorchCall(ctx, grad_enabled))
+
+        return run
 
     def hop_call(hop, fwd, bwd, *args, **kwargs):
         if calls.depth > 0 or not any(isinstance(a, ti.FunctionalTensor) for a in args):
@@ -132,11 +128,25 @@ def capture_autograd_functions() -> Iterator[None]:
     _ACTIVE.append(calls)
     hop_type.__call__ = hop_call
     try:
-        with ti.intercepted_applies(apply), ti.detected_forwards(on_forward):
+        with ti.redirected_applies(route):
             yield
     finally:
         hop_type.__call__ = original_hop_call
         _ACTIVE.pop()
+
+
+def _instead(cls: type, runner: Callable[..., Any] | None) -> ti.Run | None:
+    """A `RUN_INSTEAD` entry as torch's apply runs it: None (torch's own forward), or `runner` in
+    the caller's grad mode, its result the Function's outputs."""
+    if runner is None:
+        return None
+    grad_enabled = torch.is_grad_enabled()
+
+    def run(ctx: Any, args: tuple, kwargs: dict) -> Any:
+        with ti.unrecorded_grad_mode(grad_enabled):
+            return runner(cls, *args, **kwargs)
+
+    return run
 
 
 @contextlib.contextmanager
@@ -156,18 +166,6 @@ def torch_applies() -> Iterator[None]:
         calls.torch_runs -= 1
 
 
-def _refuse_unseen_forward(cls: type) -> None:
-    """A Function's forward is about to run inline, its backward lost: refuse it by name."""
-    raise AutogradFunctionError(
-        f"{cls.__qualname__}.forward ran through an apply export could not intercept, so its custom "
-        f"backward would be lost. On torch {torch.__version__}, an `apply` bound before export "
-        f"(`op = {cls.__name__}.apply` at module level or in __init__) calls torch's C++ apply directly.",
-        where=user_frame(),
-        fix=f"call {cls.__name__}.apply(...) inside forward, so export sees the call; a helper "
-        f"`def op(*a): return {cls.__name__}.apply(*a)` works too.",
-    )
-
-
 def _left_to_torch(calls: _Calls, cls: type) -> bool:
     """Whether this call runs as torch runs it (forward inlined into the running trace).
 
@@ -184,8 +182,10 @@ def _left_to_torch(calls: _Calls, cls: type) -> bool:
 # -----------------------------------
 # A `Function.apply` call is captured when the traced program's own Python makes it, whatever
 # module defines the class (torch.testing's Functions, `torch.distributions`' `_Dirichlet`, a
-# user's), and however `apply` was reached (`cube = Cube.apply` bound before export): eager
-# differentiates it with its backward, so must the program.  It is left to torch (its forward inlined, the enclosing op recorded) when
+# user's), and however `apply` was reached (called in forward, `cube = Cube.apply` bound before
+# export, a table of applies, `functools.partial(Cube.apply)`: each call is seen inside torch's
+# apply, Note [Seeing every apply]): eager differentiates it with its backward, so must the
+# program.  It is left to torch (its forward inlined, the enclosing op recorded) when
 # - it runs inside an op's kernel: the autograd kernel of a `torch.library.custom_op`
 #   (`predispatch::keep_history` too) or of a HOP (`cond`, `invoke_subgraph`, ...) calls
 #   `apply` from inside the dispatcher, and the op or HOP is what the graph records.  Two
@@ -201,30 +201,50 @@ def _left_to_torch(calls: _Calls, cls: type) -> bool:
 
 
 def _bind(cls: type, args: tuple, kwargs: dict) -> tuple:
-    """Keyword arguments and defaults bound to positions, as `Function.apply` binds them."""
+    """The arguments torch's apply passes to forward as positions, defaults applied (a setup_context
+    Function's `apply` binds them so; the capture's subgraphs take positions only)."""
     with_ctx = not has_setup_context(cls)
     if with_ctx and not kwargs:
         return args
     signature, ctx = inspect.signature(cls.forward), (None,) if with_ctx else ()
-    try:
-        bound = signature.bind(*ctx, *args, **kwargs)
-    except TypeError:
-        # torch 2.11's `Function.apply` binds a setup_context Function's keywords into `args`
-        # and still passes them on as keywords (later releases pass only what is left)
-        bound = signature.bind(*ctx, *args)
+    bound = signature.bind(*ctx, *args, **kwargs)
     bound.apply_defaults()
     return bound.args[1:] if with_ctx else bound.args
 
 
-def _apply(calls: _Calls, cls: type, args: tuple) -> Any:
-    """Capture one call, then run it through the HOP into the outer graph."""
+@dataclass(frozen=True)
+class _TorchCall:
+    """A call torch's apply is running, its forward redirected to the capture.
+
+    ctx: torch's ctx for the call (a `BackwardCFunction`), whose outputs it wraps after forward.
+    grad_enabled: the caller's grad mode; torch's apply runs forward with grad off.
+    """
+
+    ctx: Any
+    grad_enabled: bool
+
+
+def _apply(calls: _Calls, cls: type, args: tuple, torch_call: _TorchCall | None = None) -> Any:
+    """Capture one call, then run it through the HOP into the outer graph.
+
+    Under torch's apply (`torch_call`) the HOP runs in forward's grad mode (off), so its outputs
+    come without autograd history and torch's apply gives them the Function's, as eager does;
+    torch's ctx is told which inputs forward changed in place and which outputs are not
+    differentiable, so torch wraps them as eager does (a changed input is returned as itself).
+    The write into a changed input is made in the caller's grad mode, as the call would make it.
+    A pair of graphs met in the trace (`_pair_function`) runs in the caller's mode, with no ctx.
+    """
     site = CallSite(cls, args)
     call = _capture(calls, site)
     operands = site.operands()
     outputs = list(function_call(call, *operands))
-    for output, operand in call.dirty:  # ctx.mark_dirty: the input now holds the output
-        operands[operand].copy_(outputs[output])
-        outputs[output] = operands[operand]
+    with ti.unrecorded_grad_mode(torch_call.grad_enabled) if torch_call is not None else contextlib.nullcontext():
+        for output, operand in call.dirty:  # ctx.mark_dirty: the input now holds the output
+            operands[operand].copy_(outputs[output])
+            outputs[output] = operands[operand]
+    if torch_call is not None:
+        torch_call.ctx.mark_dirty(*(outputs[output] for output, _ in call.dirty))
+        torch_call.ctx.mark_non_differentiable(*(outputs[i] for i in call.non_differentiable))
     return call.user_output(outputs)
 
 
