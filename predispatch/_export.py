@@ -87,7 +87,7 @@ def _export_with_policy(
 # Note [Export touches only its own thread]
 # -----------------------------------------
 # While one thread exports, others keep running torch: every function export swaps in torch
-# (`ti.patched`, the `Function.apply` interception, trace/rng.py's generator changers) serves the
+# (`ti.patched`, the forward and ctx hooks of custom Functions (Note [Seeing every apply]), trace/rng.py's generator changers) serves the
 # exporting thread only and gives every other thread torch's own; the generators other threads
 # draw from are never rewound (Note [Another thread's draws during an export]); and exports
 # themselves are serialised by this lock.  One effect is process-wide: the cyclic garbage

@@ -453,7 +453,11 @@ def _refused_with_escapes(data: bytes) -> bytes:
     """A file refused with a message quoting its own text: a call of an op named with an escape."""
     import load_attacks
 
-    return load_attacks.edited(data, lambda p: load_attacks.node(p, "mul_4").update(target="aten.mul\x1b]0;pwned\x07.Tensor"))
+    def edit(program: dict) -> None:  # the first mul, whatever this torch names it
+        first = next(n for n in program["graph_module"]["nodes"] if str(n.get("target", "")).startswith("aten.mul"))
+        first.update(target="aten.mul\x1b]0;pwned\x07.Tensor")
+
+    return load_attacks.edited(data, edit)
 
 
 def _controls(text: str) -> list[str]:
