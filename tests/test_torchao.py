@@ -253,3 +253,36 @@ def test_to_torch_gives_torch_consumers_torch_exports_program(tmp_path, model, c
             expected = m(*args)
             for program in (converted, reloaded, torch_route, lowered):
                 torch.testing.assert_close(program.module()(*args), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("config", ["int8_weight_only", "intx_weight_only", "8da4w"])
+def test_executorch_lowering_of_a_quantized_program(config):
+    """ExecuTorch, side by side with torch.export's route on the same quantized model: predispatch's
+    `to_torch(for_inference=True)` is plain ATen (torchao's quantization ops decomposed), so
+    `to_edge(...).to_executorch()` takes it for every config and runs eager's outputs (ExecuTorch's
+    kernels: to 1e-6); torch.export's program lowers to the same bits where it lowers at all
+    (int8 weight-only), and keeps torchao's own ops elsewhere, which ExecuTorch 1.5.1 has no
+    out variants for."""
+    executorch = pytest.importorskip("executorch")
+    from executorch.exir import to_edge
+    from executorch.runtime import Runtime
+
+    del executorch
+    m, (x,), _ = _case("mlp")
+    m.eval()
+    quantize_(m, CONFIGS[config]())
+    with torch.no_grad():
+        expected = m(x)
+
+    def run(program: torch.export.ExportedProgram) -> torch.Tensor:
+        lowered = to_edge(program).to_executorch()
+        (out,) = Runtime.get().load_program(lowered.buffer).load_method("forward").execute([x])
+        return out
+
+    ours = run(predispatch.export(m, (x,)).to_torch(for_inference=True))
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
+    if config == "int8_weight_only":
+        torch.testing.assert_close(run(torch.export.export(m, (x,))), ours, rtol=0, atol=0)
+    else:
+        with pytest.raises(RuntimeError, match="Missing out variants: .*torchao::"):
+            run(torch.export.export(m, (x,)))
