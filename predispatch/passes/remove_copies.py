@@ -58,6 +58,7 @@ def _value_of(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
     """What `copy(dst, src)` stands for: `src`, converted to `dst`'s dtype and device and broadcast
     to its shape by new nodes where they differ; None when the values' metadata is unknown."""
     dst, src = node.args[0], node.args[1]
+    assert isinstance(dst, fx.Node) and isinstance(src, fx.Node), node.format_node()  # aten.copy takes tensors
     dst_val, src_val = dst.meta.get("val"), src.meta.get("val")
     if dst_val is None or src_val is None:
         return None

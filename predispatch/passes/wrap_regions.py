@@ -186,12 +186,12 @@ def _members_after_children(gm: fx.GraphModule, region: Region, grad: bool | Non
     members: list[fx.Node] = []
     placed: set[int] = set()
     for node in region.members:
-        i = owner.get(node)
-        if i is None:
+        run = owner.get(node)
+        if run is None:
             members.append(node)
-        elif i not in placed:
-            placed.add(i)
-            members.extend(became[i])
+        elif run not in placed:
+            placed.add(run)
+            members.extend(became[run])
     return members
 
 
