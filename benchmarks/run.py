@@ -20,8 +20,9 @@ Four measurements, on the models of benchmarks/models.py (train mode, loss in th
 5. The vision zoo (benchmarks/vision.py: 43 timm models, eval and train) against torch.export:
    the per-model table goes to benchmarks/vision_results.md, the summary to `--out`.
 
-The joint-program section (benchmarks/joint.py writes it) and the section on `ep.module()`'s
-run-time cost (benchmarks/module_cost.py writes it) are kept as they are in `--out`.
+The joint-program section (benchmarks/joint.py writes it), the section on `ep.module()`'s
+run-time cost (benchmarks/module_cost.py writes it) and the export-scaling section
+(benchmarks/export_scaling.py writes it) are kept as they are in `--out`.
 
 Targets (issue 7): predispatch at most 0.5x export+run_decompositions and at most 1.0x plain
 torch.export (median over the models); time per layer flat with depth; 7B export under 4 GiB.
@@ -295,6 +296,7 @@ def forward_table(rows: list[tuple[str, tuple[float, float] | None]]) -> list[st
 
 JOINT_SECTION = "## Joint forward-backward program (`ep.joint()`) vs `_export_forward_backward`"
 MODULE_COST_SECTION = "## ep.module() at run time (issue 25)"  # benchmarks/module_cost.py
+EXPORT_SCALING_SECTION = "## Export scaling: parameters and ops doubled (issue 40)"  # benchmarks/export_scaling.py
 
 
 def _kept_section(path: Path, heading: str) -> list[str]:
@@ -367,7 +369,7 @@ def main() -> None:
     if "forward" not in opts.skip:
         rows = [(bench.name, forward_ratio(*bench.make())) for bench in [*benches, WIDE]]
         out += ["", "## Forward time: ep.module() against eager (train mode, grad enabled)", "", *forward_table(rows)]
-    for heading in (JOINT_SECTION, MODULE_COST_SECTION):
+    for heading in (JOINT_SECTION, MODULE_COST_SECTION, EXPORT_SCALING_SECTION):
         kept = _kept_section(opts.out, heading)
         if kept:
             out += ["", *kept]

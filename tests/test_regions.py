@@ -80,6 +80,48 @@ class Nested(nn.Module):
         return a, b, c, d, e, x + e
 
 
+class NestedFirst(nn.Module):
+    """Three levels of regions, each beginning with the one inside it."""
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            with torch.no_grad():
+                with torch.enable_grad():
+                    y = x * 2
+                z = y + 1
+            w = z * 3
+        return w, x * w
+
+
+class NestedTemporaries(nn.Module):
+    """Three levels of regions; the innermost computes a value only it reads (its extraction
+    erases that node, which the outermost region must not take along)."""
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            with torch.no_grad():
+                u = x + 1
+                with torch.enable_grad():
+                    y = u * 2 + 3
+                z = y + 1
+            w = z * 3
+        return w, x * w
+
+
+class NestedInline(nn.Module):
+    """A region repeating its enclosing state (inline) between an extracted region and one
+    inside it that keeps a temporary."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            a = x * 2
+            with torch.no_grad():
+                with torch.enable_grad():
+                    b = (x * 3).sin()
+                c = b + a
+        return c, x * c
+
+
 class AutocastBlock(nn.Module):
     def __init__(self):
         super().__init__()
@@ -160,6 +202,9 @@ CASES = {
     "ema": (EMA, lambda: (torch.randn(4, 3),)),
     "left_open": (LeftOpen, lambda: (torch.randn(2, 3),)),
     "nested": (Nested, lambda: (torch.randn(3),)),
+    "nested_first": (NestedFirst, lambda: (torch.randn(3),)),
+    "nested_temporaries": (NestedTemporaries, lambda: (torch.randn(3),)),
+    "nested_inline": (NestedInline, lambda: (torch.randn(3),)),
     "autocast": (AutocastBlock, lambda: (torch.randn(4, 8),)),
     "pre_hook_region": (PreHookRegion, lambda: (torch.randn(2, 3),)),
     "across_modules": (AcrossModules, lambda: (torch.randn(3),)),

@@ -27,10 +27,28 @@ from torch import fx
 from predispatch import _torch_internals as ti
 
 
+@dataclass(frozen=True, eq=False)
+class Installed:
+    """A module `emit` installed on `tracer.root` under `name`, as a node's argument: the node
+    reads it by a `get_attr` of that name.
+
+    FX makes that `get_attr` itself for a module argument, named by the module's first path in
+    a walk of every module under the root (`Tracer.create_arg`, `root.named_modules()`), and
+    every captured Function and replayed block installs its graphs on the root: a walk per
+    call was quadratic in the calls.  A module just installed is reached first by the name it
+    was installed under (nothing installed before holds it), so the node is the one FX makes;
+    a module the root does not hold under that name is left to FX's walk.
+    """
+
+    name: str
+    module: torch.nn.Module
+
+
 @dataclass(frozen=True)
 class Emitted:
     """What one call becomes in the graph: `target(*leading, *operands, **kwargs)`, whose
-    `getitem` outputs are named `names` (the recorded graph's own names, not `getitem`)."""
+    `getitem` outputs are named `names` (the recorded graph's own names, not `getitem`).
+    Modules among `leading` are given as `Installed`."""
 
     target: Callable[..., Any]
     leading: tuple[Any, ...]
@@ -75,7 +93,7 @@ class TraceTimeHop(ti.HigherOrderOperator):
             outputs = self(record, *operands)
         tracer = mode.tracer
         emitted = self.emit(tracer, record)
-        args = (*emitted.leading, *(tracer.unwrap_proxy(t) for t in operands))
+        args = (*(_argument(tracer, a) for a in emitted.leading), *(tracer.unwrap_proxy(t) for t in operands))
         proxy = tracer.create_proxy("call_function", emitted.target, args, emitted.kwargs)
         tracked = ti.track_tensor_tree(outputs, proxy, constant=None, tracer=tracer)
         _name_outputs(proxy.node, emitted.names)
@@ -83,6 +101,15 @@ class TraceTimeHop(ti.HigherOrderOperator):
 
     def _autograd(self, record: Any, *operands: torch.Tensor) -> Any:
         return TraceTimeFunction.apply(self, record, *operands)
+
+
+def _argument(tracer: Any, value: Any) -> Any:
+    """A leading argument as the node takes it: an installed module as its `get_attr` node."""
+    if not isinstance(value, Installed):
+        return value
+    if getattr(tracer.root, value.name, None) is value.module:
+        return tracer.create_proxy("get_attr", value.name, (), {})  # what `create_arg` makes for it
+    return value.module
 
 
 def _name_outputs(node: fx.Node, names: Sequence[str]) -> None:

@@ -158,13 +158,8 @@ def _materialize(gm: fx.GraphModule, region: Region, enclosing_grad: bool | None
     can put the HOP call where the region's nodes were; None when it stayed inline.
     """
     grad = region.state[0] if region.kind is RegionKind.GRAD else enclosing_grad
-    for child in region.children:
-        replaced = _materialize(gm, child, grad)
-        if replaced:
-            old, new = replaced
-            at = region.members.index(old[0])
-            gone = set(old)
-            region.members[at:] = [*new, *(n for n in region.members[at:] if n not in gone)]
+    if region.children:
+        region.members = _members_after_children(gm, region, grad)
     if not region.members:
         return None
     if region.kind is RegionKind.GRAD and region.state[0] == enclosing_grad:
@@ -173,11 +168,39 @@ def _materialize(gm: fx.GraphModule, region: Region, enclosing_grad: bool | None
     return span, _extract(gm, region, span)
 
 
+def _members_after_children(gm: fx.GraphModule, region: Region, grad: bool | None) -> list[fx.Node]:
+    """Materialize `region`'s children; its members with each child's run of nodes replaced by
+    what the child became: its HOP call's nodes, or its own members when it stayed inline.
+
+    A region's members are every node traced while it was open, so each child's are one run of
+    them, and a grandchild's nodes are in the child's run: the run is replaced whole (the nodes
+    a grandchild's extraction erased go with it).  One pass over the members for all children:
+    a search and a rebuild per child was quadratic in the number of regions inside one.
+    """
+    owner: dict[fx.Node, int] = {}
+    became: list[list[fx.Node]] = []
+    for i, child in enumerate(region.children):
+        owner.update(dict.fromkeys(child.members, i))  # before the child's own rewrite
+        replaced = _materialize(gm, child, grad)
+        became.append(replaced[1] if replaced else child.members)
+    members: list[fx.Node] = []
+    placed: set[int] = set()
+    for node in region.members:
+        run = owner.get(node)
+        if run is None:
+            members.append(node)
+        elif run not in placed:
+            placed.add(run)
+            members.extend(became[run])
+    return members
+
+
 def _extract(gm: fx.GraphModule, region: Region, span: list[fx.Node]) -> list[fx.Node]:
     """Move `span` into a new GraphModule and call it through the region's HOP; returns the new nodes."""
     inside = set(span)
     inputs = _unique(a for n in span for a in n.all_input_nodes if a not in inside)
     outputs = [n for n in span if any(u not in inside for u in n.users)]
+    returned = set(outputs)
     sub_graph, attributes = _copy_into_subgraph(gm, span, inputs, outputs)
     name = region.name
     gm.add_submodule(name, fx.GraphModule(attributes, sub_graph, class_name=name))
@@ -189,7 +212,7 @@ def _extract(gm: fx.GraphModule, region: Region, span: list[fx.Node]) -> list[fx
     for i, out in enumerate(outputs):  # each output node becomes its own getitem: name and meta stay
         out.op, out.target, out.args, out.kwargs = "call_function", operator.getitem, (call, i), {}
     for node in reversed(span):
-        if node not in outputs:
+        if node not in returned:
             graph.erase_node(node)
     for attr in {n.target for n in span if n.op == "get_attr"}:
         if not graph.find_nodes(op="get_attr", target=attr):

@@ -121,10 +121,10 @@ class GradHistoryKeeper(TorchFunctionMode):
         self.toggles_unrecorded = 0
         self.open_regions = 0  # grad regions entered and not exited: > 0 when forward returns
         # means forward leaves grad mode set for its caller (a plain set_grad_enabled call)
-        self._pending: list[tuple[Any, torch.Tensor, Any]] = []  # (tensor, value before, mode)
+        self._pending = _Writes()  # written with grad off, rebound at the next grad-on switch
         #: a detached alias (or a view of one) -> the tensor it aliases, which keeps its history
         self._detached_from = _IdentityMap()
-        self._behind_autograd: list[tuple[Any, torch.Tensor, Any]] = []  # written through an alias, grad on
+        self._behind_autograd = _Writes()  # written through an alias, grad on
         self._first_args: list[Any] = []  # the first argument of each op being dispatched, innermost last
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -180,22 +180,22 @@ class GradHistoryKeeper(TorchFunctionMode):
             elif not torch.is_grad_enabled() and self._keeps_history(value):
                 self._remember(self._pending, value, mode)
 
-    def _remember(self, pending: list, tensor: Any, mode: Any) -> None:
+    def _remember(self, pending: _Writes, tensor: Any, mode: Any) -> None:
         """Keep `tensor`'s value before its first write of this stretch, to rebind it to later."""
-        if not any(t is tensor for t, _, _ in (*self._pending, *self._behind_autograd)):
-            pending.append((tensor, ti.functional_value(tensor), mode))
+        if tensor not in self._pending and tensor not in self._behind_autograd:
+            pending.add(tensor, ti.functional_value(tensor), mode)
 
     def _after_op(self, func, out) -> None:
         note_direct_call(func, out)  # Note [as_strided_scatter's gradient]
         self._note_detached_aliases(func, out, self._first_args.pop() if self._first_args else None)
         if self._behind_autograd:  # Note [Writes through a detached alias]
-            pending, self._behind_autograd = self._behind_autograd, []
+            pending = self._behind_autograd.take()
             with pending[0][2]:  # in the functional mode again, as its rewrites run
                 self._rebind(pending)
         if torch.is_grad_enabled():
             return
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, ti.FunctionalTensor) and not any(t is p for p, _, _ in self._pending):
+            if isinstance(t, ti.FunctionalTensor) and t not in self._pending:
                 self._born_without_grad.add(t)
 
     def _keeps_history(self, t: Any) -> bool:
@@ -215,8 +215,7 @@ class GradHistoryKeeper(TorchFunctionMode):
             self._detached_from.set(out, self._detached_from.get(source))
 
     def _rebind_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        self._rebind(pending)
+        self._rebind(self._pending.take())
 
     @staticmethod
     def _rebind(pending: list) -> None:
@@ -238,6 +237,32 @@ def _tensor_leaves(func: Any, args: tuple, kwargs: dict) -> Iterable[Any]:
         else:
             leaves.append(value)
     return leaves
+
+
+class _Writes:
+    """The tensors written in one stretch, in order, each with its value before the stretch's
+    first write and the functional mode of that write; asked by identity whether it holds a
+    tensor.  A stretch may write every parameter (an EMA under no_grad) and both questions come
+    once per write and once per op output: an index, not a scan of the list, keeps that linear."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Any, torch.Tensor, Any]] = []  # (tensor, value before, mode)
+        self._ids: set[int] = set()  # the items hold their tensors, so an id stays theirs
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def __contains__(self, tensor: Any) -> bool:
+        return id(tensor) in self._ids
+
+    def add(self, tensor: Any, before: torch.Tensor, mode: Any) -> None:
+        self.items.append((tensor, before, mode))
+        self._ids.add(id(tensor))
+
+    def take(self) -> list[tuple[Any, torch.Tensor, Any]]:
+        """The items, in order; the stretch starts empty again."""
+        items, self.items, self._ids = self.items, [], set()
+        return items
 
 
 class _IdentityMap:

@@ -18,18 +18,20 @@ import torch
 
 from predispatch import _torch_internals as ti
 from predispatch.custom_backward.autograd_function.record import CapturedCall
-from predispatch.custom_backward.trace_hop import Emitted, TraceTimeHop
+from predispatch.custom_backward.trace_hop import Emitted, Installed, TraceTimeHop
 
 
 def _emit(tracer: Any, call: CapturedCall) -> Emitted:
     """Install the forward and backward graphs; the node is torch's `autograd_function_apply`."""
     base = _snake(call.function.__name__)
+    installed = []
     for suffix, graph in (("fwd", call.forward), ("bwd", call.backward)):
         name = tracer.get_fresh_qualname(f"{base}_{suffix}_")
         graph.__class__.__name__ = name  # each GraphModule has a class of its own: name it as it prints
         tracer.root.register_module(name, graph)
+        installed.append(Installed(name, graph))
     names = [n.name for n in call.forward.graph.output_node().args[0][0]]
-    return Emitted(ti.autograd_function_apply, (call.forward, call.backward), names, call.node_kwargs())
+    return Emitted(ti.autograd_function_apply, tuple(installed), names, call.node_kwargs())
 
 
 def _fake(mode: Any, call: CapturedCall, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:

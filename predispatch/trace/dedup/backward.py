@@ -49,7 +49,7 @@ from torch import fx
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import JointError
-from predispatch.custom_backward.trace_hop import Emitted, TraceTimeHop
+from predispatch.custom_backward.trace_hop import Emitted, Installed, TraceTimeHop
 
 __all__ = ["VIEWS", "SharedBodies", "drop_autograd_only", "forward_nodes", "static_calls"]
 
@@ -142,7 +142,7 @@ class _Split:
 def _emit(tracer: Any, graph: _Graph) -> Emitted:
     if not hasattr(tracer.root, graph.name):
         tracer.root.register_module(graph.name, graph.module)
-    return Emitted(ti.invoke_subgraph, (graph.module, graph.name), graph.output_names)
+    return Emitted(ti.invoke_subgraph, (Installed(graph.name, graph.module), graph.name), graph.output_names)
 
 
 def _fake(mode: Any, graph: _Graph, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -49,12 +49,19 @@ def node_module_stack(tracer_stack: dict) -> dict[str, tuple[str, str]]:
 
 
 def fold_traced_calls(
-    gm: fx.GraphModule, body: fx.GraphModule, name: str, sites: list[CallSite], replaced: dict[fx.Node, fx.Node]
+    gm: fx.GraphModule,
+    body: fx.GraphModule,
+    name: str,
+    sites: list[CallSite],
+    replaced: dict[fx.Node, fx.Node],
+    alive: set[fx.Node],
 ) -> None:
     """Replace each site's run of nodes in `gm` by an `invoke_subgraph` call on `body` (installed
     on `gm` as `name` if no replay installed it).  `replaced` maps the outputs of runs folded so
-    far to the `getitem`s that stand for them now (a later call's operand may be one)."""
-    alive = set(gm.graph.nodes)
+    far to the `getitem`s that stand for them now (a later call's operand may be one).  `alive`:
+    the nodes of `gm` (kept by the caller for all its keys, not gathered again for each: that
+    was quadratic in the number of shared blocks); the nodes erased here are taken out of it."""
+    erased: list[fx.Node] = []
     for site in sites:
         # make_fx may already have dropped dead nodes of the run (with dynamic shapes)
         region = dataclasses.replace(site.region, nodes=tuple(n for n in site.region.nodes if n in alive))
@@ -62,6 +69,8 @@ def fold_traced_calls(
             if not hasattr(gm, name):
                 gm.add_submodule(name, body)
             _fold(gm, name, dataclasses.replace(site, region=region), replaced)
+            erased.extend(region.nodes)
+    alive.difference_update(erased)
 
 
 def _closed(region: Region) -> bool:

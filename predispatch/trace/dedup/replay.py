@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from predispatch import _torch_internals as ti
-from predispatch.custom_backward.trace_hop import Emitted, TraceTimeHop
+from predispatch.custom_backward.trace_hop import Emitted, Installed, TraceTimeHop
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,7 +42,7 @@ def _emit(tracer: Any, shared: SharedBody) -> Emitted:
     if not hasattr(tracer.root, shared.name):
         tracer.root.register_module(shared.name, shared.body)
     names = [getattr(n, "name", "out") for n in shared.body.graph.output_node().args[0]]
-    return Emitted(ti.invoke_subgraph, (shared.body, shared.name), names)
+    return Emitted(ti.invoke_subgraph, (Installed(shared.name, shared.body), shared.name), names)
 
 
 def _fake(mode: Any, shared: SharedBody, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -159,6 +159,7 @@ class _Sharing:
         self.declined: dict[Any, BlockReport] = {}  # signature -> the report of its too-small body
         self.called: set[int] = set()
         self.entries: dict[Any, list[_Entry]] = {}
+        self.bodies = 0  # entries shared so far: the next body's number
         self.recording = 0
         self.reports: list[BlockReport] = []
         self.refused: dict[tuple[type, str], BlockReport] = {}
@@ -209,10 +210,11 @@ class _Sharing:
         """After the trace: the calls of shared keys traced in full become `invoke_subgraph`
         calls too (fold.py), so every call of a shared body is one node."""
         replaced: dict[fx.Node, fx.Node] = {}
+        alive = set(gm.graph.nodes)  # once for all keys: each fold takes out the nodes it erases
         for entries in self.entries.values():
             for entry in entries:
                 if entry.shared is not None:
-                    fold_traced_calls(gm, entry.shared.body, entry.shared.name, [r.site for r in entry.traced], replaced)
+                    fold_traced_calls(gm, entry.shared.body, entry.shared.name, [r.site for r in entry.traced], replaced, alive)
 
     def _refused(self, module: nn.Module, reason: str) -> None:
         """Report a call that could not even be keyed, once per class and reason."""
@@ -274,7 +276,8 @@ class _Sharing:
         entry.compared = True
         entry.traced += [first, recorded] if not entry.traced else [recorded]
         if entry.shared is None:
-            name = f"repeated_body_{len([e for es in self.entries.values() for e in es if e.shared])}"
+            name = f"repeated_body_{self.bodies}"
+            self.bodies += 1
             entry.shared = SharedBody(named(first.body, name), name, first.outputs)
 
 
