@@ -447,18 +447,29 @@ def test_a_cache_other_than_dynamic_cache_says_use_cache_false():
     assert "pass use_cache=False" in str(info.value) and "EncoderDecoderCache is the model's key/value cache" in str(info.value)
 
 
-def test_cli_shows_a_saved_gpt2_program_with_import(tmp_path):
-    """A shell user's `predispatch show`: the output classes (`transformers.modeling_outputs`)
-    and the cache's pytree registration come with `--import`; without it the error says so."""
+def test_cli_shows_a_saved_gpt2_program_without_importing_its_classes(tmp_path):
+    """A shell user's `predispatch show` displays a saved GPT-2 program (its output classes from
+    `transformers.modeling_outputs`, its cache's pytree registration) without importing or building
+    any class; `load` in a fresh process refuses those classes by name until `types=` allows them."""
     path = tmp_path / "gpt2.pd"
     predispatch.save(predispatch.export(_gpt2(use_cache=True), (_ids(1, 8),)), path)
 
-    def show(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "predispatch", "show", str(path), *extra],
-                              capture_output=True, text=True, timeout=300, check=False)
+    shown = subprocess.run([sys.executable, "-m", "predispatch", "show", str(path)],
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert shown.returncode == 0, shown.stderr
+    assert "USER_OUTPUT target=\"output['past_key_values']['key_cache'][0]\"" in shown.stdout
 
-    done = show()
-    assert done.returncode != 0 and "rerun with --import transformers.modeling_outputs" in done.stderr, done.stderr
-    done = show("--import", "transformers.modeling_outputs")
-    assert done.returncode == 0, done.stderr
-    assert "USER_OUTPUT target=\"output['past_key_values']['key_cache'][0]\"" in done.stdout
+    script = (
+        "import sys, predispatch\n"
+        "try:\n"
+        f"    predispatch.load({str(path)!r})\n"
+        "except predispatch.errors.SerializationError as e:\n"
+        "    print('REFUSED', e)\n"
+        "print('transformers imported:', 'transformers' in sys.modules)\n"
+        "import transformers.modeling_outputs as mo\n"
+        f"program = predispatch.load({str(path)!r}, types=[mo.CausalLMOutputWithCrossAttentions])\n"
+        "print('LOADED', type(program).__name__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert "REFUSED" in done.stdout and "transformers.modeling_outputs" in done.stdout, done.stdout + done.stderr
+    assert "transformers imported: False" in done.stdout, done.stdout
