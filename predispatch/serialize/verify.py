@@ -12,7 +12,8 @@ the test suite runs it on every program it exports (tests/conftest.py, tests/hel
 What it checks, each from a table so that a new op family, HOP or output kind is one entry:
 - ops: `op_allowlist.decide` for every OpOverload (the allow list, then the schema);
   `HOP_CONVENTIONS` for higher-order ops (argument kinds, subgraphs that are subgraphs of
-  this module, operand counts that match the subgraph's placeholders); `PYTHON_CALLABLES`
+  this module, operand counts that match the subgraph's placeholders, subgraphs that return
+  what the call's result says, Note [What a subgraph gives back]); `PYTHON_CALLABLES`
   for the few plain functions a graph may call;
 - structure: placeholders first, one output last, `get_attr` naming what the module holds,
   no `call_module` / `call_method`;
@@ -22,11 +23,13 @@ What it checks, each from a table so that a new op family, HOP or output kind is
 - the signature: placeholders are the signature's inputs, state placeholders carry their
   stored tensor's dtype and shape, and every output is a node whose value is what its
   `OutputKind` says (`OUTPUT_RULES`): a tensor where a tensor is promised, a mutation with
-  its target's dtype and shape;
+  its target's dtype and shape; `training_flags` start with the root module's;
 - with `stored=True` (a program read from or written to a file): no op of a `files_only`
   family (sparse, nested, quantized; export emits them for the user's own code), every tensor
   is a dense strided tensor with data, inside its storage, never on the `meta` device, and
-  node metadata holds no meta, sparse or quantized tensor (format version 1 holds none).
+  node metadata holds no meta, sparse or quantized tensor (format version 1 holds none); no
+  op's device argument is `meta` or a device this machine lacks; `grad_mode_on_exit` only
+  with the region export writes for it (Note [A file that changes its caller's grad mode]).
 """
 
 from __future__ import annotations
