@@ -1025,6 +1025,11 @@ def call_failure_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterato
                  ("node wrap_with_set_grad_enabled", "its body returns 0 value(s), where the call's result has 1"), args=(torch.randn(3),))
     yield from _autocast_attacks(bases["autocast"])
     data = bases["autograd_functions"]
+    yield Attack("call_failures", "a custom Function whose result claims an output its forward does not return (IndexError at the call)",
+                 edited(data, _second_output), ("node autograd_function_apply_1", "its forward returns 1 output(s), where the call's result has 2"))
+    yield Attack("call_failures", "a custom Function whose forward returns an output of another shape",
+                 edited(data, _summed_output), ("node autograd_function_apply_1",
+                                                "its forward returns, at 0, a float32[3] tensor on cpu where the result holds a float32[4, 3] tensor on cpu"))
     for device in ({"device": "meta"}, "meta"):
         yield Attack("call_failures", f"an op making a tensor on the meta device ({json.dumps(device)})",
                      edited(data, lambda p, device=device: call(p, "add_2", "aten._to_copy.default", [{"node": "x"}], kwargs={"device": device})),
@@ -1039,6 +1044,24 @@ def call_failure_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterato
     yield Attack("call_failures", "training flags naming the root twice",
                  edited(data, lambda p: p["signature"].update(training_flags=[["", True], ["", False]])),
                  ("signature training_flags", "gives the flag of '' twice"))
+
+
+def _second_output(program: dict) -> None:
+    """`autograd_function_apply_1`'s result claims a second output, which a new node reads."""
+    call_node = node(program, "autograd_function_apply_1")
+    call_node["meta"]["val"]["tuple"].append(call_node["meta"]["val"]["tuple"][0])
+    nodes = module_of(program)["nodes"]
+    first = next(n for n in nodes if n.get("args") == [{"node": "autograd_function_apply_1"}, 0])
+    nodes.insert(nodes.index(first) + 1, {**first, "name": "second", "args": [{"node": "autograd_function_apply_1"}, 1]})
+
+
+def _summed_output(program: dict) -> None:
+    """`autograd_function_apply_1`'s forward returns its (4, 3) output summed to (3,)."""
+    path = "setup_context_linear_fwd_0"
+    nodes = module_of(program, path)["nodes"]
+    nodes.insert(len(nodes) - 1, {"op": "call_function", "name": "rows", "target": "aten.sum.dim_IntList",
+                                  "args": [{"node": "matmul"}, [0]], "meta": {"val": {"tensor": _tensor_val([3])}}})
+    node(program, "output", path)["args"][0]["tuple"][0] = {"tuple": [{"node": "rows"}]}
 
 
 def _autocast_attacks(data: bytes) -> Iterator[Attack]:

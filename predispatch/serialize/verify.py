@@ -388,6 +388,23 @@ def _map_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int]
     yield from _fits_result(node, _body(node, gm, 0), "body", stacked=True)
 
 
+def _function_pair_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int]) -> Iterator[str]:
+    """An `autograd_function_apply`'s pair fits together (`_function_structure`), and its
+    forward's outputs are the call's result (Note [What a subgraph gives back])."""
+    problems = list(_function_structure(node, gm, arities))
+    yield from problems
+    forward = _body(node, gm, 0)
+    if problems or forward is None:
+        return
+    outputs, result = list(_returned(forward)[0]), _result(node)
+    if result is not None and len(outputs) != len(result) or len(outputs) < _getitem_bound(node):
+        yield f"its forward returns {len(outputs)} output(s), where the call's result has {len(result) if result is not None else _getitem_bound(node)}"
+        return
+    for i, (entry, expected) in enumerate(zip(outputs, result or ())):
+        if (why := _misfit(entry, expected)) is not None:
+            yield f"its forward returns, at {i}, {why}"
+
+
 def _autocast_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int]) -> Iterator[str]:
     """An autocast region runs under `torch.autocast(device_type, dtype, enabled, cache)` on this
     machine: a device type torch does not know, or has no autocast for (`meta`), raises at every
@@ -428,7 +445,8 @@ HOP_CONVENTIONS: dict[str, HopConvention] = {
         "an autocast region: runs its subgraph under torch.autocast, for that scope only", bodies=(4,), structure=_autocast_structure),
     "autograd_function_apply": HopConvention(
         ("subgraph", "subgraph"), ("node",), "a custom autograd.Function: forward and backward subgraphs",
-        kwargs={"non_differentiable_idx": "ints", "saved_for_backward_idx": "ints"}, bodies=(0,), structure=_function_structure),
+        kwargs={"non_differentiable_idx": "ints", "saved_for_backward_idx": "ints"}, bodies=(0,),
+        structure=_function_pair_structure),
     "invoke_subgraph": HopConvention(
         ("subgraph", "str"), ("node", "int", "none"), "a repeated block: one subgraph called at each repetition", bodies=(0,),
         structure=_region_structure),
