@@ -1014,6 +1014,12 @@ def call_failure_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterato
     yield Attack("call_failures", "a while_loop condition returning the int64 counter",
                  edited(loop, lambda p: returns(p, "while_loop_cond_graph_0", {"node": "arg0_1"})),
                  ("node while_loop", "its condition returns a int64[] tensor on cpu"), args=x8)
+    yield Attack("call_failures", "a while_loop condition returning None",
+                 edited(loop, lambda p: returns(p, "while_loop_cond_graph_0", None)),
+                 ("node while_loop", "its condition returns NoneType None: a bool or a bool tensor of shape [] expected"), args=x8)
+    yield Attack("call_failures", "a placeholder with a default value (FX compiles it into the call's unpacking: ValueError)",
+                 edited(bases["regions"], lambda p: node(p, "x").update(args=[[[[]]]])),
+                 ("graph module <root>, node x", "a placeholder with arguments", "export writes none"), args=(torch.randn(3),))
     yield Attack("call_failures", "a scan combine returning only its carry (IndexError at the call)",
                  edited(scan, lambda p: returns(p, "scan_combine_graph_0", [{"node": "add"}])),
                  ("node scan", "its combine returns 1 value(s), where the call's result has 2"))

@@ -34,8 +34,10 @@ What it checks, each from a table so that a new op family, HOP or output kind is
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
+import re
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -343,10 +345,12 @@ def _while_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, in
     condition, body = _body(node, gm, 0), _body(node, gm, 1)
     if condition is not None:
         returned = _returned(condition)
-        value = _value_of(returned)
+        value = _val(returned) if isinstance(returned, fx.Node) else returned
         scalar = isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0
-        if isinstance(returned, (tuple, list)) or not (value is None or scalar or isinstance(value, (bool, torch.SymBool))):
-            yield f"its condition returns {_described(value) if isinstance(returned, fx.Node) else _describe(returned)}: a bool or a bool tensor of shape [] expected"
+        unknown = isinstance(returned, fx.Node) and "val" not in returned.meta  # taken as stated
+        if not (unknown or scalar or isinstance(value, (bool, torch.SymBool))):
+            shown = _described(value) if isinstance(returned, fx.Node) else _describe(returned)
+            yield f"its condition returns {shown}: a bool or a bool tensor of shape [] expected"
     result = _result(node)
     if result is not None and len(result) != len(carries):
         yield f"its result has {len(result)} value(s) for {len(carries)} carries"
@@ -376,9 +380,8 @@ def _scan_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int
     if len(entries) < carries or len(entries) < _getitem_bound(node):
         yield f"its combine returns {len(entries)} value(s), fewer than its {carries} carries or than the call's result is read at"
         return
-    expected = [*(_value_of(c) for c in node.args[1]), *[(v, True) for v in (result or ())[carries:]]]
-    for i, (entry, want) in enumerate(zip(entries, expected)):
-        value, stacked = want if isinstance(want, tuple) else (want, False)
+    expected = [*((_value_of(c), False) for c in node.args[1]), *((v, True) for v in (result or ())[carries:])]
+    for i, (entry, (value, stacked)) in enumerate(zip(entries, expected)):
         if (why := _misfit(entry, value, stacked)) is not None:
             yield f"its combine returns, at {i}, {why}"
 
@@ -394,9 +397,10 @@ def _function_pair_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping
     problems = list(_function_structure(node, gm, arities))
     yield from problems
     forward = _body(node, gm, 0)
-    if problems or forward is None:
-        return
-    outputs, result = list(_returned(forward)[0]), _result(node)
+    returned = _returned(forward) if forward is not None else None
+    if problems or not isinstance(returned, (tuple, list)) or not returned or not isinstance(returned[0], (tuple, list)):
+        return  # reported by `_function_structure` or the argument kinds
+    outputs, result = list(returned[0]), _result(node)
     if result is not None and len(outputs) != len(result) or len(outputs) < _getitem_bound(node):
         yield f"its forward returns {len(outputs)} output(s), where the call's result has {len(result) if result is not None else _getitem_bound(node)}"
         return
@@ -413,26 +417,31 @@ def _autocast_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int,
     and the casts after it fail.  So the arguments must make an autocast torch enables here.
     Its body returns the call's result."""
     device_type, dtype, enabled, cache = (list(node.args[:4]) + [None] * 4)[:4]
-    if type(device_type) is str and type(enabled) is bool:
+    kinds = type(enabled) is bool and (cache is None or type(cache) is bool) and (dtype is None or isinstance(dtype, torch.dtype))
+    if type(device_type) is str and not re.fullmatch(r"[a-z_]{1,32}(:\d{1,4})?", device_type):
+        yield f"its device type {_describe(device_type)} is not the name of a device type"
+    elif kinds and type(device_type) is str:  # otherwise the argument kinds report it
         yield from _autocast_problems(device_type, dtype, enabled, cache)
     yield from _fits_result(node, _body(node, gm, 4), "body")
 
 
-def _autocast_problems(device_type: str, dtype: Any, enabled: bool, cache: Any) -> Iterator[str]:
+@functools.lru_cache(maxsize=64)
+def _autocast_problems(device_type: str, dtype: torch.dtype | None, enabled: bool, cache: bool | None) -> tuple[str, ...]:
+    """Why `torch.autocast(device_type, dtype, enabled, cache)` does not run here as a region
+    asks (`_autocast_structure`); once per distinct arguments, however many regions a file has."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             torch.autocast(device_type, dtype, enabled, cache)  # builds the object only: enters nothing
-        except (RuntimeError, ValueError, AssertionError) as exc:
-            yield f"torch.autocast({device_type!r}) fails here: {str(exc).splitlines()[0]}"
-            return
+        except (RuntimeError, ValueError, AssertionError, TypeError) as exc:
+            return (f"torch.autocast({device_type!r}) fails here: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",)
     if enabled and caught:
-        yield f"torch.autocast({device_type!r}, {dtype}) would disable itself here: {str(caught[0].message).splitlines()[0]}"
-        return
+        return (f"torch.autocast({device_type!r}, {dtype}) would disable itself here: {str(caught[0].message).splitlines()[0]}",)
     try:
         parse_device(device_type)  # a device type this machine's torch provides
-    except SerializationError as exc:
-        yield f"an autocast region for {device_type!r}: {getattr(exc, 'what', str(exc))}"
+    except (SerializationError, RuntimeError) as exc:
+        return (f"an autocast region for {device_type!r}: {getattr(exc, 'what', str(exc))}",)
+    return ()
 
 
 #: The higher-order ops a program may call, by `hop.name()`, and their calling conventions.
@@ -774,6 +783,10 @@ def _node_problems(
         yield from _meta_problems(node.meta["val"])
     if stored and node.op == "call_function":
         yield from _device_argument_problems(node)
+    if stored and node.op in ("placeholder", "get_attr") and (node.args or node.kwargs):
+        # FX compiles a placeholder's argument into the generated code as its default value
+        # (`x = [[]], = fx_pytree.tree_flatten_spec(...)` in `ep.module()`): every call failed
+        yield f"a {node.op} with arguments {_describe((*node.args, *node.kwargs.values()))}; export writes none"
 
 
 def _call_problems(
@@ -841,7 +854,7 @@ def _device_argument_problems(node: fx.Node) -> Iterator[str]:
         if isinstance(value, str):
             try:
                 value = parse_device(value)
-            except SerializationError as exc:
+            except (SerializationError, RuntimeError) as exc:  # torch.device("foo") raises RuntimeError
                 yield f"its argument {argument.name} is {value!r}: {getattr(exc, 'what', exc)}"
                 continue
         if isinstance(value, torch.device) and value.type == "meta":
