@@ -276,7 +276,7 @@ def _misfit(entry: Any, expected: Any, stacked: bool = False) -> str | None:
     return None
 
 
-def _returned_entries(node: fx.Node, body: fx.GraphModule, name: str, count: int | None, *, tuple_only: bool = False) -> tuple[list, str | None]:
+def _returned_entries(body: fx.GraphModule, name: str, count: int | None, *, tuple_only: bool = False) -> tuple[list, str | None]:
     """What `body` returns, as a list, and why it is not a tuple (or list) of `count` values."""
     returned = _returned(body)
     kinds = (tuple,) if tuple_only else (tuple, list)
@@ -304,7 +304,7 @@ def _fits_result(node: fx.Node, body: fx.GraphModule | None, name: str, stacked:
     if body is None:
         return
     result = _result(node)
-    entries, why = _returned_entries(node, body, name, len(result) if result is not None else None)
+    entries, why = _returned_entries(body, name, len(result) if result is not None else None)
     if why:
         yield why
         return
@@ -356,7 +356,7 @@ def _while_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, in
         yield f"its result has {len(result)} value(s) for {len(carries)} carries"
     if body is None:
         return
-    entries, why = _returned_entries(node, body, "body", len(carries), tuple_only=True)
+    entries, why = _returned_entries(body, "body", len(carries), tuple_only=True)
     if why:
         yield why
         return
@@ -373,7 +373,7 @@ def _scan_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int
     body, carries, result = _body(node, gm, 0), len(node.args[1]), _result(node)
     if body is None:
         return
-    entries, why = _returned_entries(node, body, "combine", len(result) if result is not None else None)
+    entries, why = _returned_entries(body, "combine", len(result) if result is not None else None)
     if why:
         yield why
         return
@@ -847,24 +847,23 @@ def _device_argument_problems(node: fx.Node) -> Iterator[str]:
         op, args = args[1], args[2:]  # the op it calls, on the arguments after the token and the op
     if not isinstance(op, torch._ops.OpOverload):
         return
-    for position, argument in enumerate(op._schema.arguments):
-        if not _is_device_type(argument.type):
-            continue
-        value = args[position] if not argument.kwarg_only and position < len(args) else kwargs.get(argument.name)
+    for position, name, kwarg_only in _device_arguments(op):
+        value = args[position] if not kwarg_only and position < len(args) else kwargs.get(name)
         if isinstance(value, str):
             try:
                 value = parse_device(value)
             except (SerializationError, RuntimeError) as exc:  # torch.device("foo") raises RuntimeError
-                yield f"its argument {argument.name} is {value!r}: {getattr(exc, 'what', exc)}"
+                yield f"its argument {name} is {_describe(value)}: {getattr(exc, 'what', exc)}"
                 continue
         if isinstance(value, torch.device) and value.type == "meta":
-            yield (f"its argument {argument.name} is the meta device: the op would make a tensor without data, "
+            yield (f"its argument {name} is the meta device: the op would make a tensor without data, "
                    "which format version 1 holds none of")
 
 
-def _is_device_type(kind: Any) -> bool:
-    """Whether a schema argument's type is `Device` or `Device?` (as the schema prints it)."""
-    return str(kind) in ("Device", "Optional[Device]")
+@functools.lru_cache(maxsize=None)
+def _device_arguments(op: torch._ops.OpOverload) -> tuple[tuple[int, str, bool], ...]:
+    """Each `Device` or `Device?` argument of `op`'s schema: position, name, keyword-only."""
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(op._schema.arguments) if str(a.type) in ("Device", "Optional[Device]"))
 
 
 # --------------------------------------------------------------------------- tensors
@@ -1029,11 +1028,13 @@ def _training_flag_problems(sig: ExportSignature) -> Iterator[Problem]:
     export) or starts with the root module's flag (path ""), which `module()` gives every module
     no entry names and `.train()`/`.eval()` check a switch against, and names no path twice
     (which of two flags would hold?).  Export writes the root's, then each that differs from it."""
-    paths = [path for path, _ in sig.training_flags]
-    if paths and paths[0] != "":
-        yield Problem("signature training_flags", f"starts with {paths[0]!r}, not the root module's flag (path ''), which export writes first")
-    if len(set(paths)) != len(paths):
-        yield Problem("signature training_flags", f"gives the flag of {sorted(p for p in set(paths) if paths.count(p) > 1)[0]!r} twice")
+    paths = Counter(path for path, _ in sig.training_flags)
+    if paths and sig.training_flags[0][0] != "":
+        yield Problem("signature training_flags", f"starts with {_describe(sig.training_flags[0][0])}, not the root module's flag (path ''), "
+                      "which export writes first")
+    twice = next((path for path, count in paths.items() if count > 1), None)
+    if twice is not None:
+        yield Problem("signature training_flags", f"gives the flag of {_describe(twice)} twice")
 
 
 def _placement_problems(sig: ExportSignature, stored: Any) -> Iterator[Problem]:
