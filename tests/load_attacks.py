@@ -11,7 +11,9 @@ output_type_lie, hop_operand_lie, duplicate_key, compression_bomb, registration;
 names, function_structure, kernels (issue 21); classes (issue 40: classes the user did not
 allow); sizes (issue 40: size expressions beyond the grammar's bounds); call_sites (issue 40:
 subgraphs called from many places, nested shared bodies); subclasses (issue 32: tensor subclass
-layouts, parts and flatten contexts that lie).
+layouts, parts and flatten contexts that lie); call_failures (issue 40: files that loaded and
+then failed at every call with a raw error); caller_state (issue 40: records that change the
+caller's state).
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ def base_programs() -> dict[str, bytes]:
     bases = {name: saved(export_case(name)[0]) for name in ("autograd_functions", "buffer_mutation", "graph_tensors", "kwargs")}
     regions = saved(export_case("region_detached_double")[0])
     return {**bases, "regions": regions, "kernels": kernel_program(), "shape_kernels": shape_kernel_program(),
-            "sizes": chain_program(1), "subclasses": subclass_program()}
+            "sizes": chain_program(1), "subclasses": subclass_program(), **control_flow_programs()}
 
 
 # --------------------------------------------------------------------------- attack classes
@@ -942,6 +944,190 @@ def call_site_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[A
                  ("graph module grad_region_0: its calls add 120701 nodes", "times the 1418 nodes and tensors the file holds"))
 
 
+# --------------------------------------------------------------------------- calls (issue 40)
+
+
+class Branches(torch.nn.Module):
+    """torch.cond on the sign of the input's sum."""
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,))
+
+
+class Scanned(torch.nn.Module):
+    """torch's scan: a running sum (the carry) and each step's double."""
+
+    def forward(self, x):
+        from torch._higher_order_ops.scan import scan
+
+        return scan(lambda carry, row: (carry + row, row * 2), torch.zeros(x.shape[1]), x)
+
+
+class Mapped(torch.nn.Module):
+    """torch's map: each row's relu."""
+
+    def forward(self, x):
+        from functorch.experimental.control_flow import map as control_flow_map
+
+        return control_flow_map(lambda row: row.relu(), x)
+
+
+def control_flow_programs() -> dict[str, bytes]:
+    """Saved programs with each control-flow op, an autocast region and a region left open."""
+    from test_serialize import export_case, saved
+
+    x = torch.randn(4, 3)
+    programs = {name: saved(predispatch.export(cls(), (x,))) for name, cls in (("cond", Branches), ("scan", Scanned), ("map", Mapped))}
+    for name, case in (("while_loop", "while_loop_counted"), ("autocast", "region_autocast"), ("left_open", "region_left_open")):
+        programs[name] = saved(export_case(case)[0])
+    torch.set_grad_enabled(True)  # `left_open`'s export leaves it as it was; this is for the reader
+    return programs
+
+
+def returns(program: dict, path: str, value) -> None:
+    """Make subgraph `path`'s output node return `value` (a JSON value: `{"tuple": [...]}`)."""
+    node(program, "output", path)["args"] = [value]
+
+
+def returned_node(program: dict, path: str, name: str, target: str, args: list, val: dict) -> None:
+    """Make subgraph `path` compute node `name` = `target(*args)` with metadata `val` (a tensor's
+    record, as honest as the file is) before its output, and return it alone."""
+    nodes = module_of(program, path)["nodes"]
+    nodes.insert(len(nodes) - 1, {"op": "call_function", "name": name, "target": target, "args": args, "meta": {"val": {"tensor": val}}})
+    returns(program, path, {"tuple": [{"node": name}]})
+
+
+def _tensor_val(shape: list, dtype: str = "float32") -> dict:
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    return {"shape": shape, "stride": stride, "storage_offset": 0, "dtype": dtype, "device": "cpu", "requires_grad": False}
+
+
+def call_failure_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    """Files that loaded and then failed at every call with torch's raw error, or ran and
+    returned what the program never promised (issue 40; Note [What a subgraph gives back] in
+    predispatch/serialize/verify.py): each refused at load, naming the node and why."""
+    cond, loop, scan, mapped = bases["cond"], bases["while_loop"], bases["scan"], bases["map"]
+    x8 = (torch.randn(4, 8),)
+    yield Attack("call_failures", "a cond predicate that is a 4x3 tensor (ambiguous truth value at the call)",
+                 edited(cond, lambda p: node(p, "cond")["args"].__setitem__(0, {"node": "x"})),
+                 ("graph module <root>, node cond", "its predicate is a float32[4, 3] tensor on cpu: a bool or a one-element tensor expected"))
+    yield Attack("call_failures", "a cond branch returning two values for a one-value result",
+                 edited(cond, lambda p: returns(p, "false_graph_0", {"tuple": [{"node": "cos"}, {"node": "cos"}]})),
+                 ("node cond", "its false branch returns 2 value(s), where the call's result has 1"))
+    yield Attack("call_failures", "a cond branch returning a tensor of another shape",
+                 edited(cond, lambda p: returned_node(p, "true_graph_0", "rows", "aten.sum.dim_IntList", [{"node": "arg0_1"}, [0]], _tensor_val([3]))),
+                 ("node cond", "its true branch returns, at 0, a float32[3] tensor on cpu where the result holds a float32[4, 3] tensor on cpu"))
+    yield Attack("call_failures", "a cond branch returning a bare tensor, not a tuple",
+                 edited(cond, lambda p: returns(p, "false_graph_0", {"node": "cos"})),
+                 ("node cond", "its false branch returns node cos (call_function), not a tuple or list of values"))
+    yield Attack("call_failures", "a while_loop body returning one of its two carries (AssertionError at the call)",
+                 edited(loop, lambda p: returns(p, "while_loop_body_graph_0", {"tuple": [{"node": "add"}]})),
+                 ("node while_loop", "its body returns 1 value(s), where the call's result has 2"), args=x8)
+    yield Attack("call_failures", "a while_loop body returning its carries swapped",
+                 edited(loop, lambda p: returns(p, "while_loop_body_graph_0", {"tuple": [{"node": "add_1"}, {"node": "add"}]})),
+                 ("node while_loop", "its body returns, for carry 0, a float32[4, 8] tensor on cpu where the carry is a int64[] tensor on cpu"),
+                 args=x8)
+    yield Attack("call_failures", "a while_loop condition returning a 4x8 tensor",
+                 edited(loop, lambda p: returns(p, "while_loop_cond_graph_0", {"node": "arg1_1"})),
+                 ("node while_loop", "its condition returns a float32[4, 8] tensor on cpu: a bool or a bool tensor of shape [] expected"), args=x8)
+    yield Attack("call_failures", "a while_loop condition returning the int64 counter",
+                 edited(loop, lambda p: returns(p, "while_loop_cond_graph_0", {"node": "arg0_1"})),
+                 ("node while_loop", "its condition returns a int64[] tensor on cpu"), args=x8)
+    yield Attack("call_failures", "a while_loop condition returning None",
+                 edited(loop, lambda p: returns(p, "while_loop_cond_graph_0", None)),
+                 ("node while_loop", "its condition returns NoneType None: a bool or a bool tensor of shape [] expected"), args=x8)
+    yield Attack("call_failures", "a placeholder with a default value (FX compiles it into the call's unpacking: ValueError)",
+                 edited(bases["regions"], lambda p: node(p, "x").update(args=[[[[]]]])),
+                 ("graph module <root>, node x", "a placeholder with arguments", "export writes none"), args=(torch.randn(3),))
+    yield Attack("call_failures", "a scan combine returning only its carry (IndexError at the call)",
+                 edited(scan, lambda p: returns(p, "scan_combine_graph_0", [{"node": "add"}])),
+                 ("node scan", "its combine returns 1 value(s), where the call's result has 2"))
+    yield Attack("call_failures", "a map body returning nothing (IndexError at the call)",
+                 edited(mapped, lambda p: returns(p, "body_graph_0", {"tuple": []})),
+                 ("node map_impl", "its body returns 0 value(s), where the call's result has 1"))
+    yield Attack("call_failures", "a grad-mode region body returning nothing (IndexError at the call)",
+                 edited(bases["regions"], lambda p: returns(p, "grad_region_0", {"tuple": []})),
+                 ("node wrap_with_set_grad_enabled", "its body returns 0 value(s), where the call's result has 1"), args=(torch.randn(3),))
+    yield from _autocast_attacks(bases["autocast"])
+    data = bases["autograd_functions"]
+    yield Attack("call_failures", "a custom Function whose result claims an output its forward does not return (IndexError at the call)",
+                 edited(data, _second_output), ("node autograd_function_apply_1", "its forward returns 1 output(s), where the call's result has 2"))
+    yield Attack("call_failures", "a custom Function whose forward returns an output of another shape",
+                 edited(data, _summed_output), ("node autograd_function_apply_1",
+                                                "its forward returns, at 0, a float32[3] tensor on cpu where the result holds a float32[4, 3] tensor on cpu"))
+    for device in ({"device": "meta"}, "meta"):
+        yield Attack("call_failures", f"an op making a tensor on the meta device ({json.dumps(device)})",
+                     edited(data, lambda p, device=device: call(p, "add_2", "aten._to_copy.default", [{"node": "x"}], kwargs={"device": device})),
+                     ("graph module <root>, node add_2", "its argument device is the meta device"))
+    if not torch.cuda.is_available():
+        yield Attack("call_failures", "an op making a tensor on a device named by a plain string this machine lacks",
+                     edited(data, lambda p: call(p, "add_2", "aten._to_copy.default", [{"node": "x"}], kwargs={"device": "cuda"})),
+                     ("node add_2", "its argument device is 'cuda'", "cannot provide"))
+    yield Attack("call_failures", "training flags without the root module's (.train() raised KeyError: '')",
+                 edited(data, lambda p: p["signature"].update(training_flags=[["inner", False]])),
+                 ("signature training_flags", "starts with 'inner', not the root module's flag (path '')"))
+    yield Attack("call_failures", "training flags naming the root twice",
+                 edited(data, lambda p: p["signature"].update(training_flags=[["", True], ["", False]])),
+                 ("signature training_flags", "gives the flag of '' twice"))
+
+
+def _second_output(program: dict) -> None:
+    """`autograd_function_apply_1`'s result claims a second output, which a new node reads."""
+    call_node = node(program, "autograd_function_apply_1")
+    call_node["meta"]["val"]["tuple"].append(call_node["meta"]["val"]["tuple"][0])
+    nodes = module_of(program)["nodes"]
+    first = next(n for n in nodes if n.get("args") == [{"node": "autograd_function_apply_1"}, 0])
+    nodes.insert(nodes.index(first) + 1, {**first, "name": "second", "args": [{"node": "autograd_function_apply_1"}, 1]})
+
+
+def _summed_output(program: dict) -> None:
+    """`autograd_function_apply_1`'s forward returns its (4, 3) output summed to (3,)."""
+    path = "setup_context_linear_fwd_0"
+    nodes = module_of(program, path)["nodes"]
+    nodes.insert(len(nodes) - 1, {"op": "call_function", "name": "rows", "target": "aten.sum.dim_IntList",
+                                  "args": [{"node": "matmul"}, [0]], "meta": {"val": {"tensor": _tensor_val([3])}}})
+    node(program, "output", path)["args"][0]["tuple"][0] = {"tuple": [{"node": "rows"}]}
+
+
+def _autocast_attacks(data: bytes) -> Iterator[Attack]:
+    """Autocast regions this machine cannot run as the file says: torch raises at every call, or
+    disables autocast and the casts after the region fail (`_assert_tensor_metadata`)."""
+    def device_type(value):
+        return lambda p: node(p, "wrap_with_autocast")["args"].__setitem__(0, value)
+
+    x8 = (torch.randn(4, 8),)
+    where = "graph module <root>, node wrap_with_autocast"
+    yield Attack("call_failures", "an autocast region for a device type that does not exist",
+                 edited(data, device_type("foo")), (where, "torch.autocast('foo') fails here"), args=x8)
+    yield Attack("call_failures", "an autocast region for the meta device",
+                 edited(data, device_type("meta")), (where, "unsupported autocast device_type 'meta'"), args=x8)
+    yield Attack("call_failures", "an autocast region whose dtype CPU autocast does not take",
+                 edited(data, lambda p: node(p, "wrap_with_autocast")["args"].__setitem__(1, {"dtype": "int64"})),
+                 (where, "torch.autocast('cpu', torch.int64) would disable itself here"), args=x8)
+    if not torch.cuda.is_available():
+        yield Attack("call_failures", "an autocast region for cuda on a machine without it (torch disables it)",
+                     edited(data, device_type("cuda")), (where, "torch.autocast('cuda', torch.bfloat16) would disable itself here"), args=x8)
+    if not torch.xpu.is_available():
+        yield Attack("call_failures", "an autocast region for xpu on a machine without it (casts nothing)",
+                     edited(data, device_type("xpu")), (where, "an autocast region for 'xpu'", "cannot provide"), args=x8)
+
+
+def caller_state_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack]:
+    """Records that change what happens outside the call (issue 40; Note [A file that changes its
+    caller's grad mode] in predispatch/serialize/verify.py)."""
+    data, left_open = bases["autograd_functions"], bases["left_open"]
+    for mode, state in ((False, "disabled"), (True, "enabled")):
+        yield Attack("caller_state", f"a plain program that leaves grad mode {state} for its caller (the issue's file)",
+                     edited(data, lambda p, mode=mode: p["signature"].update(grad_mode_on_exit=mode)),
+                     ("signature grad_mode_on_exit", f"the program would leave grad mode {state} for its caller",
+                      f"does not run in a wrap_with_set_grad_enabled({mode}, ...) region"))
+    yield Attack("caller_state", "a program ending in an enable_grad region that leaves grad mode disabled",
+                 edited(left_open, lambda p: node(p, "wrap_with_set_grad_enabled")["args"].__setitem__(0, True)),
+                 ("signature grad_mode_on_exit", "leave grad mode disabled", "wrap_with_set_grad_enabled(False, ...)"), args=(torch.randn(2, 3),))
+
+
 # --------------------------------------------------------------------------- kernels (issue 21)
 
 
@@ -1213,6 +1399,8 @@ ATTACK_CLASSES: dict[str, Callable[[dict[str, bytes], random.Random], Iterator[A
     "sizes": size_attacks,
     "call_sites": call_site_attacks,
     "subclasses": subclass_attacks,
+    "call_failures": call_failure_attacks,
+    "caller_state": caller_state_attacks,
 }
 
 
@@ -1266,6 +1454,8 @@ def run_attack(attack: Attack) -> dict:
                 outcome, message = "refused", str(exc)
                 if attack.klass == "kernels":
                     to_torch = _through_torch(loaded, attack.args)
+            except Exception as exc:  # noqa: BLE001 - a file that loads must run or be refused with our error
+                outcome, message = "raised at the call", f"{type(exc).__name__}: {exc}"
     changed = global_registrations() != before
     if attack.never_opened is not None and attack.never_opened in OPENED:
         outcome, message = "read a file", f"opened {attack.never_opened}; {message}"

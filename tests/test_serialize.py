@@ -904,6 +904,47 @@ def test_crafted_files_load_or_raise():
                 pass
 
 
+class SwitchesLast(nn.Module):
+    """Switches grad mode off for its caller and computes nothing after the switch."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.lin(x)
+        torch.set_grad_enabled(False)
+        return y
+
+
+def test_a_program_leaving_grad_mode_with_nothing_after_the_switch_is_not_saved():
+    """A file leaves its caller's grad mode changed only with the region export writes for it
+    (Note [A file that changes its caller's grad mode]): a forward whose switch is followed by
+    no computation has none, so save refuses it by name (before, it saved, and a file that
+    claimed the same of any program loaded)."""
+    ep = predispatch.export(SwitchesLast(), (torch.randn(2, 3),))
+    assert torch.is_grad_enabled() and ep.signature.grad_mode_on_exit is False
+    with pytest.raises(SerializationError) as info:
+        saved(ep)
+    message = str(info.value)
+    assert message.startswith("format version 1 cannot hold this program: signature grad_mode_on_exit: the program would "
+                              "leave grad mode disabled for its caller"), message
+    assert "a forward that switches grad mode and computes nothing after: undo the switch" in message
+
+
+@pytest.mark.parametrize("name", sorted(WHILE_LOOPS))
+def test_while_loop_programs_leave_the_callers_grad_mode(name):
+    """torch 2.11's while_loop compiles its body with Dynamo, which restores grad mode after
+    with a toggle nothing records: the trace took it for forward's own, and every while_loop
+    program left grad mode enabled for its caller (to_torch() refused them, and a file would
+    need the region export never wrote).  Only recorded toggles are the program's now."""
+    ep, args, kwargs = export_case(f"while_loop_{name}")
+    assert ep.signature.grad_mode_on_exit is None
+    with torch.no_grad():
+        predispatch.load(io.BytesIO(saved(ep))).module()(*args, **kwargs)
+        assert not torch.is_grad_enabled()
+
+
 def test_tables_name_every_hop_we_emit():
     names = set(serialize.HIGHER_ORDER_OPS)
     assert {"wrap_with_set_grad_enabled", "wrap_with_autocast", "autograd_function_apply"} <= names
@@ -926,7 +967,8 @@ ROOT = os.path.dirname(TESTS)
 ATTACK_CLASSES = (
     "io", "unsafe_constructor", "mutable", "global_state", "uninitialised", "output_type_lie",
     "hop_operand_lie", "duplicate_key", "compression_bomb", "registration", "names",
-    "function_structure", "kernels", "classes", "sizes", "call_sites", "subclasses",
+    "function_structure", "kernels", "classes", "sizes", "call_sites", "subclasses", "call_failures",
+    "caller_state",
 )
 
 
@@ -1297,10 +1339,9 @@ def test_a_program_that_reads_a_loop_output_offset_gets_eager_answer(tmp_path):
     """The tensor meta offset `save` writes as 0 is one no op reads (Note [Data-dependent
     storage offsets]): a program that asks for it calls `sym_storage_offset`, which reads the
     running tensor's, so the loaded program answers as eager does, with grad (the last row of
-    the stacked carries: 2 * 32) and without (0).  (torch 2.11's eager answer without grad is
-    0 or 64 by the order of calls in the process: checked from 2.13 on.)"""
-    from predispatch._torch_versions import TORCH
-
+    the stacked carries: 2 * 32) and without (0).  (Before the trace left grad mode alone
+    around torch 2.11's while_loop, each call of the program on 2.11 enabled grad mode for its
+    caller, so eager's answer there depended on the order of calls.)"""
     torch.manual_seed(0)
     model, x = ReadsLoopOffset(), torch.randn(4, 8)
     ep = predispatch.export(model, (x,))
@@ -1308,7 +1349,7 @@ def test_a_program_that_reads_a_loop_output_offset_gets_eager_answer(tmp_path):
     loaded = predispatch.load(tmp_path / "p.pd")
     assert str(loaded) == str(ep)
     assert '"Sym(32*u0 - 32)" = torch.ops.aten.sym_storage_offset.default(getitem_1)' in str(loaded)
-    for grad, offset in ((True, 64.0), (False, 0.0))[:2 if TORCH >= (2, 13) else 1]:
+    for grad, offset in ((True, 64.0), (False, 0.0)):
         with torch.set_grad_enabled(grad):
             actual, expected = loaded.module()(x), model(x)
         assert_same_tree(actual, expected)
@@ -1417,8 +1458,6 @@ class IntCarryFiles(TestCase):
         list/tuple argument type: [int, Node]".)"""
         from helpers import graph, on_golden_torch
 
-        from predispatch._torch_versions import TORCH
-
         program = json.loads(zipfile.ZipFile(io.BytesIO(self.data)).read("program.json"))
         assert program["unbacked_symbols"] == [["u0", None, None], ["u1", None, None]]
         loaded = predispatch.load(io.BytesIO(self.data))
@@ -1426,8 +1465,7 @@ class IntCarryFiles(TestCase):
         assert saved(loaded) == self.data
         expected = self.model(self.x)
         assert_same_tree(loaded.module()(self.x), expected)
-        if TORCH >= (2, 13):  # 2.11's to_torch() refuses while_loop programs, in memory too ("leaves grad mode enabled")
-            assert_same_tree(loaded.to_torch().module()(self.x), expected)
+        assert_same_tree(loaded.to_torch().module()(self.x), expected)
         if on_golden_torch():
             self.assertExpectedInline(graph(loaded), """\
 class GraphModule(torch.nn.Module):

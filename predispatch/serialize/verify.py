@@ -12,7 +12,8 @@ the test suite runs it on every program it exports (tests/conftest.py, tests/hel
 What it checks, each from a table so that a new op family, HOP or output kind is one entry:
 - ops: `op_allowlist.decide` for every OpOverload (the allow list, then the schema);
   `HOP_CONVENTIONS` for higher-order ops (argument kinds, subgraphs that are subgraphs of
-  this module, operand counts that match the subgraph's placeholders); `PYTHON_CALLABLES`
+  this module, operand counts that match the subgraph's placeholders, subgraphs that return
+  what the call's result says, Note [What a subgraph gives back]); `PYTHON_CALLABLES`
   for the few plain functions a graph may call;
 - structure: placeholders first, one output last, `get_attr` naming what the module holds,
   no `call_module` / `call_method`;
@@ -22,19 +23,24 @@ What it checks, each from a table so that a new op family, HOP or output kind is
 - the signature: placeholders are the signature's inputs, state placeholders carry their
   stored tensor's dtype and shape, and every output is a node whose value is what its
   `OutputKind` says (`OUTPUT_RULES`): a tensor where a tensor is promised, a mutation with
-  its target's dtype and shape;
+  its target's dtype and shape; `training_flags` start with the root module's;
 - tensor subclasses (`subclass_problems`): each layout's class can be taken apart and built,
   each subclass's parts are its inputs (or outputs) in its layout's order, and all stored;
 - with `stored=True` (a program read from or written to a file): no op of a `files_only`
   family (sparse, nested, quantized; export emits them for the user's own code), every tensor
   is a dense strided tensor with data, inside its storage, never on the `meta` device, and
-  node metadata holds no meta, sparse or quantized tensor (the file format holds none).
+  node metadata holds no meta, sparse or quantized tensor (the file format holds none); no
+  op's device argument is `meta` or a device this machine lacks; `grad_mode_on_exit` only
+  with the region export writes for it (Note [A file that changes its caller's grad mode]).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
+import re
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -48,7 +54,7 @@ from predispatch.runtime import names as naming
 from predispatch.runtime.writes import resized_by_kernel, resized_targets
 from predispatch.serialize.classes import displayed_name, is_tensor_subclass
 from predispatch.serialize.subclasses import SEPARATOR, StoredParts, part_of
-from predispatch.serialize.values import STORED_DEVICE_TYPES
+from predispatch.serialize.values import STORED_DEVICE_TYPES, parse_device
 from predispatch.serialize.kernel_inputs import BodyCalls, FunctionPair, callers_of, trusted_input_problems
 from predispatch.serialize.op_allowlist import decide
 from predispatch.signature import MUTATION_KINDS, ExportSignature, InputKind, InputSpec, OutputKind, OutputSpec, Program, SubclassLayout, state_names
@@ -217,34 +223,262 @@ def _flex_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int
                    f"{len(captured)} captured tensor(s)")
 
 
+# Note [What a subgraph gives back]
+# ---------------------------------
+# A higher-order op hands its caller what its subgraphs return, and torch checks little of it
+# at the call: a region or `invoke_subgraph` returns its body's tuple as it is, a `cond` the
+# tuple of the branch that ran, `map` and `scan` stack what their bodies return.  The graph
+# around the call reads that result as the HOP node's value says (`getitem` by index, ops on
+# its tensors), so a body returning fewer values than the value has, or a tensor of another
+# dtype, rank or size, loads and then fails at every call with a raw error (an IndexError, a
+# kernel's shape error), or runs and hands the caller something the program never promised.
+# Loops and branches add their own conventions, which torch checks only when they run: a
+# `cond` predicate is a bool or a one-element tensor, a `while_loop` condition returns a bool
+# or a bool tensor of shape [], its body a tuple of exactly the carries, each like the carry it
+# replaces.  So each HOP's subgraphs are checked against the HOP's result (node meta `val`, as
+# the rest of the verifier reads it): same count, and for tensors the same dtype, device, rank
+# and static sizes (a stacked result has the body's sizes after its first); a value without
+# metadata is taken as stated.  The checks read each body's output node and the call's own
+# result, so they cost what the call holds (Note [Calls of one subgraph]).
+
+
+def _body(node: fx.Node, gm: fx.GraphModule, index: int) -> fx.GraphModule | None:
+    """The subgraph argument `index` of `node`, or None (the argument kinds report it)."""
+    arg = node.args[index] if index < len(node.args) else None
+    return _held(gm, arg.target) if _is_subgraph(arg, gm) else None
+
+
+def _value_of(value: Any) -> Any:
+    """What a returned entry or operand holds: a node's metadata value, or the literal itself."""
+    return _val(value) if isinstance(value, fx.Node) else value
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')}{list(value.shape)} tensor on {value.device}"
+    return _describe(value)
+
+
+def _misfit(entry: Any, expected: Any, stacked: bool = False) -> str | None:
+    """Why `entry`, a value a subgraph returns (a node or a literal), cannot be `expected` (a HOP
+    result's or a carry's value), or None.  `stacked`: `expected` stacks such values along a new
+    first dimension (`map`, `scan`)."""
+    if expected is None or isinstance(entry, fx.Node) and "val" not in entry.meta:
+        return None  # no metadata to compare with: taken as stated
+    actual = _value_of(entry)
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor):
+            return f"{_described(actual)} where the result holds {_described(expected)}"
+        sizes = list(expected.shape)[1:] if stacked else list(expected.shape)
+        static = all(type(a) is int and type(b) is int for a, b in zip(actual.shape, sizes))
+        if (actual.dtype, actual.device, actual.dim()) != (expected.dtype, expected.device, len(sizes)) or static and list(actual.shape) != sizes:
+            where = f"{'each slice of ' if stacked else ''}{_described(expected)}"
+            return f"{_described(actual)} where the result holds {where}"
+        return None
+    if isinstance(actual, torch.Tensor) or isinstance(expected, (int, torch.SymInt)) != isinstance(actual, (int, torch.SymInt)):
+        return f"{_described(actual)} where the result holds {_describe(expected)}"
+    return None
+
+
+def _returned_entries(body: fx.GraphModule, name: str, count: int | None, *, tuple_only: bool = False) -> tuple[list, str | None]:
+    """What `body` returns, as a list, and why it is not a tuple (or list) of `count` values."""
+    returned = _returned(body)
+    kinds = (tuple,) if tuple_only else (tuple, list)
+    if not isinstance(returned, kinds):
+        return [], f"its {name} returns {_describe(returned)}, not a {'tuple' if tuple_only else 'tuple or list'} of values"
+    if count is not None and len(returned) != count:
+        return list(returned), f"its {name} returns {len(returned)} value(s), where the call's result has {count}"
+    return list(returned), None
+
+
+def _result(node: fx.Node) -> tuple | None:
+    """The HOP call's own result (its node's `val`), a tuple, or None when it has none."""
+    value = _val(node)
+    return tuple(value) if isinstance(value, (tuple, list)) else None
+
+
+def _getitem_bound(node: fx.Node) -> int:
+    """One past the largest index a `getitem` of `node`'s result reads (0 when none does)."""
+    return max((u.args[1] + 1 for u in node.users if u.target is operator.getitem and len(u.args) == 2 and type(u.args[1]) is int), default=0)
+
+
+def _fits_result(node: fx.Node, body: fx.GraphModule | None, name: str, stacked: bool = False) -> Iterator[str]:
+    """`body` returns the call's result: a tuple of as many values as the result (at least as
+    many as its `getitem`s read), each fitting its entry (Note [What a subgraph gives back])."""
+    if body is None:
+        return
+    result = _result(node)
+    entries, why = _returned_entries(body, name, len(result) if result is not None else None)
+    if why:
+        yield why
+        return
+    if result is None and len(entries) < _getitem_bound(node):
+        yield f"its {name} returns {len(entries)} value(s), and the call's result is read at index {_getitem_bound(node) - 1}"
+    for i, (entry, expected) in enumerate(zip(entries, result or ())):
+        if (why := _misfit(entry, expected, stacked)) is not None:
+            yield f"its {name} returns, at {i}, {why}"
+
+
+def _region_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int]) -> Iterator[str]:
+    """A grad-mode region's or a shared body's subgraph returns the call's result."""
+    index = 0 if node.target.name() == "invoke_subgraph" else 1
+    yield from _fits_result(node, _body(node, gm, index), "body")
+
+
+def _cond_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int]) -> Iterator[str]:
+    """`cond`: the predicate is a bool or a one-element tensor (torch's own rule, checked only
+    when it runs), and each branch returns the call's result."""
+    predicate = _value_of(node.args[0]) if node.args else None
+    if isinstance(predicate, torch.Tensor):
+        sizes = list(predicate.shape)
+        if all(type(s) is int for s in sizes) and math.prod(sizes) != 1:
+            yield f"its predicate is {_described(predicate)}: a bool or a one-element tensor expected"
+    elif predicate is not None and not isinstance(predicate, (bool, torch.SymBool)):
+        yield f"its predicate is {_describe(predicate)}: a bool or a one-element tensor expected"
+    for index, name in ((1, "true branch"), (2, "false branch")):
+        yield from _fits_result(node, _body(node, gm, index), name)
+
+
+def _while_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int]) -> Iterator[str]:
+    """`while_loop`: the condition returns a bool or a bool tensor of shape []; the body a tuple
+    of exactly the carries, each like the carry it replaces (what the loop feeds back to both);
+    the call's result is the carries."""
+    if len(node.args) != 4 or not isinstance(node.args[2], (tuple, list)):
+        return  # reported by the argument kinds
+    carries = list(node.args[2])
+    condition, body = _body(node, gm, 0), _body(node, gm, 1)
+    if condition is not None:
+        returned = _returned(condition)
+        value = _val(returned) if isinstance(returned, fx.Node) else returned
+        scalar = isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0
+        unknown = isinstance(returned, fx.Node) and "val" not in returned.meta  # taken as stated
+        if not (unknown or scalar or isinstance(value, (bool, torch.SymBool))):
+            shown = _described(value) if isinstance(returned, fx.Node) else _describe(returned)
+            yield f"its condition returns {shown}: a bool or a bool tensor of shape [] expected"
+    result = _result(node)
+    if result is not None and len(result) != len(carries):
+        yield f"its result has {len(result)} value(s) for {len(carries)} carries"
+    if body is None:
+        return
+    entries, why = _returned_entries(body, "body", len(carries), tuple_only=True)
+    if why:
+        yield why
+        return
+    for i, (entry, carry) in enumerate(zip(entries, carries)):
+        if (why := _misfit(entry, _value_of(carry))) is not None:
+            yield f"its body returns, for carry {i}, {why.replace('the result holds', 'the carry is')}"
+
+
+def _scan_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int]) -> Iterator[str]:
+    """`scan`: the combine subgraph returns the next carries (each like its initial carry), then
+    one slice of each stacked output; the call's result is the carries, then the stacked outputs."""
+    if len(node.args) != 4 or not isinstance(node.args[1], (tuple, list)):
+        return  # reported by the argument kinds
+    body, carries, result = _body(node, gm, 0), len(node.args[1]), _result(node)
+    if body is None:
+        return
+    entries, why = _returned_entries(body, "combine", len(result) if result is not None else None)
+    if why:
+        yield why
+        return
+    if len(entries) < carries or len(entries) < _getitem_bound(node):
+        yield f"its combine returns {len(entries)} value(s), fewer than its {carries} carries or than the call's result is read at"
+        return
+    expected = [*((_value_of(c), False) for c in node.args[1]), *((v, True) for v in (result or ())[carries:])]
+    for i, (entry, (value, stacked)) in enumerate(zip(entries, expected)):
+        if (why := _misfit(entry, value, stacked)) is not None:
+            yield f"its combine returns, at {i}, {why}"
+
+
+def _map_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int]) -> Iterator[str]:
+    """`map`: the body returns one slice of each stacked output of the call's result."""
+    yield from _fits_result(node, _body(node, gm, 0), "body", stacked=True)
+
+
+def _function_pair_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int]) -> Iterator[str]:
+    """An `autograd_function_apply`'s pair fits together (`_function_structure`), and its
+    forward's outputs are the call's result (Note [What a subgraph gives back])."""
+    problems = list(_function_structure(node, gm, arities))
+    yield from problems
+    forward = _body(node, gm, 0)
+    returned = _returned(forward) if forward is not None else None
+    if problems or not isinstance(returned, (tuple, list)) or not returned or not isinstance(returned[0], (tuple, list)):
+        return  # reported by `_function_structure` or the argument kinds
+    outputs, result = list(returned[0]), _result(node)
+    if result is not None and len(outputs) != len(result) or len(outputs) < _getitem_bound(node):
+        yield f"its forward returns {len(outputs)} output(s), where the call's result has {len(result) if result is not None else _getitem_bound(node)}"
+        return
+    for i, (entry, expected) in enumerate(zip(outputs, result or ())):
+        if (why := _misfit(entry, expected)) is not None:
+            yield f"its forward returns, at {i}, {why}"
+
+
+def _autocast_structure(node: fx.Node, gm: fx.GraphModule, arities: Mapping[int, int]) -> Iterator[str]:
+    """An autocast region runs under `torch.autocast(device_type, dtype, enabled, cache)` on this
+    machine: a device type torch does not know, or has no autocast for (`meta`), raises at every
+    call; one this machine lacks (`cuda` on a CPU build: torch disables itself with a warning;
+    `xpu`: casts nothing) or a dtype its autocast does not take runs the region without casts,
+    and the casts after it fail.  So the arguments must make an autocast torch enables here.
+    Its body returns the call's result."""
+    device_type, dtype, enabled, cache = (list(node.args[:4]) + [None] * 4)[:4]
+    kinds = type(enabled) is bool and (cache is None or type(cache) is bool) and (dtype is None or isinstance(dtype, torch.dtype))
+    if type(device_type) is str and not re.fullmatch(r"[a-z_]{1,32}(:\d{1,4})?", device_type):
+        yield f"its device type {_describe(device_type)} is not the name of a device type"
+    elif kinds and type(device_type) is str:  # otherwise the argument kinds report it
+        yield from _autocast_problems(device_type, dtype, enabled, cache)
+    yield from _fits_result(node, _body(node, gm, 4), "body")
+
+
+@functools.lru_cache(maxsize=64)
+def _autocast_problems(device_type: str, dtype: torch.dtype | None, enabled: bool, cache: bool | None) -> tuple[str, ...]:
+    """Why `torch.autocast(device_type, dtype, enabled, cache)` does not run here as a region
+    asks (`_autocast_structure`); once per distinct arguments, however many regions a file has."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            torch.autocast(device_type, dtype, enabled, cache)  # builds the object only: enters nothing
+        except (RuntimeError, ValueError, AssertionError, TypeError) as exc:
+            return (f"torch.autocast({device_type!r}) fails here: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",)
+    if enabled and caught:
+        return (f"torch.autocast({device_type!r}, {dtype}) would disable itself here: {str(caught[0].message).splitlines()[0]}",)
+    try:
+        parse_device(device_type)  # a device type this machine's torch provides
+    except (SerializationError, RuntimeError) as exc:
+        return (f"an autocast region for {device_type!r}: {getattr(exc, 'what', str(exc))}",)
+    return ()
+
+
 #: The higher-order ops a program may call, by `hop.name()`, and their calling conventions.
 HOP_CONVENTIONS: dict[str, HopConvention] = {
     "wrap_with_set_grad_enabled": HopConvention(
-        ("bool", "subgraph"), ("node",), "a grad-mode region: runs its subgraph with grad mode set, for that scope only", bodies=(1,)),
+        ("bool", "subgraph"), ("node",), "a grad-mode region: runs its subgraph with grad mode set, for that scope only", bodies=(1,),
+        structure=_region_structure),
     "wrap_with_autocast": HopConvention(
         ("str", "dtype?", "bool", "bool?", "subgraph"), ("node",),
-        "an autocast region: runs its subgraph under torch.autocast, for that scope only", bodies=(4,)),
+        "an autocast region: runs its subgraph under torch.autocast, for that scope only", bodies=(4,), structure=_autocast_structure),
     "autograd_function_apply": HopConvention(
         ("subgraph", "subgraph"), ("node",), "a custom autograd.Function: forward and backward subgraphs",
-        kwargs={"non_differentiable_idx": "ints", "saved_for_backward_idx": "ints"}, bodies=(0,), structure=_function_structure),
+        kwargs={"non_differentiable_idx": "ints", "saved_for_backward_idx": "ints"}, bodies=(0,),
+        structure=_function_pair_structure),
     "invoke_subgraph": HopConvention(
-        ("subgraph", "str"), ("node", "int", "none"), "a repeated block: one subgraph called at each repetition", bodies=(0,)),
+        ("subgraph", "str"), ("node", "int", "none"), "a repeated block: one subgraph called at each repetition", bodies=(0,),
+        structure=_region_structure),
     "with_effects": HopConvention(
         ("node", "op"), ("node", "int", "none", "bool", "str"), "an effectful op ordered by a token; the op itself is checked",
         inner_op=1),
     "cond": HopConvention(
         ("predicate", "subgraph", "subgraph"), ("node",), "torch.cond in the user's code: both branches kept, one runs",
-        bodies=(1, 2), packed=1),
+        bodies=(1, 2), packed=1, structure=_cond_structure),
     "while_loop": HopConvention(
         ("subgraph", "subgraph"), ("node", "int"),
         "torch's while_loop in the user's code: condition and body subgraphs (a Python int may be carried)",
-        bodies=(0, 1), packed=2),
+        bodies=(0, 1), packed=2, structure=_while_structure),
     "scan": HopConvention(
         ("subgraph",), ("node",), "torch's scan in the user's code: the combine subgraph, run along the scanned inputs",
-        bodies=(0,), packed=3),
+        bodies=(0,), packed=3, structure=_scan_structure),
     "map_impl": HopConvention(
         ("subgraph",), ("node",), "torch's map in the user's code: the body subgraph, run on each slice",
-        bodies=(0,), packed=2),
+        bodies=(0,), packed=2, structure=_map_structure),
     "flex_attention": HopConvention(
         ("node", "node", "node", "subgraph", "block_mask", "float", "options", "nodes", "nodes"), (),
         "torch.nn.attention.flex_attention: score_mod and mask_mod as subgraphs, the block mask's tensors and "
@@ -551,6 +785,12 @@ def _node_problems(
         yield from _call_problems(node, gm, namespaces, stored, root, callers, arities)
     if stored and "val" in node.meta:
         yield from _meta_problems(node.meta["val"])
+    if stored and node.op == "call_function":
+        yield from _device_argument_problems(node)
+    if stored and node.op in ("placeholder", "get_attr") and (node.args or node.kwargs):
+        # FX compiles a placeholder's argument into the generated code as its default value
+        # (`x = [[]], = fx_pytree.tree_flatten_spec(...)` in `ep.module()`): every call failed
+        yield f"a {node.op} with arguments {_describe((*node.args, *node.kwargs.values()))}; export writes none"
 
 
 def _call_problems(
@@ -598,6 +838,36 @@ def _meta_problems(value: Any) -> Iterator[str]:
             yield f"its value is a {value.layout} tensor; the file format holds strided tensors only"
         if value.device.type == "meta":
             yield "its value is on the meta device (no data); the file format holds tensors with data"
+
+
+def _device_argument_problems(node: fx.Node) -> Iterator[str]:
+    """A stored program's device arguments name a device with data that this machine has.  A
+    device is read as a tagged value (`{"device": "cuda:0"}`, checked where it is read) or, as
+    torch takes it too, a plain string (`device="cuda"`), checked here; neither may be `meta`:
+    the op would make a tensor without data, which the program returns or fails on (format
+    version 1 holds none, as it holds no meta tensor)."""
+    op, args, kwargs = node.target, node.args, node.kwargs
+    if isinstance(op, torch._ops.HigherOrderOperator) and op.name() == "with_effects" and len(args) > 1:
+        op, args = args[1], args[2:]  # the op it calls, on the arguments after the token and the op
+    if not isinstance(op, torch._ops.OpOverload):
+        return
+    for position, name, kwarg_only in _device_arguments(op):
+        value = args[position] if not kwarg_only and position < len(args) else kwargs.get(name)
+        if isinstance(value, str):
+            try:
+                value = parse_device(value)
+            except (SerializationError, RuntimeError) as exc:  # torch.device("foo") raises RuntimeError
+                yield f"its argument {name} is {_describe(value)}: {getattr(exc, 'what', exc)}"
+                continue
+        if isinstance(value, torch.device) and value.type == "meta":
+            yield (f"its argument {name} is the meta device: the op would make a tensor without data, "
+                   "which format version 1 holds none of")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arguments(op: torch._ops.OpOverload) -> tuple[tuple[int, str, bool], ...]:
+    """Each `Device` or `Device?` argument of `op`'s schema: position, name, keyword-only."""
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(op._schema.arguments) if str(a.type) in ("Device", "Optional[Device]"))
 
 
 # --------------------------------------------------------------------------- tensors
@@ -727,6 +997,7 @@ def _signature_problems(ep: Program) -> Iterator[Problem]:
         yield Problem("signature input_leaves", "the input spec, input leaves and user inputs disagree")
     yield from _outside_tree_problems(sig)
     yield from _state_order_problems(sig)
+    yield from _training_flag_problems(sig)
     yield from _placement_problems(sig, stored)
     yield from subclass_problems(ep)
     yield from _output_problems(ep)
@@ -749,6 +1020,20 @@ def _state_order_problems(sig: ExportSignature) -> Iterator[Problem]:
     if len(set(order)) != len(order) or not set(order) <= names:
         stray = sorted(set(order) - names)
         yield Problem("signature state_order", f"names {stray[0]!r}, which is no lifted state" if stray else "names a state twice")
+
+
+def _training_flag_problems(sig: ExportSignature) -> Iterator[Problem]:
+    """`training_flags` (Note [One mode per program] in runtime/modes.py) is empty (a function
+    export) or starts with the root module's flag (path ""), which `module()` gives every module
+    no entry names and `.train()`/`.eval()` check a switch against, and names no path twice
+    (which of two flags would hold?).  Export writes the root's, then each that differs from it."""
+    paths = Counter(path for path, _ in sig.training_flags)
+    if paths and sig.training_flags[0][0] != "":
+        yield Problem("signature training_flags", f"starts with {_describe(sig.training_flags[0][0])}, not the root module's flag (path ''), "
+                      "which export writes first")
+    twice = next((path for path, count in paths.items() if count > 1), None)
+    if twice is not None:
+        yield Problem("signature training_flags", f"gives the flag of {_describe(twice)} twice")
 
 
 def _placement_problems(sig: ExportSignature, stored: Any) -> Iterator[Problem]:
@@ -925,6 +1210,60 @@ def _stored_tensors(tensors: Any, sig: ExportSignature) -> Iterator[tuple[str, A
             yield name, tensor
 
 
+# Note [A file that changes its caller's grad mode]
+# -------------------------------------------------
+# A forward that calls `torch.set_grad_enabled(False)` and never undoes it leaves grad mode
+# off for its caller, and so does its program (`grad_mode_on_exit`, applied by `module()` after
+# the graph ran, runtime/unlift.py): the caller's next `backward()` fails.  In a file that flag
+# is one bit of the signature, so a plain linear program could switch its caller's grad mode at
+# every call.  The graph tells a region left open from one closed only by that flag, so no check
+# can prove it; what it can check is that the graph is one export writes for it: the switch
+# opens a grad-mode region that runs to the end of forward, so the graph's last computation
+# runs in that mode, inside a `wrap_with_set_grad_enabled(mode, ...)` at the top level or in
+# the trailing region of such a region (a region opened inside another, or inside an autocast
+# region).  A stored program claims the flag only with such a graph: a file can leave its
+# caller in the mode its own last computation ran in, as the program it holds would, and
+# `predispatch show` prints it ("Leaves grad mode disabled for the caller").  A forward that
+# switches grad mode with nothing computed after the switch writes no such region: `save`
+# refuses it by name (undo the switch, or compute under it).
+
+
+def _grad_mode_on_exit_problems(ep: Program) -> Iterator[Problem]:
+    """A stored program leaves grad mode changed for its caller only as its graph ends (Note [A
+    file that changes its caller's grad mode])."""
+    mode = ep.signature.grad_mode_on_exit
+    if mode is None or mode in _trailing_grad_modes(ep.graph_module):
+        return
+    state = "enabled" if mode else "disabled"
+    yield Problem(
+        "signature grad_mode_on_exit",
+        f"the program would leave grad mode {state} for its caller, but its graph's last computation does not run in a "
+        f"wrap_with_set_grad_enabled({mode}, ...) region, which export writes for a forward that calls "
+        f"torch.set_grad_enabled({mode}) and never undoes it (Note [A file that changes its caller's grad mode] in "
+        "predispatch/serialize/verify.py); a forward that switches grad mode and computes nothing after: undo the switch",
+    )
+
+
+def _trailing_grad_modes(gm: fx.GraphModule) -> set[bool]:
+    """The grad modes of the regions the graph's last computation runs in: the top level's last
+    call (past its `getitem`s) when it is a region, the last call of that region's body, ..."""
+    modes: set[bool] = set()
+    module: Any = gm
+    for _ in range(MAX_SUBGRAPH_DEPTH + 1):  # bounded as subgraphs nest
+        last = next((n for n in reversed(module.graph.nodes) if n.op == "call_function" and n.target is not operator.getitem), None)
+        name = last.target.name() if last is not None and isinstance(last.target, torch._ops.HigherOrderOperator) else None
+        body_at = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}.get(name or "")
+        if last is None or body_at is None or len(last.args) <= body_at:
+            break
+        if name == "wrap_with_set_grad_enabled" and type(last.args[0]) is bool:
+            modes.add(last.args[0])
+        body = last.args[body_at]
+        module = _held(module, body.target) if _is_subgraph(body, module) else None
+        if module is None:
+            break
+    return modes
+
+
 #: Root attribute names `ep.module()` gives its own objects (unlift.py, runner.py): a state
 #: or subgraph of the file must not take them.
 _BUILDER_PREFIXES = ("_constant_", "_lifted_", "_live_root", "_state_dict_owner")
@@ -971,6 +1310,7 @@ def program_problems(ep: Program, *, op_namespaces: tuple[str, ...] = (), stored
     problems += list(_signature_problems(ep))
     if stored:
         problems += list(_name_problems(ep))
+        problems += list(_grad_mode_on_exit_problems(ep))
         for group, tensors in (("state_dict", ep.state_dict), ("constants", ep.constants)):
             problems += [Problem(f"{group}[{name!r}]", why) for name, t in _stored_tensors(tensors, ep.signature) for why in stored_tensor_problems(t)]
     return problems

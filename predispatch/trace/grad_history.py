@@ -139,9 +139,12 @@ class GradHistoryKeeper(TorchFunctionMode):
         was_enabled = torch.is_grad_enabled()
         result = func(*args, **kwargs)
         closing = _called_from_exit()
-        self.open_regions += -1 if closing else 1
         if isinstance(result, fx.Node):  # recorded in the graph: tell wrap_regions how to nest
             result.meta[_meta.GRAD_TOGGLE] = "exit" if closing else "enter"
+            # only a recorded toggle is the program's: one made while no tracer records (torch
+            # 2.11's while_loop compiles its body with Dynamo, which restores grad mode after)
+            # is torch's own, and counted it would leave grad mode set for the caller
+            self.open_regions += -1 if closing else 1
         elif ti.current_tracer() is not None:
             self.toggles_unrecorded += 1
         if args[0] and not was_enabled:
