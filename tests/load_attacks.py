@@ -1064,13 +1064,13 @@ def call_failure_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterato
     if not torch.cuda.is_available():
         yield Attack("call_failures", "an op making a tensor on a device named by a plain string this machine lacks",
                      edited(data, lambda p: call(p, "add_2", "aten._to_copy.default", [{"node": "x"}], kwargs={"device": "cuda"})),
-                     ("node add_2", "its argument device is 'cuda'", "cannot provide"))
+                     ("node add_2", "its argument device is str 'cuda'", "cannot provide"))
     yield Attack("call_failures", "training flags without the root module's (.train() raised KeyError: '')",
                  edited(data, lambda p: p["signature"].update(training_flags=[["inner", False]])),
-                 ("signature training_flags", "starts with 'inner', not the root module's flag (path '')"))
+                 ("signature training_flags", "starts with str 'inner', not the root module's flag (path '')"))
     yield Attack("call_failures", "training flags naming the root twice",
                  edited(data, lambda p: p["signature"].update(training_flags=[["", True], ["", False]])),
-                 ("signature training_flags", "gives the flag of '' twice"))
+                 ("signature training_flags", "gives the flag of str '' twice"))
 
 
 def _second_output(program: dict) -> None:

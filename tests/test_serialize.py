@@ -927,7 +927,7 @@ def test_a_program_leaving_grad_mode_with_nothing_after_the_switch_is_not_saved(
     with pytest.raises(SerializationError) as info:
         saved(ep)
     message = str(info.value)
-    assert message.startswith("format version 1 cannot hold this program: signature grad_mode_on_exit: the program would "
+    assert message.startswith("format version 2 cannot hold this program: signature grad_mode_on_exit: the program would "
                               "leave grad mode disabled for its caller"), message
     assert "a forward that switches grad mode and computes nothing after: undo the switch" in message
 

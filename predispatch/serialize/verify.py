@@ -861,7 +861,7 @@ def _device_argument_problems(node: fx.Node) -> Iterator[str]:
                 continue
         if isinstance(value, torch.device) and value.type == "meta":
             yield (f"its argument {name} is the meta device: the op would make a tensor without data, "
-                   "which format version 1 holds none of")
+                   "which the file format holds none of")
 
 
 @functools.lru_cache(maxsize=None)
