@@ -180,6 +180,50 @@ def forward(self, p_bn_weight, p_bn_bias, b_bn_running_mean, b_bn_running_var, b
         assert_same_tree(runs[1], runs[0], True)
 
 
+class AttentionThenView(nn.Module):
+    """The end of an attention block whose next step reads the heads as rows: the `reshape` is
+    a view at the trace (the CPU kernel's output makes the transposed tensor contiguous), and
+    torch's decomposed attention lays its output out otherwise."""
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q = (x * 2).view(b, s, 4, d // 4).transpose(1, 2)
+        att = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        rows = att.transpose(1, 2).reshape(b, s, d).reshape(-1, d)
+        return rows + x.view(-1, d)
+
+
+class ViewsOfComputedTensors(TestCase):
+    @pytest.mark.filterwarnings(_TORCH_LEAFSPEC_WARNING)
+    def test_torch_consumers_decompose_past_a_view_the_trace_decided(self):
+        """Note [Views of computed tensors]: `to_torch()` writes a view of a computed tensor as
+        `reshape` (a view of an input stays a view), so torch's `run_decompositions()` traces it
+        with its own attention layout; before, it raised "Cannot view a tensor with shape
+        [2, 8, 64] and strides ...".  Equal, bitwise, to torch.export's route with the same
+        decompositions."""
+        torch.manual_seed(0)
+        x = torch.randn(2, 8, 64)
+        ep = predispatch.export(AttentionThenView(), (x,))
+        tep = ep.to_torch()
+        self.assertExpectedInline(tep.graph_module.code.strip(), """\
+def forward(self, x):
+    mul = torch.ops.aten.mul.Tensor(x, 2)
+    reshape = torch.ops.aten.reshape.default(mul, [2, 8, 4, 16]);  mul = None
+    transpose = torch.ops.aten.transpose.int(reshape, 1, 2);  reshape = None
+    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(transpose, transpose, transpose, None, 0.0, True);  transpose = None
+    transpose_1 = torch.ops.aten.transpose.int(scaled_dot_product_attention, 1, 2);  scaled_dot_product_attention = None
+    reshape_1 = torch.ops.aten.reshape.default(transpose_1, [2, 8, 64]);  transpose_1 = None
+    reshape_2 = torch.ops.aten.reshape.default(reshape_1, [-1, 64]);  reshape_1 = None
+    view_3 = torch.ops.aten.view.default(x, [-1, 64]);  x = None
+    add = torch.ops.aten.add.Tensor(reshape_2, view_3);  reshape_2 = view_3 = None
+    return (add,)""")
+        ours = tep.run_decompositions()
+        theirs = torch.export.export(AttentionThenView(), (x,)).run_decompositions()
+        for args in ((x,), (torch.randn(2, 8, 64),)):
+            torch.testing.assert_close(ours.module()(*args), theirs.module()(*args), rtol=0, atol=0)
+            torch.testing.assert_close(ours.module()(*args), AttentionThenView()(*args))
+
+
 def test_state_is_copied():
     """torch's module() writes mutations into the program's state: never into ep or the model."""
     model = Counter()

@@ -36,6 +36,8 @@ Only nodes whose extra outputs nothing else reads are rewritten (a dropout mask 
 elsewhere, statistics read after the update, or inside a region's subgraph stay functional);
 `num_batches_tracked + 1` written back becomes torch's `add_(num_batches_tracked, 1)`.
 
+A `view` of a computed tensor becomes `reshape` (Note [Views of computed tensors]).
+
 Pre: a top-level graph in torch's calling convention (`to_torch`'s builder), with its output
     specs, one per output value.
 Post: the same values computed; fewer BUFFER_MUTATION outputs; the graph is not functional.
@@ -73,7 +75,39 @@ def recompose_for_torch(
             replaced += _replace_outputs(graph, node, aten.batch_norm.default, args, keep=())
         elif node.target is aten.native_dropout.default and isinstance(node.args[2], bool):
             replaced += _replace_outputs(graph, node, aten.dropout.default, tuple(node.args[:3]), keep=())
+        elif node.target is aten.view.default and _computed(node.args[0]):
+            _as_reshape(graph, node)
     return _erase(graph, output_specs, replaced, chains)
+
+
+# Note [Views of computed tensors]
+# ---------------------------------
+# predispatch's trace decides each `reshape` when it runs (the composite audit: whether it
+# aliases depends on its input's strides), so `x.transpose(1, 2).reshape(b, s, d)` after the
+# CPU attention kernel is recorded as `aten.view`: that kernel's output makes the transposed
+# tensor contiguous.  torch's consumers trace the program again with their own kernels and
+# decompositions (`run_decompositions()`, ExecuTorch's `to_edge`): the decomposed
+# `scaled_dot_product_attention` lays its output out otherwise, and the `view` fails ("Cannot
+# view a tensor with shape [2, 8, 64] and strides (64, 128, 1)"; a torchao int8 Llama-style
+# model, whose quantized linear reshapes its input).  torch.export's own training IR keeps
+# `aten.reshape`, which decides again on the strides it is given.  In `to_torch()`'s graph a
+# `view` of a computed tensor (not an input, whose layout is the caller's) is written as
+# `aten.reshape`: the same values, as nothing writes in place into such a view (the only
+# in-place writes here are the buffer updates above, on placeholders).
+
+
+def _computed(value: object) -> bool:
+    """Whether `value` is a tensor the graph computes, whose strides are its kernel's choice."""
+    return isinstance(value, fx.Node) and value.op == "call_function"
+
+
+def _as_reshape(graph: fx.Graph, view: fx.Node) -> None:
+    """`view` written as `aten.reshape`, named so (Note [Views of computed tensors])."""
+    with graph.inserting_before(view):
+        reshape = graph.create_node("call_function", aten.reshape.default, view.args, view.kwargs, name="reshape")
+    reshape.meta = dict(view.meta)
+    view.replace_all_uses_with(reshape)
+    graph.erase_node(view)
 
 
 class _BufferChains:
