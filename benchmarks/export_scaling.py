@@ -36,6 +36,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,9 @@ import torch
 from torch import nn
 
 import predispatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from scaling_cases import FunctionCalls, UpdatedUnderNoGrad  # noqa: E402  (shared with tests/test_export_scaling.py)
 
 
 class Experts(nn.Module):
@@ -56,47 +60,6 @@ class Experts(nn.Module):
     def forward(self, x):
         for expert in self.experts:
             x = expert(x)
-        return x
-
-
-class Ema(nn.Module):
-    """`n` parameters updated in place with grad off, then used."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.ps = nn.ParameterList(nn.Parameter(torch.randn(4)) for _ in range(n))
-
-    def forward(self, x):
-        with torch.no_grad():
-            for p in self.ps:
-                p.mul_(0.9)
-        for p in self.ps:
-            x = x + p
-        return x
-
-
-class _Scale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, grad):
-        (w,) = ctx.saved_tensors
-        return grad * w, None
-
-
-class Functions(nn.Module):
-    """A custom autograd.Function call per parameter."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.ps = nn.ParameterList(nn.Parameter(torch.randn(4)) for _ in range(n))
-
-    def forward(self, x):
-        for p in self.ps:
-            x = _Scale.apply(x, p)
         return x
 
 
@@ -117,8 +80,8 @@ class Ops(nn.Module):
 #: family -> (model maker, n, what doubles).
 FAMILIES: dict[str, tuple[Callable[[int], nn.Module], int, str]] = {
     "experts": (Experts, 2500, "parameters and ops"),
-    "ema": (Ema, 2500, "parameters written under no_grad"),
-    "functions": (Functions, 400, "Function calls and parameters"),
+    "ema": (UpdatedUnderNoGrad, 2500, "parameters written under no_grad"),
+    "functions": (FunctionCalls, 400, "Function calls and parameters"),
     "ops": (Ops, 2500, "ops, parameters fixed"),
 }
 

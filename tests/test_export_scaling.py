@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from scaling_cases import FunctionCalls, Params, UpdatedUnderNoGrad
 from torch import fx, nn
 
 import predispatch
@@ -87,25 +88,7 @@ def _ratio(make: Callable[[int], nn.Module], n: int, monkeypatch: pytest.MonkeyP
     return _work(make(2 * n), (x,), monkeypatch, **within) / _work(make(n), (x,), monkeypatch, **within)
 
 
-class _Params(nn.Module):
-    def __init__(self, n: int):
-        super().__init__()
-        self.ps = nn.ParameterList(nn.Parameter(torch.randn(4)) for _ in range(n))
-
-
-class _UpdatedUnderNoGrad(_Params):
-    """Every parameter updated in place with grad off (an EMA), then used."""
-
-    def forward(self, x):
-        with torch.no_grad():
-            for p in self.ps:
-                p.mul_(0.9)
-        for p in self.ps:
-            x = x + p
-        return x
-
-
-class _RegionsInAutocast(_Params):
+class _RegionsInAutocast(Params):
     """A no_grad region per parameter, all inside one autocast region."""
 
     def forward(self, x):
@@ -114,27 +97,6 @@ class _RegionsInAutocast(_Params):
                 with torch.no_grad():
                     y = p * 2
                 x = x + y
-        return x
-
-
-class _Scale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, grad):
-        (w,) = ctx.saved_tensors
-        return grad * w, None
-
-
-class _FunctionCalls(_Params):
-    """A custom autograd.Function call per parameter."""
-
-    def forward(self, x):
-        for p in self.ps:
-            x = _Scale.apply(x, p)
         return x
 
 
@@ -168,7 +130,7 @@ def test_parameters_updated_under_no_grad(monkeypatch):
     """Was quadratic: the grad-history keeper scanned its list of written tensors at each write
     and each op (trace/grad_history.py); `remove_copies` rewrote the output node once per
     written parameter; `wrap_regions` looked each region output up in a list."""
-    assert _ratio(_UpdatedUnderNoGrad, 100, monkeypatch) <= _LINEAR
+    assert _ratio(UpdatedUnderNoGrad, 100, monkeypatch) <= _LINEAR
 
 
 def test_regions_inside_a_region(monkeypatch):
@@ -180,7 +142,7 @@ def test_regions_inside_a_region(monkeypatch):
 def test_function_calls(monkeypatch):
     """Was quadratic: FX named each captured Function's graphs in its node by walking every
     module installed on the traced module so far (`Tracer.create_arg`)."""
-    assert _ratio(_FunctionCalls, 60, monkeypatch) <= _LINEAR
+    assert _ratio(FunctionCalls, 60, monkeypatch) <= _LINEAR
 
 
 def test_shared_block_kinds(monkeypatch):
