@@ -783,9 +783,12 @@ check("and they are the model's own", all(p is trained_program[n] for n, p in mo
     md("""\
 ## Into torch's ExportedProgram, and to inference consumers
 
-`ep.to_torch()` keeps each Function as torch's own `autograd_function_apply`, so the torch
-program trains with the custom backward too.  (torch 2.13's `torch.export.load` cannot read
-that op back from a file: save such a program with `predispatch.save`, notebook 6.)
+`ep.to_torch()` keeps each Function with its backward, so the torch program trains with the
+custom backward too.  The node is `predispatch_autograd_function_apply`: torch's
+`autograd_function_apply` with a flat forward subgraph, which `torch.export.save`/`load`
+round-trip (torch's own form cannot be read back by `torch.export.load`).  `to_torch()` registers
+that op; a process that only loads the file runs `import predispatch.ops` first (`import
+predispatch` alone does not register it).
 
 Consumers that only run forward (ONNX, PT2E quantization, ExecuTorch) take
 `ep.to_torch(for_inference=True)`: each Function's forward is inlined and its backward
@@ -794,6 +797,18 @@ dropped, with a warning that says so."""),
 torch_program = predispatch.export(untrained, (x,)).to_torch()  # from the same weights again
 trained_torch = train(torch_program.module())
 check("torch's program trains like eager", all(torch.allclose(p, trained_torch[n]) for n, p in trained_eager.items()))
+
+import logging
+import os
+import tempfile
+
+logging.getLogger("torch._export.serde.serialize").setLevel(logging.ERROR)  # torch notes each empty list it writes
+saved = os.path.join(tempfile.mkdtemp(), "functions.pt2")
+torch.export.save(torch_program, saved)
+reloaded = torch.export.load(saved)
+check("torch.export.load reads it back, custom backward included",
+      "predispatch_autograd_function_apply" in str(reloaded.graph)
+      and all(torch.equal(a, b) for a, b in zip(reloaded.module()(x), torch_program.module()(x))))
 
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -1152,8 +1167,10 @@ else:
 
 A `torch.export.ExportedProgram` in torch's TRAINING dialect, which passes torch's verifier and
 works with `torch.export.save`/`load`, `run_decompositions()` and `module()`. Its state is a
-copy. Programs holding a construct torch.export cannot represent (a custom Function's backward,
-notebook 4) are refused instead of being converted wrongly."""),
+copy. Custom Functions convert with their backwards (notebook 4). A program torch's
+`ExportedProgram` cannot hold (an in-place shape change of an input, `x.t_()`; a forward that
+leaves grad mode changed for its caller) is refused with `NotRepresentableError` instead of
+being converted wrongly."""),
     code("""\
 torch_ep = ep.to_torch()
 print(type(torch_ep).__module__ + "." + type(torch_ep).__name__)

@@ -40,7 +40,8 @@ class ExportedProgram:
     state_dict: parameters and buffers by fully qualified name: the exported module's own
         tensors (export copies no weights, nor does `module()`, which holds these tensors).
     constants: tensor attributes lifted as CONSTANT_TENSOR inputs, by fully qualified name.
-    decompositions: for each composite op the trace met, whether it was kept whole and why.
+    decompositions: for each composite op the trace met, whether it was kept whole and why;
+        read it as `ep.audit`, the documented name (the same object: this field stores it).
     live_root: for a function (or a nested export), the module whose live state `module()`
         reads and writes at each call, as the exported code itself would; None for a module
         export, whose `module()` holds the tensors of `state_dict` and `constants`.
@@ -60,7 +61,8 @@ class ExportedProgram:
 
     @property
     def audit(self) -> DecompositionLog:
-        """Which composite ops the program kept whole and which it decomposed, and why."""
+        """Which composite ops the program kept whole and which it decomposed, and why: the
+        `decompositions` record itself, under the name the docs use."""
         return self.decompositions
 
     @property
