@@ -107,9 +107,29 @@ Graph signature:
         for batch, extra, why in [(1, 3, "batch"), (65, 3, "batch"), (4, 33, "extra")]:
             with self.subTest(batch=batch, extra=extra), pytest.raises(errors.DynamicShapeError) as info:
                 program(torch.randn(batch, 8), torch.randn(extra, 8))
-            self.assertIn("is outside its range", str(info.value))
+            self.assertIn(f"outside the range [{2 if why == 'batch' else 0}, ", str(info.value))
+            self.assertIn(f"of Dim {why!r}", str(info.value))
         with pytest.raises(errors.InputMismatchError):
             program(torch.randn(4, 9), torch.randn(3, 8))  # a static dimension
+
+    def test_size_outside_the_range_names_the_users_dim(self):
+        """The call-time range error names the user's Dim (`batch`), not only torch's symbol, and
+        its fix (a range that holds the size) works."""
+        program = self.export_mixer().module()
+        (symbol,) = [sym for sym, name in self.export_mixer().signature.shapes.names if name == "batch"]
+        with pytest.raises(errors.DynamicShapeError) as info:
+            program(torch.randn(65, 8), torch.randn(3, 8))
+        self.assertEqual(message(info.value).replace(symbol, "sN"), """\
+this call's shapes do not fit the program: x.shape[0] is 65, outside the range [2, 64] of Dim 'batch' (sN in print(ep)).
+  at test_dynamic.py:N (program(torch.randn(65, 8), torch.randn(3, 8)))
+  fix: call with x.shape[0] in [2, 64], or export again with a range for Dim 'batch' (sN in print(ep)) that holds 65.
+  see docs/errors.md#dynamicshapeerror""")
+        torch.manual_seed(0)
+        eager = Mixer()
+        shapes = {"x": {0: Dim("batch", min=2, max=65)}, "y": {0: Dim("extra", max=32)}}
+        wider = predispatch.export(eager, (torch.randn(4, 8), torch.randn(3, 8)), dynamic_shapes=shapes).module()
+        x, y = torch.randn(65, 8), torch.randn(3, 8)
+        assert_same_tree(wider(x, y), eager(x, y))
 
     def test_specialized_dimension_is_refused_with_torchs_fix(self):
         with pytest.raises(errors.DynamicShapeError) as info:
