@@ -131,6 +131,27 @@ this call's shapes do not fit the program: x.shape[0] is 65, outside the range [
         x, y = torch.randn(65, 8), torch.randn(3, 8)
         assert_same_tree(wider(x, y), eager(x, y))
 
+    def test_constant_keyword_needs_a_none_entry(self):
+        """A constant keyword argument left out of a dynamic_shapes dict: the fix names it and
+        its None entry, and with that entry the export succeeds and equals eager."""
+
+        class Scaled(nn.Module):
+            def forward(self, x, scale=2.0):
+                return x * scale
+
+        x, seq = torch.randn(4, 3), Dim("seq", min=2, max=16)
+        with pytest.raises(errors.DynamicShapeError) as info:
+            predispatch.export(Scaled(), (x,), {"scale": 3.0}, dynamic_shapes={"x": {0: seq}})
+        assert message(info.value).splitlines()[1:] == [
+            "  at test_dynamic.py:N (predispatch.export(Scaled(), (x,), {\"scale\": 3.0}, dynamic_shapes={\"x\": {0: seq}}))",
+            "  fix: add 'scale': None to dynamic_shapes: torch wants an entry for every argument passed; scale=3.0 is a "
+            "constant (baked into the program), whose entry is None; a tensor argument with no dynamic dimension takes None too.",
+            "  see docs/errors.md#dynamicshapeerror",
+        ]
+        program = predispatch.export(Scaled(), (x,), {"scale": 3.0}, dynamic_shapes={"x": {0: seq}, "scale": None}).module()
+        longer = torch.randn(9, 3)
+        assert_same_tree(program(longer, scale=3.0), Scaled()(longer, scale=3.0))
+
     def test_specialized_dimension_is_refused_with_torchs_fix(self):
         with pytest.raises(errors.DynamicShapeError) as info:
             predispatch.export(Specializes(), (torch.randn(4, 8),), dynamic_shapes={"x": {0: Dim("rows")}})
