@@ -605,6 +605,34 @@ forward uses a torch.distributions distribution with validate_args=True, which c
   see docs/errors.md#datadependenterror""")
         check_gradients(NormalLogProb(validate=False), (mu, x))  # the fix works
 
+    def test_relaxed_distribution_leads_with_the_default_flag(self):
+        """RelaxedBernoulli(..., validate_args=False) builds its inner distribution without the
+        flag: the fix leads with the one that works (the default flag), and it works."""
+
+        class RelaxedLogProb(nn.Module):
+            def forward(self, logits, value):
+                return torch.distributions.RelaxedBernoulli(
+                    torch.tensor(0.5), logits=logits, validate_args=False).log_prob(value)
+
+        logits, value = torch.randn(3), torch.rand(3) * 0.8 + 0.1
+        if hasattr(torch.distributions.distribution, "_all_true_or_runtime_assert"):
+            check_gradients(RelaxedLogProb(), (logits, value))  # torch 2.15: a runtime assert, no refusal
+            return
+        with pytest.raises(predispatch.errors.DataDependentError) as info:
+            predispatch.export(RelaxedLogProb(), (logits, value))
+        text = stable_message(info.value)
+        assert "\n  at test_patterns.py:N (return torch.distributions.RelaxedBernoulli()\n" in text, text
+        assert info.value.fix.startswith(
+            "call torch.distributions.Distribution.set_default_validate_args(False) before export"), text
+        assert "build the distribution with validate_args=False" not in text, text
+        default = torch.distributions.Distribution._validate_args
+        torch.distributions.Distribution.set_default_validate_args(False)
+        try:
+            program = predispatch.export(RelaxedLogProb(), (logits, value)).module()
+        finally:
+            torch.distributions.Distribution.set_default_validate_args(default)
+        torch.testing.assert_close(program(logits, value), RelaxedLogProb()(logits, value))
+
     def test_other_torch_check_names_the_place(self):
         """A data-dependent check inside torch that has no entry: where it is, not torch.cond."""
 
