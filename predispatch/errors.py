@@ -71,8 +71,11 @@ class DataDependentError(PredispatchError):
     Cause: export traces with fake tensors that have shapes but no values, so
     `if x.sum() > 0:` or `int(x.max())` has no answer at trace time.
     Example: `if (x > 0).all(): ...`.
-    Fix: make the branch static, compute both sides and pick with `torch.where`, or use
-    `torch.cond(pred, true_fn, false_fn, operands)`.  A check inside torch's own code
+    Fix: the one that fits the statement (trace/data_dependent.py): a branch computes both arms
+    and picks with `torch.where`, or uses `torch.cond(pred, true_fn, false_fn, operands)`, both
+    only for arms of one shape (else: one shape, or the branch out of forward); a `while` loop
+    uses `while_loop`; a loop count read from a tensor a `while_loop` over a counter or a
+    Python int.  A check inside torch's own code
     (`FakeQuantize`, a distribution's `validate_args`) gets the fix that fits it instead.
     """
 

@@ -107,9 +107,50 @@ Graph signature:
         for batch, extra, why in [(1, 3, "batch"), (65, 3, "batch"), (4, 33, "extra")]:
             with self.subTest(batch=batch, extra=extra), pytest.raises(errors.DynamicShapeError) as info:
                 program(torch.randn(batch, 8), torch.randn(extra, 8))
-            self.assertIn("is outside its range", str(info.value))
+            self.assertIn(f"outside the range [{2 if why == 'batch' else 0}, ", str(info.value))
+            self.assertIn(f"of Dim {why!r}", str(info.value))
         with pytest.raises(errors.InputMismatchError):
             program(torch.randn(4, 9), torch.randn(3, 8))  # a static dimension
+
+    def test_size_outside_the_range_names_the_users_dim(self):
+        """The call-time range error names the user's Dim (`batch`), not only torch's symbol, and
+        its fix (a range that holds the size) works."""
+        program = self.export_mixer().module()
+        (symbol,) = [sym for sym, name in self.export_mixer().signature.shapes.names if name == "batch"]
+        with pytest.raises(errors.DynamicShapeError) as info:
+            program(torch.randn(65, 8), torch.randn(3, 8))
+        self.assertEqual(message(info.value).replace(symbol, "sN"), """\
+this call's shapes do not fit the program: x.shape[0] is 65, outside the range [2, 64] of Dim 'batch' (sN in print(ep)).
+  at test_dynamic.py:N (program(torch.randn(65, 8), torch.randn(3, 8)))
+  fix: call with x.shape[0] in [2, 64], or export again with a range for Dim 'batch' (sN in print(ep)) that holds 65.
+  see docs/errors.md#dynamicshapeerror""")
+        torch.manual_seed(0)
+        eager = Mixer()
+        shapes = {"x": {0: Dim("batch", min=2, max=65)}, "y": {0: Dim("extra", max=32)}}
+        wider = predispatch.export(eager, (torch.randn(4, 8), torch.randn(3, 8)), dynamic_shapes=shapes).module()
+        x, y = torch.randn(65, 8), torch.randn(3, 8)
+        assert_same_tree(wider(x, y), eager(x, y))
+
+    def test_constant_keyword_needs_a_none_entry(self):
+        """A constant keyword argument left out of a dynamic_shapes dict: the fix names it and
+        its None entry, and with that entry the export succeeds and equals eager."""
+
+        class Scaled(nn.Module):
+            def forward(self, x, scale=2.0):
+                return x * scale
+
+        x, seq = torch.randn(4, 3), Dim("seq", min=2, max=16)
+        with pytest.raises(errors.DynamicShapeError) as info:
+            predispatch.export(Scaled(), (x,), {"scale": 3.0}, dynamic_shapes={"x": {0: seq}})
+        assert message(info.value).splitlines()[1:] == [
+            "  at test_dynamic.py:N (predispatch.export(Scaled(), (x,), {\"scale\": 3.0}, dynamic_shapes={\"x\": {0: seq}}))",
+            "  fix: add 'scale': None to dynamic_shapes: torch wants an entry for every argument passed; scale=3.0 is a "
+            "constant (baked into the program), whose entry is None; a tensor argument with no dynamic dimension takes None too.",
+            "  see docs/errors.md#dynamicshapeerror",
+        ]
+        program = predispatch.export(Scaled(), (x,), {"scale": 3.0}, dynamic_shapes={"x": {0: seq}, "scale": None}).module()
+        longer = torch.randn(9, 3)
+        assert_same_tree(program(longer, scale=3.0), Scaled()(longer, scale=3.0))
 
     def test_specialized_dimension_is_refused_with_torchs_fix(self):
         with pytest.raises(errors.DynamicShapeError) as info:
@@ -254,5 +295,5 @@ Graph signature:
         self.assertExpectedInline(message(info.value), """\
 Python code branches on, or converts, a value inside a tensor, which export cannot know (it traces shapes, not values).
   at test_dynamic.py:N (if x.nonzero().shape[0] > 2:)
-  fix: make the branch static, use torch.where to compute both sides, or torch.cond.
+  fix: compute both arms and pick with torch.where(cond, a, b), or use torch.cond(pred, true_fn, false_fn, (x,)) with arms that return new tensors (x * 1, not x itself); both need arms of one shape: where the arms differ in shape (x[:2] vs x) neither fits (torch.where cannot pick between them, and torch.cond's output size then depends on data, which a saved program cannot hold), so make both arms the same shape (pad or mask the shorter one) or move the branch out of forward (decide before calling the program, and export each arm).
   see docs/errors.md#datadependenterror""")

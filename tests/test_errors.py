@@ -79,7 +79,7 @@ output[1] has type ReturnsModule, which is neither a tensor nor a constant.
         self.assertExpectedInline(message(info.value), """\
 Python code branches on, or converts, a value inside a tensor, which export cannot know (it traces shapes, not values).
   at test_errors.py:N (if x.sum() > 0:)
-  fix: make the branch static, use torch.where to compute both sides, or torch.cond.
+  fix: compute both arms and pick with torch.where(cond, a, b), or use torch.cond(pred, true_fn, false_fn, (x,)) with arms that return new tensors (x * 1, not x itself); both need arms of one shape: where the arms differ in shape (x[:2] vs x) neither fits (torch.where cannot pick between them, and torch.cond's output size then depends on data, which a saved program cannot hold), so make both arms the same shape (pad or mask the shorter one) or move the branch out of forward (decide before calling the program, and export each arm).
   see docs/errors.md#datadependenterror""")
 
     def test_metadata_mutation_of_buffer(self):

@@ -14,6 +14,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch._higher_order_ops import while_loop
 from expecttest import TestCase
 from helpers import check_gradients, export_and_check, graph, on_golden_torch, round_trip, stable_message
 from predispatch.passes import mutable_ops
@@ -605,6 +606,36 @@ forward uses a torch.distributions distribution with validate_args=True, which c
   see docs/errors.md#datadependenterror""")
         check_gradients(NormalLogProb(validate=False), (mu, x))  # the fix works
 
+    def test_relaxed_distribution_leads_with_the_default_flag(self):
+        """RelaxedBernoulli(..., validate_args=False) builds its inner distribution without the
+        flag: the fix leads with the one that works (the default flag), and it works."""
+
+        class RelaxedLogProb(nn.Module):
+            def forward(self, logits, value):
+                return torch.distributions.RelaxedBernoulli(
+                    torch.tensor(0.5), logits=logits, validate_args=False).log_prob(value)
+
+        logits, value = torch.randn(3), torch.rand(3) * 0.8 + 0.1
+        if hasattr(torch.distributions.distribution, "_all_true_or_runtime_assert"):
+            check_gradients(RelaxedLogProb(), (logits, value))  # torch 2.15: a runtime assert, no refusal
+            return
+        # torch's default (validate when not run with -O), which something the suite imports may have changed
+        with mock.patch.object(torch.distributions.Distribution, "_validate_args", True), \
+                pytest.raises(predispatch.errors.DataDependentError) as info:
+            predispatch.export(RelaxedLogProb(), (logits, value))
+        text = stable_message(info.value)
+        assert "\n  at test_patterns.py:N (return torch.distributions.RelaxedBernoulli()\n" in text, text
+        assert info.value.fix.startswith(
+            "call torch.distributions.Distribution.set_default_validate_args(False) before export"), text
+        assert "build the distribution with validate_args=False" not in text, text
+        default = torch.distributions.Distribution._validate_args
+        torch.distributions.Distribution.set_default_validate_args(False)
+        try:
+            program = predispatch.export(RelaxedLogProb(), (logits, value)).module()
+        finally:
+            torch.distributions.Distribution.set_default_validate_args(default)
+        torch.testing.assert_close(program(logits, value), RelaxedLogProb()(logits, value))
+
     def test_other_torch_check_names_the_place(self):
         """A data-dependent check inside torch that has no entry: where it is, not torch.cond."""
 
@@ -628,6 +659,111 @@ a check inside torch's own code (nn/functional.py (gaussian_nll_loss)) reads a v
         with pytest.raises(predispatch.errors.DataDependentError) as info:
             predispatch.export(Branch(), (torch.randn(3),))
         assert "torch.cond" in info.value.fix
+
+
+class DoublesUntil(nn.Module):
+    """A data-dependent `while` loop, or (fixed) the same loop as a while_loop."""
+
+    def __init__(self, fixed: bool = False):
+        super().__init__()
+        self.fixed = fixed
+
+    def forward(self, x):
+        if self.fixed:
+            return while_loop(lambda x: x.sum() < 10, lambda x: (x * 2,), (x,))[0]
+        while x.sum() < 10:
+            x = x * 2
+        return x
+
+
+class DoublesNTimes(nn.Module):
+    """A loop count read from a tensor, or (fixed) a while_loop over a counter."""
+
+    def __init__(self, fixed: bool = False):
+        super().__init__()
+        self.fixed = fixed
+
+    def forward(self, x, n):
+        if self.fixed:
+            return while_loop(lambda i, x: i < n, lambda i, x: (i + 1, x * 2), (n.new_zeros(()), x))[1]
+        for _ in range(n.item()):
+            x = x * 2
+        return x
+
+
+class DataDependentFixes(TestCase):
+    """The data-dependent refusal's fix fits the statement: a loop, a loop count, a branch."""
+
+    maxDiff = None
+
+    def refusal(self, module, args) -> str:
+        with pytest.raises(predispatch.errors.DataDependentError) as info:
+            predispatch.export(module, args)
+        return stable_message(info.value)
+
+    def test_while_loop_gets_while_loop(self):
+        x = torch.full((3,), 0.5)
+        self.assertExpectedInline(self.refusal(DoublesUntil(), (x,)).split("\n", 1)[1], """\
+  at test_patterns.py:N (while x.sum() < 10:)
+  fix: write the loop with torch._higher_order_ops.while_loop: while_loop(lambda x: x.sum() < 10, body_fn, (x,)), where body_fn(x) returns the loop body's new (x,) (tensors of unchanged shapes) and while_loop returns them after the last step; torch.where and torch.cond do not loop.
+  see docs/errors.md#datadependenterror""")
+        program = predispatch.export(DoublesUntil(fixed=True), (x,)).module()  # the fix works
+        for value in (x, torch.full((3,), 0.1), torch.full((3,), 7.0)):
+            torch.testing.assert_close(program(value), DoublesUntil()(value))
+
+    def test_loop_count_from_a_tensor_gets_a_counter(self):
+        x = torch.randn(3)
+        self.assertExpectedInline(self.refusal(DoublesNTimes(), (x, torch.tensor(3))).split("\n", 1)[1], """\
+  at test_patterns.py:N (for _ in range(n.item()):)
+  fix: the loop count n.item() is a tensor's value: loop with torch._higher_order_ops.while_loop over a counter, while_loop(lambda i, x: i < n, lambda i, x: (i + 1, <the body's new x>), (n.new_zeros(()), x))[1:], or pass the count as a Python int (export then fixes it in the program); torch.where and torch.cond do not loop.
+  see docs/errors.md#datadependenterror""")
+        program = predispatch.export(DoublesNTimes(fixed=True), (x, torch.tensor(3))).module()  # the fix works
+        for n in (0, 3, 5):
+            torch.testing.assert_close(program(x, torch.tensor(n)), DoublesNTimes()(x, torch.tensor(n)))
+
+    def test_branch_names_the_shape_condition_and_where_works(self):
+        class Branch(nn.Module):
+            def forward(self, x):
+                if x.sum() > 0:
+                    return x * 2
+                return x - 1
+
+        class Picked(nn.Module):
+            def forward(self, x):
+                return torch.where(x.sum() > 0, x * 2, x - 1)
+
+        fix = self.refusal(Branch(), (torch.randn(3),)).split("  fix: ", 1)[1]
+        assert fix.startswith("compute both arms and pick with torch.where(cond, a, b)"), fix
+        program = predispatch.export(Picked(), (torch.randn(3),)).module()
+        for x in (torch.ones(3), -torch.ones(3)):
+            torch.testing.assert_close(program(x), Branch()(x))
+
+    def test_arms_of_different_shapes_are_told_neither_where_nor_cond(self):
+        """Arms of different shapes: the fix says torch.where / torch.cond do not fit and what does
+        (same shapes, or the branch out of forward); the latter works."""
+
+        class Crop(nn.Module):
+            def forward(self, x):
+                if x.sum() > 0:
+                    return x[:2]
+                return x
+
+        fix = self.refusal(Crop(), (torch.randn(3),)).split("  fix: ", 1)[1]
+        assert "where the arms differ in shape (x[:2] vs x) neither fits" in fix, fix
+        assert "make both arms the same shape (pad or mask the shorter one) or move the branch out of forward" in fix, fix
+        # the branch out of forward: each arm exported, the choice made before the call
+        arms = [predispatch.export(arm, (torch.randn(3),)).module() for arm in (CropArm(True), CropArm(False))]
+        for x in (torch.ones(3), -torch.ones(3)):
+            torch.testing.assert_close(arms[0 if x.sum() > 0 else 1](x), Crop()(x))
+
+
+class CropArm(nn.Module):
+    def __init__(self, crop: bool):
+        super().__init__()
+        self.crop = crop
+
+    def forward(self, x):
+        return x[:2] * 1 if self.crop else x * 1
 
 
 class FlexAttention(nn.Module):

@@ -19,6 +19,7 @@ solver in `check_constraints` has already refused any narrowing the code made, a
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +54,8 @@ def fake_dynamic_inputs(module: nn.Module, args: tuple, kwargs: dict, dynamic_sh
             DynamicShapeError(
                 f"dynamic_shapes does not match the inputs: {exc}",
                 where=user_frame(),
-                fix="give one entry per argument (by name in a dict, or by position), each a dict "
+                fix=_missing_entries_fix(module, args, kwargs, dynamic_shapes)
+                or "give one entry per argument (by name in a dict, or by position), each a dict "
                 "{dim: torch.export.Dim(...)} or a tuple with None for static dimensions.",
             ),
             exc,
@@ -61,6 +63,32 @@ def fake_dynamic_inputs(module: nn.Module, args: tuple, kwargs: dict, dynamic_sh
     fake_mode, fake_args, fake_kwargs, equalities, signature, shapes = made
     names = _dim_names(module, args, kwargs, dynamic_shapes, (fake_args, fake_kwargs))
     return DynamicInputs(fake_mode, tuple(fake_args), dict(fake_kwargs), equalities, signature, shapes, names)
+
+
+def _missing_entries_fix(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> str | None:
+    """The fix for a `dynamic_shapes` dict that leaves out arguments passed to the call: torch
+    wants an entry for each, `None` for a constant (`scale=3.0`) or a tensor with no dynamic
+    dimension, and its message says only which keys it expected.  None when the call's arguments
+    cannot be bound to names (`*args`, `**kwargs`: torch's own message and our generic fix stand)."""
+    if not isinstance(dynamic_shapes, dict):
+        return None
+    try:
+        signature = inspect.signature(module.forward if isinstance(module, nn.Module) else module)
+        bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    if any(signature.parameters[name].kind in variadic for name in bound.arguments):
+        return None
+    missing = [name for name in bound.arguments if name not in dynamic_shapes]
+    if not missing:
+        return None
+    constants = [name for name in missing
+                 if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(bound.arguments[name]))]
+    why = "".join(f"; {name}={bound.arguments[name]!r} is a constant (baked into the program), whose entry is None"
+                  for name in constants)
+    return (f"add {', '.join(f'{name!r}: None' for name in missing)} to dynamic_shapes: torch wants an entry for every "
+            f"argument passed{why}; a tensor argument with no dynamic dimension takes None too.")
 
 
 DIM_NAMES = "the user's Dim names (torch.export.dynamic_shapes._process_dynamic_shapes)"

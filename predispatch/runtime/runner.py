@@ -602,17 +602,23 @@ def _check_symbols(shapes: ShapeRecord, paths: list[str], tensors: list[torch.Te
     (evaluated on the size grammar's parse with Python ints: no text reaches sympy, whose
     `sympify` would read a symbol named `N` or `oo` as its own)."""
     bound: dict[str, int] = {}
+    first: dict[str, str] = {}  # symbol -> the input dimension that bound it, as `x.shape[0]`
     derived = []
     for path, tensor, dims in zip(paths, tensors, shapes.input_shapes):
         for i, (dim, size) in enumerate(zip(dims, tensor.shape)):
             if isinstance(dim, str) and dim.isidentifier():
+                first.setdefault(dim, f"{path}.shape[{i}]")
                 if bound.setdefault(dim, size) != size:
                     _shape_error(f"{path}.shape[{i}] is {size} but {dim} is {bound[dim]} from an earlier input")
             elif isinstance(dim, str):
                 derived.append((path, i, dim, size))
+    dim_names = dict(shapes.names)
     for name, lo, hi in shapes.ranges:
         if name in bound and not (lo <= bound[name] and (hi is None or bound[name] <= hi)):
-            _shape_error(f"{name} = {bound[name]} is outside its range [{lo}, {'inf' if hi is None else hi}]")
+            words, span = _symbol_words(name, dim_names), f"[{lo}, {'inf' if hi is None else hi}]"
+            _shape_error(f"{first[name]} is {bound[name]}, outside the range {span} of {words}",
+                         fix=f"call with {first[name]} in {span}, or export again with a range for {words} "
+                         f"that holds {bound[name]}.")
     for path, i, expr, size in derived:
         value = size_expressions.evaluate(size_expressions.parse(expr, "signature shapes"), bound)
         if value != size:
@@ -622,6 +628,14 @@ def _check_symbols(shapes: ShapeRecord, paths: list[str], tensors: list[torch.Te
         if held is False:
             values = ", ".join(f"{name} = {bound[name]}" for name in sorted(bound) if name in guard)
             _shape_error(f"the program was traced for {guard}, which is false for {values}")
+
+
+def _symbol_words(symbol: str, dim_names: dict[str, str]) -> str:
+    """A size symbol as the user knows it: the `Dim`'s name they gave (`Dim 'seq'`), with torch's
+    symbol for reading print(ep); torch's symbol alone for a dimension no named `Dim` made."""
+    if symbol in dim_names:
+        return f"Dim {dim_names[symbol]!r} ({symbol} in print(ep))"
+    return symbol
 
 
 def _holds(guard: str, bound: dict[str, int]) -> bool | None:
@@ -639,12 +653,9 @@ def _holds(guard: str, bound: dict[str, int]) -> bool | None:
     return size_expressions.holds(relation, bound)
 
 
-def _shape_error(what: str) -> None:
-    raise DynamicShapeError(
-        f"this call's shapes do not fit the program: {what}.",
-        where=user_frame(),
-        fix="call with sizes inside the ranges print(ep) shows, or export again with wider dynamic_shapes.",
-    )
+def _shape_error(what: str, fix: str = "call with sizes inside the ranges print(ep) shows, or export again "
+                 "with wider dynamic_shapes.") -> None:
+    raise DynamicShapeError(f"this call's shapes do not fit the program: {what}.", where=user_frame(), fix=fix)
 
 
 def _check_tensor(

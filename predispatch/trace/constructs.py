@@ -216,11 +216,34 @@ class TorchCheck:
     file: the file inside torch's package (`ao/quantization/fake_quantize.py`).
     construct: what the user wrote that runs the check, as they know it.
     fix: what the user can do (torch.cond cannot reach inside torch's code).
+    when: for an entry that fits only some failures in `file`, whether it fits this one (read
+        off the traceback's frames, outermost first); the first entry that fits is used.
     """
 
     file: str
     construct: str
     fix: str
+    when: Callable[[list[tuple[FrameType, int]]], bool] | None = None
+
+
+#: torch.distributions' files of distributions that build a base distribution inside them.
+_WRAPPING_DISTRIBUTIONS = tuple(
+    os.path.join("distributions", name)
+    for name in ("relaxed_bernoulli.py", "relaxed_categorical.py", "transformed_distribution.py")
+)
+
+
+def _builds_inner_distribution(frames: list[tuple[FrameType, int]]) -> bool:
+    """Whether the failing check runs in a distribution another one built: a relaxed or
+    transformed distribution's frame is on the stack, or a distributions frame above the check
+    was passed validate_args=False (which therefore did not reach the check)."""
+    for frame, _ in frames:
+        relative = _torch_relative(frame.f_code.co_filename)
+        if relative is None or not relative.startswith("distributions"):
+            continue
+        if relative in _WRAPPING_DISTRIBUTIONS or frame.f_locals.get("validate_args") is False:
+            return True
+    return False
 
 
 #: Checks inside torch that read tensor values, which users meet in forward (issue 23, 10).
@@ -232,6 +255,18 @@ TORCH_CHECKS = (
         "use FusedMovingAvgObsFakeQuantize (the fake quantizer of torch.ao.quantization.get_default_qat_qconfig), "
         "which reads those flags inside one op; or export the float model and quantize the program with "
         "PT2E (torch.ao.quantization.quantize_pt2e.prepare_qat_pt2e).",
+    ),
+    TorchCheck(
+        # RelaxedBernoulli(..., validate_args=False) builds its LogitRelaxedBernoulli without the
+        # flag, so the inner one validates by torch's default: the user's flag cannot reach it.
+        os.path.join("distributions", "distribution.py"),
+        "a torch.distributions distribution built inside another one (a relaxed or transformed "
+        "distribution such as RelaxedBernoulli or RelaxedOneHotCategorical builds its base without the "
+        "validate_args you passed), and the inner one checks its parameters' values by torch's default",
+        "call torch.distributions.Distribution.set_default_validate_args(False) before export (and restore "
+        "it after if you rely on it), and check the values outside forward if you need to; validate_args=False "
+        "on the outer distribution does not reach the inner one.",
+        when=_builds_inner_distribution,
     ),
     TorchCheck(
         os.path.join("distributions", "distribution.py"),
@@ -253,7 +288,7 @@ def torch_check_error(exc: BaseException, where: str | None) -> DataDependentErr
     relative, frame, _ = found
     inside = f"{relative.replace(os.sep, '/')} ({frame.f_code.co_name})"
     for check in TORCH_CHECKS:
-        if relative == check.file:
+        if relative == check.file and (check.when is None or check.when(_frames(exc.__traceback__))):
             return DataDependentError(
                 f"forward uses {check.construct}; export traces shapes, not values, so the check has no "
                 f"answer (it is inside torch's {inside}, where torch.cond cannot be applied).",

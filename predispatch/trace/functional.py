@@ -34,6 +34,7 @@ from predispatch.frontend.subclasses import is_subclass, layout_of
 from predispatch.signature import InputKind, Leaf
 from predispatch.custom_backward.autograd_function import capture_autograd_functions
 from predispatch.trace.collectives import COLLECTIVE_REWRITES
+from predispatch.trace.data_dependent import data_dependent_fix
 from predispatch.trace.constructs import (
     construct_refusal,
     naming_property_errors,
@@ -622,7 +623,7 @@ def _user_errors():
                     "Python code branches on, or converts, a value inside a tensor, which export "
                     "cannot know (it traces shapes, not values).",
                     where=where,
-                    fix="make the branch static, use torch.where to compute both sides, or torch.cond.",
+                    fix=data_dependent_fix(exc),
                 ),
                 exc,
             ) from None
