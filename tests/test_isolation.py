@@ -777,6 +777,36 @@ print(fired)
 """
 
 
+_FIRST_DYNAMO_USE = """
+import torch, predispatch
+from torch.distributions import Distribution, Normal
+
+class Cond(torch.nn.Module):
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,))
+
+assert Distribution._validate_args is True
+predispatch.export(Cond(), (torch.randn(3),))
+print("validate_args after export:", Distribution._validate_args)
+try:
+    Normal(torch.zeros(1), -torch.ones(1))
+    print("a negative scale was accepted")
+except ValueError:
+    print("a negative scale was refused")
+"""
+
+
+def test_dynamos_first_use_leaves_distribution_validation_on():
+    """torch.cond's trace is Dynamo's first use in the process, whose `TorchPatcher.patch`
+    turns distributions' argument validation off for good: after the export a user's
+    `Normal(0, -1)` was accepted silently.  The switch table puts it back.  In a fresh process:
+    the patch runs once per process."""
+    done = subprocess.run([sys.executable, "-c", _FIRST_DYNAMO_USE], capture_output=True, text=True, timeout=600,
+                          env=subprocess_env(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "validate_args after export: True" in done.stdout and "a negative scale was refused" in done.stdout, done.stdout
+
+
 def test_ctrl_c_during_export_leaves_no_tracer_on_the_module():
     """Ctrl-C at many points of an export (a timer sends SIGINT): each lands as a
     KeyboardInterrupt, the module keeps no tracer tensor, and the process does not abort

@@ -378,6 +378,14 @@ _SWITCHES: tuple[GlobalSwitch | None, ...] = (
         "torch.cuda.tunable (wildcard fallback)", "_cuda_tunableop_wildcard_fallback_is_enabled", "_cuda_tunableop_wildcard_fallback_enable"
     ),
     _c_switch("torch.cuda.memory (caching allocator)", "_cuda_cudaCachingAllocator_is_enabled", "_cuda_cudaCachingAllocator_enable"),
+    # Dynamo's first use in a process (torch.cond, while_loop: `TorchPatcher.patch`) turns
+    # distributions' argument validation off for good; a user's later `Normal(0, -1)` would
+    # no longer raise (a Python setting: no C setter)
+    GlobalSwitch(
+        "torch.distributions.Distribution.set_default_validate_args",
+        lambda: torch.distributions.Distribution._validate_args,
+        torch.distributions.Distribution.set_default_validate_args,
+    ),
     _config_switch("torch._functorch.config"),
     _config_switch("torch._dynamo.config"),
     # last: the legacy switches above (matmul precision, allow_tf32) also write these
