@@ -73,7 +73,9 @@ class DataDependentError(PredispatchError):
     Example: `if (x > 0).all(): ...`.
     Fix: make the branch static, compute both sides and pick with `torch.where`, or use
     `torch.cond(pred, true_fn, false_fn, operands)`.  A check inside torch's own code
-    (`FakeQuantize`, a distribution's `validate_args`) gets the fix that fits it instead.
+    (`FakeQuantize`, a distribution's `validate_args`) gets the fix that fits it instead, and so
+    does numpy given a traced tensor (`t.numpy()`, `np.asarray(t)`, `np.linspace(0, t.item(), n)`):
+    torch ops instead of numpy, or the numpy work done before export.
     """
 
     anchor = "datadependenterror"
@@ -185,15 +187,25 @@ def user_frame(tb: TracebackType | None = None) -> str | None:
 
 
 def is_user_file(filename: str) -> bool:
-    """Whether `filename` is the user's: not torch, not predispatch, not the standard library."""
+    """Whether `filename` is the user's: not torch, not predispatch, not numpy (a failure inside
+    numpy's own code is the line that called numpy), not the standard library."""
     import torch
 
     if filename.startswith("<"):
         return False
     path = os.path.abspath(filename)
-    if path.startswith((_PACKAGE_DIR, os.path.dirname(os.path.abspath(torch.__file__)))):
+    if path.startswith((_PACKAGE_DIR, os.path.dirname(os.path.abspath(torch.__file__)))) or is_numpy_file(path):
         return False
     return not (path.startswith(sysconfig.get_paths()["stdlib"]) and "site-packages" not in path)
+
+
+def is_numpy_file(filename: str) -> bool:
+    """Whether `filename` is numpy's own (numpy imported: a trace reaching numpy has imported it)."""
+    import sys
+
+    numpy = sys.modules.get("numpy")
+    where = getattr(numpy, "__file__", None)
+    return where is not None and os.path.abspath(filename).startswith(os.path.dirname(os.path.abspath(where)) + os.sep)
 
 
 class UnsupportedHookError(PredispatchError):

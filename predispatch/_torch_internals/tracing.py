@@ -429,6 +429,17 @@ def is_generator_argument_error(exc: BaseException) -> bool:
     )
 
 
+#: torch's message when `.numpy()` (or numpy's `np.asarray(t)`, through `Tensor.__array__`)
+#: meets the trace's fake or functional tensor (torch/csrc/utils/tensor_numpy.cpp).
+_NUMPY_OF_SUBCLASS = ".numpy() is not supported for tensor subclasses"
+
+
+def is_numpy_conversion_error(exc: BaseException) -> bool:
+    """Whether `exc` is torch refusing `.numpy()` of a traced tensor: its values do not exist
+    at trace time (the tensor is fake), so numpy cannot compute on them."""
+    return isinstance(exc, RuntimeError) and _NUMPY_OF_SUBCLASS in str(exc)
+
+
 def fake_empty(fake_mode: FakeTensorMode, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`torch.empty_strided(shape, stride, ...)` under `fake_mode`, made without dispatching:
     torch's converter wraps a meta tensor of that metadata (as the fake mode's own factory
