@@ -232,6 +232,18 @@ def forward(self, x):
         self.assertEqual(list(loaded.state_dict()), list(eager.state_dict()))
         assert_same_tree(loaded(x), program(x))
 
+    def test_function_export_of_a_module_named_code(self):
+        code = nn.Linear(3, 3)  # a function export's reached module, named by its variable
+
+        def run(x):
+            return code(x) * 2
+
+        x = torch.randn(2, 3)
+        program = predispatch.export(run, (x,)).module()  # was KeyError: "attribute 'code' already exists"
+        assert_same_tree(program(x), run(x))
+        self.assertEqual(list(program.state_dict()), ["code.weight", "code.bias"])
+        self.assertIsInstance(program.code, str)
+
     def test_graph_constants_are_not_state(self):
         """A tensor the forward creates is read by the graph but is neither state nor a buffer."""
         module = NoGradRegion()

@@ -341,7 +341,10 @@ def _install_state(module: ProgramModule, ep: Program) -> None:
     if ep.live_root is not None:  # read through `_live_root`; its children show in state_dict()
         module.__dict__[runner.LIVE_ROOT] = ep.live_root
         for name, child in ep.live_root.named_children():
-            module.add_module(name, child)
+            if name in program_attributes():  # a global module named `code` (Note [State named like a GraphModule attribute])
+                module._modules[name] = child  # shown in state_dict(); the graph reads it through `_live_root`
+            else:
+                module.add_module(name, child)
         return
     outside = frozenset(ep.signature.outside_tree)
     names = {}
