@@ -75,8 +75,10 @@ class DataDependentError(PredispatchError):
     and picks with `torch.where`, or uses `torch.cond(pred, true_fn, false_fn, operands)`, both
     only for arms of one shape (else: one shape, or the branch out of forward); a `while` loop
     uses `while_loop`; a loop count read from a tensor a `while_loop` over a counter or a
-    Python int.  A check inside torch's own code
-    (`FakeQuantize`, a distribution's `validate_args`) gets the fix that fits it instead.
+    Python int.  A check inside torch's own code (`FakeQuantize`, a distribution's
+    `validate_args`) gets the fix that fits it instead, and so does numpy given a traced tensor
+    (`t.numpy()`, `np.asarray(t)`, `np.linspace(0, t.item(), n)`): torch ops instead of numpy,
+    or the numpy work done before export.
     """
 
     anchor = "datadependenterror"
@@ -188,15 +190,25 @@ def user_frame(tb: TracebackType | None = None) -> str | None:
 
 
 def is_user_file(filename: str) -> bool:
-    """Whether `filename` is the user's: not torch, not predispatch, not the standard library."""
+    """Whether `filename` is the user's: not torch, not predispatch, not numpy (a failure inside
+    numpy's own code is the line that called numpy), not the standard library."""
     import torch
 
     if filename.startswith("<"):
         return False
     path = os.path.abspath(filename)
-    if path.startswith((_PACKAGE_DIR, os.path.dirname(os.path.abspath(torch.__file__)))):
+    if path.startswith((_PACKAGE_DIR, os.path.dirname(os.path.abspath(torch.__file__)))) or is_numpy_file(path):
         return False
     return not (path.startswith(sysconfig.get_paths()["stdlib"]) and "site-packages" not in path)
+
+
+def is_numpy_file(filename: str) -> bool:
+    """Whether `filename` is numpy's own (numpy imported: a trace reaching numpy has imported it)."""
+    import sys
+
+    numpy = sys.modules.get("numpy")
+    where = getattr(numpy, "__file__", None)
+    return where is not None and os.path.abspath(filename).startswith(os.path.dirname(os.path.abspath(where)) + os.sep)
 
 
 class UnsupportedHookError(PredispatchError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+import numpy as np
 import pytest
 import torch
 from expecttest import TestCase
@@ -34,6 +35,24 @@ class MutatesMetadata(nn.Module):
     def forward(self, x):
         self.b.t_()
         return x + 1
+
+
+class Scheduler:
+    """A diffusers-style scheduler: plain Python that builds its schedule with numpy."""
+
+    def set_timesteps(self, end, *, item=False):
+        end = end.item() if item else end
+        self.sigmas = torch.from_numpy(np.linspace(0.0, np.asarray(end), 5).astype(np.float32))
+
+
+class Denoiser(nn.Module):
+    def __init__(self, *, item=False):
+        super().__init__()
+        self.scheduler, self.item = Scheduler(), item
+
+    def forward(self, x, end):
+        self.scheduler.set_timesteps(end, item=self.item)
+        return x * self.scheduler.sigmas
 
 
 class Errors(TestCase):
@@ -81,6 +100,43 @@ Python code branches on, or converts, a value inside a tensor, which export cann
   at test_errors.py:N (if x.sum() > 0:)
   fix: compute both arms and pick with torch.where(cond, a, b), or use torch.cond(pred, true_fn, false_fn, (x,)) with arms that return new tensors (x * 1, not x itself); both need arms of one shape: where the arms differ in shape (x[:2] vs x) neither fits (torch.where cannot pick between them, and torch.cond's output size then depends on data, which a saved program cannot hold), so make both arms the same shape (pad or mask the shorter one) or move the branch out of forward (decide before calling the program, and export each arm).
   see docs/errors.md#datadependenterror""")
+
+    def test_numpy_of_a_traced_tensor(self):
+        # was "tracing failed: RuntimeError: .numpy() is not supported for tensor subclasses"
+        for item in (False, True):  # np.asarray(t), and numpy given t.item() (a symbol it compares)
+            with pytest.raises(errors.DataDependentError) as info:
+                predispatch.export(Denoiser(item=item), (torch.randn(5), torch.tensor(3.0)))
+            self.assertExpectedInline(message(info.value), """\
+numpy computing on a traced tensor (.numpy(), np.asarray(t), or numpy given t.item() or t.tolist()) needs its values, which export does not have: it traces tensors that have shapes but no values, and numpy's result would not be part of the graph.
+  at test_errors.py:N (self.sigmas = torch.from_numpy(np.linspace(0.0, np.asarray(end), 5).astype(np.float32)))
+  fix: compute it with torch ops on the tensor (torch.linspace, torch.arange, ... instead of numpy) so it stays in the graph; or, where the value is a setting rather than data, do the numpy work before export, outside forward (call scheduler.set_timesteps(n) once, then export: forward reads the result as a constant).
+  see docs/errors.md#datadependenterror""")
+
+    def test_numpy_refusal_fixes_work(self):
+        x = torch.randn(5)
+
+        # the numpy work before export, outside forward: the schedule is a constant of the program
+        class Prepared(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.scheduler = Scheduler()
+
+            def forward(self, x):
+                return x * self.scheduler.sigmas
+
+        model = Prepared()
+        model.scheduler.set_timesteps(torch.tensor(3.0))
+        ep = predispatch.export(model, (x,))
+        torch.testing.assert_close(ep.module()(x), model(x), rtol=0, atol=0)
+
+        # torch ops instead of numpy: the schedule is part of the graph, computed from the tensor
+        class TorchSchedule(nn.Module):
+            def forward(self, x, end):
+                return x * torch.linspace(0.0, 1.0, 5) * end
+
+        ep = predispatch.export(TorchSchedule(), (x, torch.tensor(3.0)))
+        for end in (3.0, 7.0):
+            torch.testing.assert_close(ep.module()(x, torch.tensor(end)), TorchSchedule()(x, torch.tensor(end)), rtol=0, atol=0)
 
     def test_metadata_mutation_of_buffer(self):
         with pytest.raises(errors.TraceError) as info:

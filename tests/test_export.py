@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from expecttest import TestCase
-from helpers import export_and_check, graph
+from helpers import check_gradients, export_and_check, graph
 from torch import nn
 
 import predispatch
 from predispatch import InputKind, OutputKind
+from predispatch import _torch_internals as ti
 
 
 def exact(actual, expected):
@@ -393,6 +394,52 @@ class ProgramBehaviour(TestCase):
 
         predispatch.export(Probe(), (torch.randn(2),))
         self.assertTrue(seen and set(seen) == {(True, True)}, seen)
+        self.assertFalse(torch.compiler.is_exporting())
+
+    def test_nonrecursive_disable_runs_as_the_plain_call(self):
+        # Note [Non-recursive disable]: torch's wrapper refuses whenever is_exporting() is True;
+        # the helper it wraps still sees True, and the program is aot_export_module's.
+        seen = []
+
+        @torch._dynamo.disable(recursive=False)
+        def helper(x):
+            seen.append(torch.compiler.is_exporting())
+            return x.sin() * 2
+
+        class Disabled(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(3, 3)
+
+            def forward(self, x):
+                return helper(self.lin(x))
+
+        model, x = Disabled(), torch.randn(2, 3)
+        ep = check_gradients(model, (x,))
+        self.assertEqual(seen[0], True)  # the trace's call (eager's, after it, sees False)
+        self.assertExpectedInline(
+            graph(ep),
+            """\
+class GraphModule(torch.nn.Module):
+    def forward(self, p_lin_weight: "f32[3, 3]", p_lin_bias: "f32[3]", x: "f32[2, 3]"):
+        linear: "f32[2, 3]" = torch.ops.aten.linear.default(x, p_lin_weight, p_lin_bias);  x = p_lin_weight = p_lin_bias = None
+        sin: "f32[2, 3]" = torch.ops.aten.sin.default(linear);  linear = None
+        mul: "f32[2, 3]" = torch.ops.aten.mul.Tensor(sin, 2);  sin = None
+        return (mul,)""",
+        )
+        class Tupled(nn.Module):  # aot_export_module takes tuple outputs only
+            def __init__(self):
+                super().__init__()
+                self.inner = model
+
+            def forward(self, x):
+                return (self.inner(x),)
+
+        oracle, _ = ti.aot_export_module(Tupled(), (x,), trace_joint=False, pre_dispatch=True)
+        def ops(g):
+            return [str(n.target) for n in g.nodes if n.op == "call_function"]
+
+        self.assertEqual(ops(ep.graph), ops(oracle.graph))
         self.assertFalse(torch.compiler.is_exporting())
 
     def test_trace_runs_on_fake_tensors(self):

@@ -160,6 +160,90 @@ def forward(self, x, scale, tag):
             program(x.double(), scale=scale, tag="a")
         self.assertEqual(program.steps.item(), 1)  # the refused calls wrote nothing
 
+    def test_state_named_like_graph_module_attributes(self):
+        """A submodule named `code` (seen in library models), `graph`, `meta`: fx.GraphModule's own
+        attributes, not nn.Module's, so eager allows them (Note [State named like a GraphModule
+        attribute]); `ep.module()` used to raise "'str' object has no attribute 'register_parameter'"."""
+
+        class Named(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.code = nn.Linear(3, 3)
+                self.graph = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+                self.meta = nn.Parameter(torch.randn(3))
+                self.register_buffer("recompile", torch.ones(3), persistent=False)
+                self.print_readable = torch.full((3,), 2.0)  # a plain tensor attribute: a constant
+
+            def forward(self, x):
+                return self.graph(self.code(x)) * self.meta + self.recompile * self.print_readable
+
+        model, x = Named(), torch.randn(4, 3)
+        eager = copy.deepcopy(model)
+        ep = predispatch.export(model, (x,))
+        program = ep.module()
+        self.assertExpectedInline(
+            program.code.strip(),
+            """\
+def forward(self, x):
+    x, = fx_pytree.tree_flatten_spec(([x], {}), self._in_spec)
+    meta = self.__root_state.meta
+    code_weight = self.__root_state.code.weight
+    code_bias = self.__root_state.code.bias
+    graph_0_weight = getattr(self.__root_state.graph, "0").weight
+    graph_0_bias = getattr(self.__root_state.graph, "0").bias
+    graph_1_weight = getattr(self.__root_state.graph, "1").weight
+    graph_1_bias = getattr(self.__root_state.graph, "1").bias
+    recompile = self.__root_state.recompile
+    graph_1_running_mean = getattr(self.__root_state.graph, "1").running_mean
+    read_before_write = predispatch_runtime_runner_read_before_write(graph_1_running_mean)
+    graph_1_running_var = getattr(self.__root_state.graph, "1").running_var
+    read_before_write_1 = predispatch_runtime_runner_read_before_write(graph_1_running_var)
+    graph_1_num_batches_tracked = getattr(self.__root_state.graph, "1").num_batches_tracked
+    read_before_write_2 = predispatch_runtime_runner_read_before_write(graph_1_num_batches_tracked)
+    print_readable = self.__root_state.print_readable
+    linear = torch.ops.aten.linear.default(x, code_weight, code_bias);  x = code_weight = code_bias = None
+    linear_1 = torch.ops.aten.linear.default(linear, graph_0_weight, graph_0_bias);  linear = graph_0_weight = graph_0_bias = None
+    add = torch.ops.aten.add.Tensor(read_before_write_2, 1);  read_before_write_2 = None
+    _native_batch_norm_legit_functional = torch.ops.aten._native_batch_norm_legit_functional.default(linear_1, graph_1_weight, graph_1_bias, read_before_write, read_before_write_1, True, 0.1, 1e-05);  linear_1 = graph_1_weight = graph_1_bias = read_before_write = read_before_write_1 = None
+    getitem = _native_batch_norm_legit_functional[0]
+    getitem_3 = _native_batch_norm_legit_functional[3]
+    getitem_4 = _native_batch_norm_legit_functional[4];  _native_batch_norm_legit_functional = None
+    mul = torch.ops.aten.mul.Tensor(getitem, meta);  getitem = meta = None
+    mul_1 = torch.ops.aten.mul.Tensor(recompile, print_readable);  recompile = print_readable = None
+    add_1 = torch.ops.aten.add.Tensor(mul, mul_1);  mul = mul_1 = None
+    apply_mutations = predispatch_runtime_runner_apply_mutations(('copy', 'copy', 'copy'), (graph_1_running_mean, graph_1_running_var, graph_1_num_batches_tracked), (getitem_3, getitem_4, add));  graph_1_running_mean = graph_1_running_var = graph_1_num_batches_tracked = getitem_3 = getitem_4 = add = apply_mutations = None
+    return pytree.tree_unflatten([add_1], self._out_spec)""",
+        )
+        actual, expected = program(x), eager(x)
+        assert_same_tree(actual, expected)
+        self.assertEqual(list(program.state_dict()), list(eager.state_dict()))
+        assert_same_tree(program.state_dict(), eager.state_dict())  # the running stats written back
+        actual.sum().backward(), expected.sum().backward()
+        for (name, p), e in zip(program.named_parameters(), eager.parameters()):
+            assert_same_tree(p.grad, e.grad)
+        self.assertIsInstance(program.graph, fx.Graph)  # the module's own attributes stay its own
+        self.assertIsInstance(program.meta, dict)
+        self.assertIs(program._modules["code"].weight, model.code.weight)  # the model's own tensors
+        copied = copy.deepcopy(program)
+        assert_same_tree(copied(x), copy.deepcopy(eager)(x))
+        buffer = io.BytesIO()
+        predispatch.save(ep, buffer)
+        loaded = predispatch.load(io.BytesIO(buffer.getvalue())).module()
+        self.assertEqual(list(loaded.state_dict()), list(eager.state_dict()))
+        assert_same_tree(loaded(x), program(x))
+
+    def test_function_export_of_a_module_named_code(self):
+        code = nn.Linear(3, 3)  # a function export's reached module, named by its variable
+
+        def run(x):
+            return code(x) * 2
+
+        x = torch.randn(2, 3)
+        program = predispatch.export(run, (x,)).module()  # was KeyError: "attribute 'code' already exists"
+        assert_same_tree(program(x), run(x))
+        self.assertEqual(list(program.state_dict()), ["code.weight", "code.bias"])
+        self.assertIsInstance(program.code, str)
+
     def test_graph_constants_are_not_state(self):
         """A tensor the forward creates is read by the graph but is neither state nor a buffer."""
         module = NoGradRegion()

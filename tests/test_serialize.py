@@ -27,7 +27,7 @@ from helpers import assert_same_tree, subprocess_env
 from test_consumers import WhileModel
 from test_export import Batch, ConvBN, Counter, DictOut, Masked, ScaleInPlace, Tied, WithConstant
 from test_regions import CASES as REGION_CASES
-from torch import nn
+from torch import fx, nn
 
 import predispatch
 from predispatch.errors import SerializationError
@@ -463,6 +463,14 @@ def test_state_names_never_replace_the_modules_own_attributes():
     assert "'forward' is an attribute a module has of its own" in load_error(load_attacks.renamed_state(data, "count", "inner.forward"))
     loaded = predispatch.load(io.BytesIO(load_attacks.renamed_state(data, "count", "layers.0.count")))  # a Sequential's index is fine
     assert "layers.0.count" in loaded.module().state_dict()
+    # fx.GraphModule's own names (not nn.Module's) load: the state goes into the module's dicts and
+    # replaces nothing (Note [State named like a GraphModule attribute])
+    for name in ("graph", "meta", "call_contract", "code"):
+        for constant in (False, True):
+            module = predispatch.load(io.BytesIO(load_attacks.renamed_state(data, "count", name, constant=constant))).module()
+            assert isinstance(module.graph, fx.Graph) and isinstance(module.meta, dict) and isinstance(module.code, str), name
+            assert (name in module.state_dict()) is not constant, name
+            module(torch.randn(2, 3))
 
 
 class BitOps(nn.Module):

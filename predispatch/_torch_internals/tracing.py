@@ -78,14 +78,55 @@ def exporting_flags() -> Iterator[None]:
     """Make `torch.compiler.is_exporting()` and `is_compiling()` answer True while tracing.
 
     Libraries such as transformers read these flags to take their export-friendly code paths.
+    The one reader that asks in order to refuse is answered False (Note [Non-recursive disable]).
     """
     compiler = torch.compiler
     old = (compiler._is_compiling_flag, compiler._is_exporting_flag)
     compiler._is_compiling_flag, compiler._is_exporting_flag = True, True
     try:
-        yield
+        with nonrecursive_disable_runs_plainly():
+            yield
     finally:
         compiler._is_compiling_flag, compiler._is_exporting_flag = old
+
+
+# Note [Non-recursive disable]
+# `torch._dynamo.disable(fn, recursive=False)` wraps `fn` in `nonrecursive_disable_wrapper`
+# (torch/_dynamo/external_utils.py), which raises "Non-recursive torch.compiler.disable is not
+# supported with torch.export" whenever `torch.compiler.is_exporting()` is True, and otherwise
+# calls `fn`.  The refusal is about Dynamo (torch.export's strict mode cannot skip one frame and
+# trace its callees); predispatch does not run Dynamo on forward, so the plain call is what the
+# wrapper means here, as under aot_export_module (which sets no flag).  So `is_exporting()`
+# answers False to that wrapper's frame only; every other reader still sees True.
+NONRECURSIVE_DISABLE = "non-recursive torch._dynamo.disable (torch.compiler.is_exporting)"
+
+
+def _nonrecursive_wrapper() -> Callable[[], None]:
+    """A wrapper as `disable(recursive=False)` makes: its code identifies every other, and calling
+    it probes that the wrapper reads `torch.compiler.is_exporting` where the hook is."""
+    from torch._dynamo import external_utils
+
+    make = require(external_utils, "get_nonrecursive_disable_wrapper", NONRECURSIVE_DISABLE)
+    return make(lambda: None)
+
+
+@contextlib.contextmanager
+def nonrecursive_disable_runs_plainly() -> Iterator[Hook]:
+    """`torch.compiler.is_exporting()` is False for `nonrecursive_disable_wrapper` (Note [Non-recursive disable])."""
+    from predispatch._torch_internals.mechanism import caller_frame
+
+    probe = _nonrecursive_wrapper()
+    wrapper = probe.__code__
+
+    def make(original: Callable[[], bool]) -> Callable[[], bool]:
+        def is_exporting() -> bool:
+            frame = caller_frame(1)
+            return False if frame is not None and frame.f_code is wrapper else original()
+
+        return is_exporting
+
+    with patched(torch.compiler, "is_exporting", make, mechanism=NONRECURSIVE_DISABLE, probe=probe) as hook:
+        yield hook
 
 
 #: The hook that keeps a tensor subclass's constructor out of the graph (`subclass_constructors_unrecorded`).
@@ -386,6 +427,17 @@ def is_generator_argument_error(exc: BaseException) -> bool:
         and isinstance(exc, NotImplementedError)
         and "torch._C.Generator" in str(exc)
     )
+
+
+#: torch's message when `.numpy()` (or numpy's `np.asarray(t)`, through `Tensor.__array__`)
+#: meets the trace's fake or functional tensor (torch/csrc/utils/tensor_numpy.cpp).
+_NUMPY_OF_SUBCLASS = ".numpy() is not supported for tensor subclasses"
+
+
+def is_numpy_conversion_error(exc: BaseException) -> bool:
+    """Whether `exc` is torch refusing `.numpy()` of a traced tensor: its values do not exist
+    at trace time (the tensor is fake), so numpy cannot compute on them."""
+    return isinstance(exc, RuntimeError) and _NUMPY_OF_SUBCLASS in str(exc)
 
 
 def fake_empty(fake_mode: FakeTensorMode, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -14,9 +14,13 @@ therefore reaches code only when it is an identifier and not a keyword.
 Attributes are the other sink: `module()` installs state by `setattr` and `add_module` along
 its path, so a state named `forward`, `training` or `_compiled_call_impl` would replace the
 module's own method or flag.  A name a program installs on a module is never an attribute
-that module already has (`MODULE_ATTRIBUTES` for the containers, `PROGRAM_ATTRIBUTES` for the
-root, which is a GraphModule).  Eager torch refuses these names too (`register_buffer`,
-`add_module`), so no module export traces carries one.
+that module already has (`module_attributes()` for the containers, `program_attributes()` for
+the root, which is a GraphModule).  Eager torch refuses `nn.Module`'s names too
+(`register_buffer`, `add_module`), so no module export traces carries one.  A state's first
+name may be one of the GraphModule's own that `nn.Module` lacks (`code`, `graph`, `meta`, a
+model's submodule named `code`): that state goes into the module's dicts, never onto the
+attribute, and is read through `RootState` (Note [State named like a GraphModule attribute]
+in unlift.py).
 
 `argument_names` is the one place that turns a signature into the generated parameters;
 `unlift.py` builds from it and `verify.py` checks it, so the two cannot drift.
@@ -71,14 +75,19 @@ def program_attributes() -> frozenset[str]:
 _PATH_PART = re.compile(r"[A-Za-z0-9_-]+\Z")
 
 
-def attribute_problem(name: Any, *, root: bool) -> str | None:
-    """Why `name` cannot be installed as an attribute (of `ep.module()` itself if `root`)."""
+def attribute_problem(name: Any, *, root: bool, state: bool = False) -> str | None:
+    """Why `name` cannot be installed as an attribute (of `ep.module()` itself if `root`).
+
+    `state`: the first name of a state's path, which may be one of `ep.module()`'s own
+    attributes that `nn.Module` lacks (`code`, `graph`, `meta`): it is kept in the module's
+    dicts and read through `RootState` (Note [State named like a GraphModule attribute] in
+    unlift.py), replacing nothing; a name `nn.Module` has is refused still, as eager refuses it."""
     why = identifier_problem(name)
     if why is not None and isinstance(name, str) and _PATH_PART.match(name):
         why = None  # read as getattr(self, "0"): see _PATH_PART
     if why is None and name.startswith("__"):
         why = f"{name!r} starts with '__' (Python's own attributes)"
-    if why is None and name in (program_attributes() if root else module_attributes()):
+    if why is None and name in (program_attributes() if root and not state else module_attributes()):
         owner = "ep.module()" if root else "a module"
         why = f"{name!r} is an attribute {owner} has of its own (installing it would replace it)"
     return why
@@ -90,7 +99,7 @@ def state_name_problems(fqn: Any) -> Iterator[str]:
         yield f"{_shown(fqn)} is not a dotted name"
         return
     for depth, part in enumerate(fqn.split(".")):
-        why = attribute_problem(part, root=depth == 0)
+        why = attribute_problem(part, root=depth == 0, state=True)
         if why:
             yield f"state {fqn!r}: {why}"
             return

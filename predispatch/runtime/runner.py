@@ -59,6 +59,8 @@ _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR
 #: Where a function (or nested) export's `module()` keeps the live module it reads state from:
 #: an attribute, not a submodule (its children are submodules, as the state_dict shows them).
 LIVE_ROOT = "_live_root"
+#: The attribute of `ep.module()` reading state named like one of its own attributes (`RootState`).
+ROOT_STATE = "__root_state"
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,9 @@ class ProgramModule(fx.GraphModule):
         """Refuse PT2E's mode switch, which would change nothing here (`check_pt2e_mode_switch`)."""
         if name in PT2E_MODE_ATTRIBUTES and ti.USER_PRESERVED_ATTRIBUTES in self.__dict__.get("meta", {}):
             check_pt2e_mode_switch(self.call_contract.training_flags, name, value)
+        if isinstance(getattr(type(self), name, None), property):  # `graph`: fx's setter, also where
+            object.__setattr__(self, name, value)  # state is named `graph` (Note [State named like a GraphModule attribute])
+            return
         super().__setattr__(name, value)
 
     def train(self, mode: bool = True) -> ProgramModule:
@@ -438,6 +443,7 @@ def _state_reader(module: ProgramModule, names: list[str]) -> Callable[[], tuple
         owner, _, attr = name.rpartition(".")
         by_owner.setdefault(owner, []).append((i, attr))
     owners = [(tuple(owner.split(".")) if owner else (), attrs) for owner, attrs in by_owner.items()]
+    held = frozenset(attr for _, attr in by_owner.get("", ()) if root_owner(module, attr) is not module)  # RootState's
 
     def read() -> tuple[torch.Tensor, ...]:
         found: list[Any] = [None] * len(names)
@@ -447,6 +453,9 @@ def _state_reader(module: ProgramModule, names: list[str]) -> Callable[[], tuple
                 child = owner._modules.get(part)
                 owner = getattr(owner, part) if child is None else child
             for i, attr in attrs:
+                if held and not parts and attr in held:
+                    found[i] = getattr(module.__dict__[ROOT_STATE], attr)
+                    continue
                 value: Any = owner._parameters.get(attr)
                 if value is None:
                     value = owner._buffers.get(attr)
@@ -501,10 +510,38 @@ def _open_snapshots() -> list[tuple[ProgramModule, Any]]:
     return _THREAD.snapshots
 
 
+class RootState:
+    """`ep.module()`'s state whose first name is an attribute of the module's own (`code`,
+    `graph`, `meta`: Note [State named like a GraphModule attribute]), read by name from the
+    module's `_parameters`, `_buffers` and `_modules` (what `nn.Module.__getattr__` reads) and,
+    for a plain tensor attribute, from `plain`.  Holds the dicts, not the module, so a deep
+    copy of the module copies it along with the dicts it reads."""
+
+    def __init__(self, module: nn.Module, names: frozenset[str]):
+        self.names = names
+        self.plain: dict[str, Any] = {}
+        self.dicts = (module._parameters, module._buffers, module._modules, self.plain)
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("__"):
+            for found in self.__dict__.get("dicts", ()):
+                if name in found:
+                    return found[name]
+        raise AttributeError(f"ep.module() holds no state named {name!r}")
+
+
+def root_owner(root: Any, fqn: str) -> Any:
+    """What holds `fqn`'s first name: `root`, or its `RootState` where that name is one of
+    the module's own attributes."""
+    holder = vars(root).get(ROOT_STATE) if isinstance(root, nn.Module) else None
+    return holder if holder is not None and fqn.split(".", 1)[0] in holder.names else root
+
+
 def owner_of(root: nn.Module, fqn: str) -> tuple[Any, str]:
     """The object holding the state at `fqn` and its attribute name there.  The path may run
     outside the registered tree (Note [Modules outside the registered tree]: `helpers.0.weight`,
     `cache.bias`); a list or dict holding the tensor itself is read through `_Entries`."""
+    root = root_owner(root, fqn)
     owner, _, attr = fqn.rpartition(".")
     if not owner:
         return root, attr

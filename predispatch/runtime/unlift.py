@@ -28,7 +28,7 @@ import contextlib
 import copy
 import operator
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx, nn
@@ -38,7 +38,7 @@ from predispatch.frontend.reachable import in_tree
 from predispatch.passes import inline_subgraphs
 from predispatch.passes.lift_constants import ConstantLifter, attribute, hop_body
 from predispatch.runtime import runner
-from predispatch.runtime.names import argument_names
+from predispatch.runtime.names import argument_names, program_attributes
 from predispatch.runtime.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
 from predispatch.runtime.modes import set_exported_modes
 from predispatch.runtime.kernel_checks import guard_kernel_shapes
@@ -192,7 +192,7 @@ def _unlift_state(
         with where, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the attribute is installed once the graph is complete
             if live_root is None:
-                attr = graph.get_attr(spec.target)
+                attr = _read_node(graph, spec.target)
             elif in_tree(live_root, spec.target):
                 attr = graph.get_attr(f"{runner.LIVE_ROOT}.{spec.target}")
             else:
@@ -213,6 +213,19 @@ def _unlift_state(
             by_target[spec.target] = attr
         i += width
     return by_target
+
+
+def _read_node(graph: fx.Graph, fqn: str) -> fx.Node:
+    """The `get_attr` of the state at `fqn`: through `RootState` where its first name is an
+    attribute `ep.module()` has of its own (Note [State named like a GraphModule attribute]),
+    named as the usual read is (`code_weight`)."""
+    if not _held_by_root_state(fqn):
+        return graph.get_attr(fqn)
+    return graph.create_node("get_attr", f"{runner.ROOT_STATE}.{fqn}", name=_identifier(fqn))
+
+
+def _held_by_root_state(fqn: str) -> bool:
+    return fqn.split(".", 1)[0] in program_attributes()
 
 
 def _write_back_and_return(
@@ -328,7 +341,10 @@ def _install_state(module: ProgramModule, ep: Program) -> None:
     if ep.live_root is not None:  # read through `_live_root`; its children show in state_dict()
         module.__dict__[runner.LIVE_ROOT] = ep.live_root
         for name, child in ep.live_root.named_children():
-            module.add_module(name, child)
+            if name in program_attributes():  # a global module named `code` (Note [State named like a GraphModule attribute])
+                module._modules[name] = child  # shown in state_dict(); the graph reads it through `_live_root`
+            else:
+                module.add_module(name, child)
         return
     outside = frozenset(ep.signature.outside_tree)
     names = {}
@@ -336,6 +352,9 @@ def _install_state(module: ProgramModule, ep: Program) -> None:
         source = ep.constants[spec.target] if spec.kind is InputKind.CONSTANT_TENSOR else ep.state_dict[spec.target]
         tensor = _shared(source, spec.kind)
         names.update((fqn, (tensor, spec)) for fqn in spec.names)
+    held = frozenset(fqn.split(".", 1)[0] for fqn in names if _held_by_root_state(fqn))
+    if held:
+        module.__dict__[runner.ROOT_STATE] = runner.RootState(module, held)
     # the exported module's order first (ExportSignature.state_order), then any other name
     for fqn in dict.fromkeys((*(n for n in ep.signature.state_order if n in names), *names)):
         tensor, spec = names[fqn]
@@ -432,7 +451,8 @@ def _shared(tensor: torch.Tensor, kind: InputKind) -> torch.Tensor:
 
 
 def _install(
-    root: nn.Module, fqn: str, tensor: torch.Tensor, kind: InputKind, persistent: bool | None, outside: frozenset[str]
+    root: nn.Module, fqn: str, tensor: torch.Tensor, kind: InputKind, persistent: bool | None, outside: frozenset[str],
+    *, top: bool = True,
 ) -> None:
     """Put `tensor` at `fqn`, creating empty container modules along the path.
 
@@ -441,6 +461,9 @@ def _install(
     there: `state_dict()`, `parameters()` and `.to()` pass it by, as the exported module's do,
     while the graph still reads and writes its tensors by path at each call."""
     *path, attr = fqn.split(".")
+    if top and _held_by_root_state(fqn):
+        _install_held(root, path, attr, tensor, kind, persistent, outside)
+        return
     owner = root
     for i, part in enumerate(path):
         if not hasattr(owner, part):
@@ -456,3 +479,43 @@ def _install(
         owner.register_buffer(attr, tensor, persistent=persistent is not False)
     else:
         setattr(owner, attr, tensor)
+
+
+# Note [State named like a GraphModule attribute]
+# A model may name a submodule (or parameter, buffer, tensor attribute) `code`, `graph` or
+# `meta`: eager refuses only names `nn.Module` has, and these are `fx.GraphModule`'s own (its
+# generated source, its graph, its meta dict), which `ep.module()` is.  Installed the usual
+# way, `add_module("code", ...)` refuses, and `self.code.weight` in the generated code reads
+# the source string.  So state whose first name is one of the module's own attributes
+# (`names.program_attributes()`) goes straight into the dicts `nn.Module` keeps it in
+# (`_modules`, `_parameters`, `_buffers`: `state_dict()` keys stay the model's, `.to()` and
+# `load_state_dict` reach it) and is read through `RootState` (`self.__root_state.code.weight`),
+# which looks it up in those dicts; a plain tensor attribute is held by `RootState` itself,
+# as replacing `meta` or `_graph` would break the module.  `ep.module().code` stays the
+# generated source; the submodule is `ep.module()._modules["code"]`.
+
+
+def _install_held(
+    root: nn.Module, path: list[str], attr: str, tensor: torch.Tensor, kind: InputKind, persistent: bool | None, outside: frozenset[str]
+) -> None:
+    """`_install` of state whose first name is one of the module's own attributes (Note [State
+    named like a GraphModule attribute]): the first name goes into `root`'s dicts, the rest as usual."""
+    holder = root.__dict__[runner.ROOT_STATE]
+    if not path:
+        if kind is InputKind.PARAMETER:
+            root._parameters[attr] = cast(nn.Parameter, tensor)  # `_shared` made it one
+        elif kind is InputKind.BUFFER:
+            root._buffers[attr] = tensor
+            if persistent is False:
+                root._non_persistent_buffers_set.add(attr)
+        else:
+            holder.plain[attr] = tensor
+        return
+    head, *rest = path
+    if head not in root._modules and head not in holder.plain:
+        if head in outside:
+            holder.plain[head] = nn.Module()  # not registered, as `_install` keeps it
+        else:
+            root._modules[head] = nn.Module()
+    child = getattr(holder, head)
+    _install(child, ".".join((*rest, attr)), tensor, kind, persistent, frozenset(o.partition(".")[2] for o in outside if o.startswith(head + ".")), top=False)

@@ -8,6 +8,7 @@ import gc
 import inspect
 import linecache
 import textwrap
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,8 @@ from predispatch.errors import (
     TraceError,
     UnsupportedOutputError,
     from_torch,
+    is_numpy_file,
+    is_user_file,
     user_frame,
 )
 from predispatch.frontend import PreparedInputs
@@ -616,6 +619,8 @@ def _user_errors():
         refusal = construct_refusal(exc)
         if refusal is not None:
             raise from_torch(refusal, exc) from None
+        if ti.is_numpy_conversion_error(exc) or (_is_data_dependent(exc) and _failed_in_numpy(exc)):
+            raise from_torch(_numpy_refusal(where), exc) from None
         if _is_data_dependent(exc):
             raise from_torch(
                 torch_check_error(exc, where)
@@ -632,6 +637,35 @@ def _user_errors():
             TraceError(f"tracing failed: {type(exc).__name__}: {first_line}", where=where, fix=_trace_error_fix(exc)),
             exc,
         ) from None
+
+
+def _failed_in_numpy(exc: BaseException) -> bool:
+    """Whether the innermost frame outside torch and predispatch is numpy's: numpy computed on a
+    traced value (`np.linspace(0, t.item(), n)`, `np.array(t.tolist())`) and asked for its value."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if is_numpy_file(frame.filename):
+            return True
+        if is_user_file(frame.filename):
+            return False
+    return False
+
+
+def _numpy_refusal(where: str) -> DataDependentError:
+    """numpy given a tensor the trace holds (`.numpy()`, `np.asarray(t)`) or its values (`t.item()`,
+    `t.tolist()`, which trace as symbols numpy cannot compare): export traces
+    fake tensors, which have shapes and no values, and numpy's result could not be a graph op
+    anyway (it would be a constant of this one example).  Seen in library code that builds a
+    schedule in forward (a diffusers scheduler's `set_timesteps` from a tensor of steps)."""
+    return DataDependentError(
+        "numpy computing on a traced tensor (.numpy(), np.asarray(t), or numpy given t.item() or t.tolist()) needs its values, "
+        "which export does not have: it traces tensors that have shapes but no values, and numpy's result "
+        "would not be part of the graph.",
+        where=where,
+        fix="compute it with torch ops on the tensor (torch.linspace, torch.arange, ... instead of numpy) so it "
+        "stays in the graph; or, where the value is a setting rather than data, do the numpy work before "
+        "export, outside forward (call scheduler.set_timesteps(n) once, then export: forward reads the result "
+        "as a constant).",
+    )
 
 
 #: Words in torch's message of a failed in-place change of shape, strides or storage.
