@@ -119,7 +119,8 @@ class UnsupportedConstructError(PredispatchError):
     change in the transformed function, a failure there), a TorchScript submodule (`torch.jit.script`), `nn.TransformerEncoder`'s
     nested-tensor fast path (eval mode with a `src_key_padding_mask`), whose output eager
     computes differently under `torch.no_grad()` than the traced program does,
-    `torch.autograd.grad` inside forward, `pack_padded_sequence` (sizes from data), or a
+    `torch.autograd.grad` inside forward, `pack_padded_sequence` (sizes from data), a tensor
+    made by `torch.from_numpy` in forward (made without its values by the fake mode), or a
     flex_attention score_mod indexing a captured tensor that carries a gradient.
     Example: `with torch.no_grad():` inside a function given to `torch.func.vmap` in forward.
     Fix: the message says what to do for each construct (apply the transform to `ep.module()`,

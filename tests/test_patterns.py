@@ -993,6 +993,19 @@ class GlobalParameter(nn.Module):
         return x * GLOBAL_WEIGHT
 
 
+class FromNumpy(nn.Module):
+    """A schedule computed with numpy in forward, made a tensor by `make`."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def forward(self, x):
+        import numpy as np
+
+        return x * self.make(np.linspace(0.0, 3.0, 4).astype(np.float32))
+
+
 class CountsCalls(nn.Module):
     def forward(self, x):
         CALLS.add_(1)
@@ -1031,6 +1044,22 @@ forward reads the module-level parameter test_patterns.GLOBAL_WEIGHT, a tensor t
   at test_patterns.py:N (return x * GLOBAL_WEIGHT)
   fix: make it the module's parameter (self.w = nn.Parameter(...), or a submodule holding it), or read it detached (W.detach()) if it is not trained.
   see docs/errors.md#unsupportedinputerror""")
+
+    def test_tensor_made_without_its_values_refused(self):
+        """`torch.from_numpy` in forward is made by the fake mode without its values: the program
+        held a fake tensor and `ep.module()` returned a FakeTensor, silently.  Refused by name;
+        the fix (`torch.as_tensor`) exports a program equal to eager."""
+        with pytest.raises(predispatch.errors.UnsupportedConstructError) as info:
+            predispatch.export(FromNumpy(torch.from_numpy), (self.x,))
+        self.assertExpectedInline(stable_message(info.value), """\
+forward makes a tensor with a constructor that bypasses torch's ops (torch.from_numpy, torch.frombuffer): the trace's fake mode made it without its values, so the program would hold a tensor with no data (Note [Tensors from outside the module]).
+  at test_patterns.py:N (return x * self.make(np.linspace(0.0, 3.0, 4).astype(np.float32)))
+  fix: build it with torch.as_tensor(array) or torch.tensor(array), whose values the program records; or make it before export and register it as a buffer of the module.
+  see docs/errors.md#unsupportedconstructerror""")
+        ep = export_and_check(FromNumpy(torch.as_tensor), (self.x,))
+        out = ep.module()(self.x)
+        assert type(out) is torch.Tensor
+        torch.testing.assert_close(out, FromNumpy(torch.as_tensor)(self.x), rtol=0, atol=0)
 
     def test_write_into_module_level_tensor_refused(self):
         with pytest.raises(predispatch.errors.OutsideWriteError) as info:

@@ -10,6 +10,12 @@ each as a `get_attr` constant (`_tensor_constant0`), as it holds a tensor made i
 Eager reads the global at each call, so the program computes what eager computes as long as
 the global keeps its value (torch.export's lifted constants behave alike).
 
+A tensor made in forward by a constructor that bypasses torch's ops (`torch.from_numpy`,
+`torch.frombuffer`) is made by the fake mode itself, without its values, and reaches the
+graph as a `get_attr` of a fake tensor: `ep.module()` returned a FakeTensor, silently.
+`torch.as_tensor(array)` and `torch.tensor(array)` go through `lift_fresh`, which the tracer
+records with the values; the refusal names them.
+
 Two uses would make the program differ from eager, and are refused by name instead:
 - a constant that requires grad (a module-level `nn.Parameter`): eager differentiates it,
   a constant has no gradient (`UnsupportedInputError`);
@@ -29,7 +35,7 @@ import torch
 from torch import fx, nn
 
 from predispatch import _torch_internals as ti
-from predispatch.errors import OutsideWriteError, UnsupportedInputError, user_frame
+from predispatch.errors import OutsideWriteError, UnsupportedConstructError, UnsupportedInputError, user_frame
 from predispatch._meta import stack_line
 
 __all__ = ["refuse_outside_tensor_uses", "refuse_write_into_real"]
@@ -37,7 +43,7 @@ __all__ = ["refuse_outside_tensor_uses", "refuse_write_into_real"]
 
 def refuse_outside_tensor_uses(gm: fx.GraphModule) -> None:
     """Refuse a real tensor from outside the module that requires grad (its writes are refused
-    as they happen, `refuse_write_into_real`)."""
+    as they happen, `refuse_write_into_real`), and a constant made without its values."""
     for graph_module in gm.modules():
         if not isinstance(graph_module, fx.GraphModule):
             continue
@@ -45,6 +51,15 @@ def refuse_outside_tensor_uses(gm: fx.GraphModule) -> None:
             value = getattr(graph_module, node.target, None)
             if not isinstance(value, torch.Tensor):
                 continue
+            if ti.is_traced_tensor(value):
+                raise UnsupportedConstructError(
+                    "forward makes a tensor with a constructor that bypasses torch's ops (torch.from_numpy, "
+                    "torch.frombuffer): the trace's fake mode made it without its values, so the program would "
+                    "hold a tensor with no data (Note [Tensors from outside the module]).",
+                    where=_reading_line(node) or f"{user_frame()} (the export call)",
+                    fix="build it with torch.as_tensor(array) or torch.tensor(array), whose values the program "
+                    "records; or make it before export and register it as a buffer of the module.",
+                )
             if value.requires_grad:
                 line = _reading_line(node)
                 raise UnsupportedInputError(
