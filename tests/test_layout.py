@@ -8,6 +8,7 @@ knot hidden in a function body is still a knot a reader has to untie.
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,42 @@ def test_no_package_holds_more_than_a_quarter_of_the_lines(package):
     total = _lines(ROOT.rglob("*.py"))
     held = _lines((ROOT / package).rglob("*.py"))
     assert held <= total / 4, f"{package}/ holds {held} of {total} lines"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the other predispatch modules it imports (a package's `__init__` by its name)."""
+    def name_of(path: Path) -> str:
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    def imported(path: Path) -> Iterator[str]:
+        """Each module `path` imports: `from p.a import b` imports `p.a.b` when that is a module."""
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                yield from (alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    yield f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+
+    modules = {name_of(path): path for path in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for target in imported(path):
+            while target and target not in modules:  # `from predispatch.a.b import name`
+                target = target.rpartition(".")[0]
+            if target and target != name and target != "predispatch":
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def test_no_import_circles_between_modules():
+    """Within a package too (issue 38: `audit/render.py` and `audit/table.py` imported each
+    other): a module's imports, wherever they stand, never lead back to it."""
+    cycle = _cycle(_module_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle or ())
+
+
+def test_module_circles_are_found():
+    assert _cycle({"predispatch.a.x": {"predispatch.a.y"}, "predispatch.a.y": {"predispatch.a.x"}}) is not None

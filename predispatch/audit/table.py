@@ -107,11 +107,6 @@ class AuditTable:
             counts[entry.verdict] += 1
         return counts
 
-    def render_markdown(self) -> str:
-        from predispatch.audit.render import render_markdown
-
-        return render_markdown(self)
-
     def to_json(self) -> str:
         return dumps_table(self)
 

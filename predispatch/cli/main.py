@@ -114,7 +114,7 @@ def draw_command(ns: argparse.Namespace) -> int:
 def audit_command(ns: argparse.Namespace) -> int:
     try:
         from predispatch.audit import load_table
-        from predispatch.audit.render import render_summary
+        from predispatch.audit.render import render_markdown, render_summary
     except ImportError as exc:
         raise MissingError(f"the composite audit is not available in this install: {exc}",
                            fix="update predispatch; the audit lives in predispatch/audit/") from exc
@@ -123,7 +123,7 @@ def audit_command(ns: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         raise MissingError(f"no audit table is shipped with this install ({exc.filename} is missing)",
                            fix="generate it with `python -m predispatch.audit --write`") from exc
-    _out(table.render_markdown() if ns.markdown else render_summary(table, show=ns.show))
+    _out(render_markdown(table) if ns.markdown else render_summary(table, show=ns.show))
     return ExitCode.OK
 
 

@@ -64,7 +64,7 @@ from torch import nn
 from predispatch import _torch_internals as ti
 from predispatch._version import __version__
 from predispatch.errors import SerializationError
-from predispatch.serialize.classes import FileClasses
+from predispatch.serialize.classes import FileClasses, decode_spec
 from predispatch.serialize.graph import (
     HIGHER_ORDER_OPS,
     OP_NAMESPACES,
@@ -85,7 +85,6 @@ from predispatch.serialize.subclasses import (
 )
 from predispatch.serialize.values import (
     decode,
-    decode_spec,
     encode,
     encode_spec,
     expect,

@@ -61,7 +61,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from predispatch.errors import SerializationError
-from predispatch.serialize.values import class_name, short
+from predispatch.serialize.values import Refs, class_name, decode, expect, short
 
 #: pytree's own containers, which every file may name: they build plain data.
 STANDARD_NODES: dict[str, Any] = {class_name(t, ""): t for t in (tuple, list, dict, namedtuple, OrderedDict, defaultdict, deque)}
@@ -462,3 +462,15 @@ def _refusals(refused: list[_Refused]) -> SerializationError:
         f"its code ({_RUNS}; for a tensor subclass {_RUNS_SUBCLASS}) on values from the file.",
         fix=f"if you trust them, allow them: predispatch.load(path, types=[{', '.join(dotted)}]){imported}.",
     )
+
+
+def decode_spec(data: Any, where: str, classes: FileClasses) -> pytree.TreeSpec:
+    """A pytree spec, its classes made by `classes` (Note [Classes a file may name] in classes.py):
+    allowed ones to register wait in `classes.to_register` until the whole file is verified."""
+    if data is None:
+        return pytree.treespec_leaf()
+    data = expect(data, dict, where)
+    node_type = classes.node_type(expect(data.get("type"), str, where), where)
+    context = decode(data.get("context"), f"{where} context", Refs(classes=classes.context_classes(node_type)))
+    children = [decode_spec(c, f"{where}[{i}]", classes) for i, c in enumerate(expect(data.get("children"), list, where))]
+    return pytree.TreeSpec(node_type, context, children)

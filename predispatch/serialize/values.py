@@ -25,7 +25,7 @@ import re
 from collections import namedtuple
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -34,9 +34,6 @@ from torch import fx, nn
 
 from predispatch.errors import DeviceUnavailableError, SerializationError, user_frame
 from predispatch.serialize.shapes import encode_size, encode_storage_offset, encode_symbolic
-
-if TYPE_CHECKING:
-    from predispatch.serialize.classes import FileClasses
 
 #: Device types a stored tensor or tensor metadata may name: `meta` has no data, and a
 #: file has no business naming others.
@@ -340,18 +337,6 @@ def encode_spec(spec: pytree.TreeSpec, where: str) -> Any:
         "context": encode(spec.context, f"{where} context", classes=True),
         "children": [encode_spec(child, f"{where}[{i}]") for i, child in enumerate(spec.children())],
     }
-
-
-def decode_spec(data: Any, where: str, classes: FileClasses) -> pytree.TreeSpec:
-    """A pytree spec, its classes made by `classes` (Note [Classes a file may name] in classes.py):
-    allowed ones to register wait in `classes.to_register` until the whole file is verified."""
-    if data is None:
-        return pytree.treespec_leaf()
-    data = expect(data, dict, where)
-    node_type = classes.node_type(expect(data.get("type"), str, where), where)
-    context = decode(data.get("context"), f"{where} context", Refs(classes=classes.context_classes(node_type)))
-    children = [decode_spec(c, f"{where}[{i}]", classes) for i, c in enumerate(expect(data.get("children"), list, where))]
-    return pytree.TreeSpec(node_type, context, children)
 
 
 #: dtypes safetensors stores natively; any other is stored as its bytes (uint8).
