@@ -361,6 +361,8 @@ class RngStateError(PredispatchError):
     """
 
     anchor = "rngstateerror"
+
+
 def from_torch(error: PredispatchError, exc: BaseException) -> PredispatchError:
     """`error`, keeping the torch exception it was raised from without printing it.
 
@@ -372,6 +374,8 @@ def from_torch(error: PredispatchError, exc: BaseException) -> PredispatchError:
     """
     error.torch_error = exc
     return error
+
+
 class MutationTargetError(PredispatchError):
     """A program that changes an input or its state in place was called with a target eager could
     not change in place; the call raised before running, so nothing was written.

@@ -439,6 +439,21 @@ def test_gpt2_with_its_default_cache_returns_the_cache():
         assert_same_tree((got.keys, got.values), (want.keys, want.values))
 
 
+def test_inference_lowering_of_the_default_cache_names_use_cache_false():
+    """GPT-2's default `DynamicCache` builds `torch.tensor([])` per layer in forward; torch's
+    inference lowering (`run_decompositions`, under `to_torch(for_inference=True)` and
+    `to_onnx()`) makes new constants of them that torch's verifier refuses, on torch.export's own
+    program too.  Ours is refused by name, and its fix (`use_cache=False`) lowers, equal to eager."""
+    model, ids = _gpt2(use_cache=True), _ids(1, 8)
+    ep = predispatch.export(model, (ids,))
+    with pytest.raises(predispatch.errors.NotRepresentableError) as info:
+        ep.to_torch(for_inference=True)
+    assert "use_cache=False" in str(info.value) and "lifted_tensor" in str(info.value.torch_error)
+    fixed = predispatch.export(model, (ids,), {"use_cache": False}).to_torch(for_inference=True)
+    with torch.no_grad():
+        torch.testing.assert_close(fixed.module()(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+
+
 def test_a_cache_other_than_dynamic_cache_says_use_cache_false():
     model, ids = _gpt2(use_cache=True), _ids(1, 8)
     cache = transformers.EncoderDecoderCache(transformers.DynamicCache(), transformers.DynamicCache())

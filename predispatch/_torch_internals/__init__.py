@@ -35,7 +35,7 @@ from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch._higher_order_ops.effects import with_effects
-from torch._export.verifier import TrainingIRVerifier
+from torch._export.verifier import SpecViolationError, TrainingIRVerifier
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch._functorch.autograd_function import autograd_function_apply
@@ -231,6 +231,7 @@ __all__ = [
     "UNREADABLE",
     "global_module_hook_tables",
     "torch_keeps_whole_in_export",
+    "SpecViolationError",
     "TrainingIRVerifier",
     "CIA",
     "OpOverload",

@@ -85,7 +85,7 @@ from torch import fx
 from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 
 from predispatch import _torch_internals as ti
-from predispatch.errors import NotRepresentableError
+from predispatch.errors import NotRepresentableError, PredispatchError, from_torch
 from predispatch.frontend.inputs import unique_identifier
 from predispatch.passes.lift_constants import TORCH_HOPS, ConstantLifter, attribute, hop_body
 from predispatch.signature import PLACEHOLDER_PREFIX, InputKind, InputSpec, OutputKind, OutputSpec, Program
@@ -227,7 +227,27 @@ def _to_torch_for_inference(ep: Program) -> torch.export.ExportedProgram:
         )
     with warnings.catch_warnings():  # torch's run_decompositions deep-copies the pytree specs
         warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)", FutureWarning)
-        return lowered.run_decompositions({})
+        try:
+            return lowered.run_decompositions({})
+        except ti.SpecViolationError as exc:
+            if "lifted_tensor" not in str(exc):
+                raise
+            raise _constants_torch_relifts(exc) from None
+
+
+def _constants_torch_relifts(exc: Exception) -> PredispatchError:
+    """torch's inference lowering traces the program again and propagates a tensor forward
+    builds from a literal (`torch.tensor([])`: transformers' `DynamicCache` makes one per layer)
+    into new constants its own verifier refuses; torch.export's program of the same model fails
+    alike.  Ours names it and the routes that work."""
+    return from_torch(NotRepresentableError(
+        f"torch's inference lowering (run_decompositions) cannot take this program: it makes new tensor "
+        f"constants from ones forward builds from literals, and torch's verifier refuses them ({exc}). "
+        "A Hugging Face model's default key/value cache (use_cache=True, a DynamicCache) builds such tensors; "
+        "torch.export's own program of the same model fails the same way.",
+        fix="export with use_cache=False (model(ids, use_cache=False), or config.use_cache = False) for ONNX or "
+        "to_torch(for_inference=True); or build the tensors outside forward; ep.module() and ep.to_torch() run as they are.",
+    ), exc)
 
 
 def _refuse_unrepresentable(ep: Program) -> None:
