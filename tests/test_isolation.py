@@ -6,8 +6,10 @@ import contextlib
 import dataclasses
 import gc
 import os
+import queue
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -817,3 +819,41 @@ def test_ctrl_c_during_export_leaves_no_tracer_on_the_module():
                           env=subprocess_env(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.strip().splitlines()[-1]) == 150  # every interrupt landed inside an export, as a KeyboardInterrupt
+
+
+class AsksWhileAnotherThreadAsks(nn.Module):
+    """Asks torch.compiler's flags in forward, and lets another thread ask them meanwhile (the
+    answers go out through a queue: export puts back a dict forward writes into)."""
+
+    def __init__(self, answers: queue.Queue, asked: threading.Event, answered: threading.Event):
+        super().__init__()
+        self.answers, self.asked, self.answered = answers, asked, answered
+
+    def forward(self, x):
+        self.answers.put(("exporting thread", (torch.compiler.is_exporting(), torch.compiler.is_compiling())))
+        self.asked.set()
+        assert self.answered.wait(60)
+        return x + 1
+
+
+def test_export_flags_are_true_in_the_exporting_thread_only():
+    """Note [Export flags in one thread] (issue 36): while one thread exports, another thread's
+    `torch.compiler.is_exporting()` and `is_compiling()` answer what they did before, not True."""
+    answers: queue.Queue = queue.Queue()
+    asked, answered = threading.Event(), threading.Event()
+
+    def other_thread():
+        asked.wait(60)
+        answers.put(("other thread", (torch.compiler.is_exporting(), torch.compiler.is_compiling())))
+        answered.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        predispatch.export(AsksWhileAnotherThreadAsks(answers, asked, answered), (torch.randn(2),))
+    finally:
+        answered.set()
+        thread.join(60)
+    seen = dict(answers.get_nowait() for _ in range(answers.qsize()))
+    assert seen == {"exporting thread": (True, True), "other thread": (False, False)}
+    assert (torch.compiler.is_exporting(), torch.compiler.is_compiling()) == (False, False)

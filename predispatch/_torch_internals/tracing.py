@@ -84,10 +84,43 @@ def exporting_flags() -> Iterator[None]:
     old = (compiler._is_compiling_flag, compiler._is_exporting_flag)
     compiler._is_compiling_flag, compiler._is_exporting_flag = True, True
     try:
-        with nonrecursive_disable_runs_plainly():
+        with _this_thread_only("is_compiling", old[0]), _this_thread_only("is_exporting", old[1]), nonrecursive_disable_runs_plainly():
             yield
     finally:
         compiler._is_compiling_flag, compiler._is_exporting_flag = old
+
+
+# Note [Export flags in one thread]
+# torch keeps `is_exporting()` and `is_compiling()` as two module globals, so while one thread
+# exported, every other thread's code took its export-only branches (issue 36: 1321 of 2369
+# checks in a thread that was not exporting answered True).  The globals stay set for torch's
+# own readers of the raw flag in the exporting thread (Dynamo, tracing a `torch.cond` branch);
+# the two functions answer True in the exporting thread and, in every other, what they answered
+# before the export.  Code that bound the function before export (`from torch.compiler import
+# is_exporting`) reads the global: True in every thread, as before.
+THREAD_FLAGS = "torch.compiler.is_exporting/is_compiling answered per thread"
+
+
+class _ThisThreadOnly:
+    """One of torch.compiler's flag functions, per thread (Note [Export flags in one thread]).
+    Not a plain function, so `patched` leaves the thread test to it and it counts its calls."""
+
+    def __init__(self, hook: Hook, before: bool):
+        self.hook, self.before = hook, before
+
+    def __call__(self) -> bool:
+        if threading.get_ident() != self.hook.thread:
+            return self.before
+        self.hook.calls += 1
+        return True
+
+
+@contextlib.contextmanager
+def _this_thread_only(name: str, before: bool) -> Iterator[Hook]:
+    hook = Hook(THREAD_FLAGS)
+    with patched(torch.compiler, name, lambda _: _ThisThreadOnly(hook, before), mechanism=THREAD_FLAGS,
+                 probe=lambda: getattr(torch.compiler, name)(), hook=hook):
+        yield hook
 
 
 # Note [Non-recursive disable]
