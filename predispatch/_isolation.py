@@ -7,12 +7,35 @@ inside forward, a plain dict of cached attention biases, `torch.set_num_threads(
 trace every value it writes is a tracer tensor, useless (and poisonous) once the trace is over.
 `isolated` snapshots all of it and puts it back on the way out, whether export succeeded or raised.
 Forward may also write outside the module, where the user's code keeps things: see Note
-[Forward's writes outside the module] (frontend/reachable.py) and `OutsideState`.
+[Forward's writes outside the module] below and `OutsideState`.
+
+This module holds the whole promise; frontend/reachable.py only answers which objects an export
+reaches (`beyond_tree`), which the snapshot reads.
 """
+
+# Note [What export puts back, and in what order]
+# -----------------------------------------------
+# `isolated` snapshots, before anything runs: torch's global state (`GlobalState`), the user's
+# objects (`ObjectState`: every module's and helper object's `__dict__` and the plain containers
+# reachable from them, Note [Modules outside the registered tree] in frontend/reachable.py), and
+# the places outside the module (`OutsideState`: the user's code's module globals, class
+# attributes, default arguments, lru_caches).  On the way out it puts them back in that order:
+#   1. torch's global state: the process-wide switches first (putting back the default device
+#      rebuilds the function mode stack), then the mode stacks popped to their depths, grad mode,
+#      the default dtype, every device type's autocast state and its cache, torch.compiler's
+#      flags, the global module hook tables;
+#   2. the user's objects: each plain container in place, then each object's attributes;
+#   3. outside the module: only what holds a tracer tensor, key by key (containers, module
+#      globals, class attributes, default arguments); an lru_cache that missed is cleared.
+# Every step runs whatever an earlier one raised (Note [Putting back, whatever happens]); then
+# what could not be put back is refused (`RestoreError`), and last a tracer tensor still
+# reachable from outside the module is refused (`OutsideWriteError`, `_refuse_leaks`).
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +46,7 @@ from torch import nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import OutsideWriteError, RestoreError, user_frame
-from predispatch.frontend.reachable import ATOMS, Outside, beyond_tree, outside_places
+from predispatch.frontend.reachable import LIBRARIES, beyond_tree, global_names
 
 #: Every device type's autocast state, not only CPU's and CUDA's (forward may enter any).
 _AUTOCAST_DEVICES = ti.AUTOCAST_DEVICE_TYPES
@@ -154,6 +177,124 @@ def _put_back(container: Any, saved: Any) -> None:
     elif len(container) != len(saved) or {id(x) for x in container} != {id(x) for x in saved}:
         container.clear()
         container.update(saved)
+
+
+# --- Outside the module: the places in the user's code ----------------------------------------
+#
+# Note [Forward's writes outside the module]
+# Forward may keep what it computes outside its module tree: in a module-level dict
+# (`_BIAS[n] = ...`), a global (`global TABLE; TABLE = ...`), a mutable default argument
+# (`def forward(self, x, cache={})`), a class attribute (`type(self).table = ...`), or a
+# `functools.lru_cache`d helper's cache.  During a trace each such value is a tracer tensor,
+# which breaks the model's next eager call and every fresh instance.  `outside_places` finds
+# these places from the code forward runs: the user's classes of the modules (their methods),
+# the user's functions their code names (transitively), and those functions' globals; what
+# holds a tracer tensor there is put back as it was after export (`OutsideState` below;
+# plain values forward kept, a call counter, stay), and a tracer tensor still reachable from
+# them afterwards is refused, naming the place (`_refuse_leaks`).
+
+#: How many of the user's functions the walk follows from the modules' methods.
+_MAX_FUNCTIONS = 2_000
+
+
+@dataclass(frozen=True)
+class Outside:
+    """Where forward can write outside its module tree (Note [Forward's writes outside the module]).
+
+    namespaces: `(name, globals)` of each module file the user's code runs in, by module name.
+    classes: the user's classes of the modules and their bases (class attributes).
+    functions: the user's functions and methods forward may call (their default arguments).
+    caches: `(name, wrapper)` of the `functools.lru_cache` wrappers among them.
+    """
+
+    namespaces: tuple[tuple[str, dict[str, Any]], ...]
+    classes: tuple[type, ...]
+    functions: tuple[types.FunctionType, ...]
+    caches: tuple[tuple[str, Any], ...]
+
+
+def outside_places(roots: list[nn.Module], fn: Any = None) -> Outside:
+    """The places forward may write outside `roots` (and `fn`, an exported function)."""
+    walk = _CodeWalk()
+    for root in roots:
+        for module in root.modules():
+            walk.cls(type(module))
+    if fn is not None and not isinstance(fn, nn.Module):
+        walk.callable(getattr(fn, "__func__", fn))
+    return Outside(tuple(walk.namespaces.values()), tuple(walk.classes), tuple(walk.functions), tuple(walk.caches))
+
+
+class _CodeWalk:
+    """One walk over the user's classes and functions, each visited once."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.namespaces: dict[int, tuple[str, dict[str, Any]]] = {}
+        self.classes: list[type] = []
+        self.functions: list[types.FunctionType] = []
+        self.caches: list[tuple[str, Any]] = []
+
+    def cls(self, cls: type) -> None:
+        for base in cls.__mro__:
+            if id(base) in self.seen or not _is_users(base):
+                continue
+            self.seen.add(id(base))
+            self.classes.append(base)
+            for value in list(vars(base).values()):
+                self.callable(value)
+
+    def callable(self, value: Any) -> None:
+        if type(value) in _NOT_CODE or isinstance(value, types.ModuleType):  # most names code reads
+            return
+        value = getattr(value, "__func__", value)  # staticmethod, classmethod, bound method
+        if isinstance(value, property):
+            for accessor in (value.fget, value.fset):
+                self.callable(accessor)
+            return
+        if id(value) in self.seen or len(self.functions) > _MAX_FUNCTIONS:
+            return
+        if _is_lru_cache(value) and _is_users(value):
+            self.seen.add(id(value))
+            self.caches.append((_qualified(value), value))
+            self.callable(value.__wrapped__)
+        elif isinstance(value, types.FunctionType) and _is_users(value):
+            self.seen.add(id(value))
+            self.functions.append(value)
+            self.namespace(value)
+            for name in global_names(value.__code__):
+                named = value.__globals__.get(name)
+                if isinstance(named, type):
+                    self.cls(named)
+                else:
+                    self.callable(named)
+
+    def namespace(self, function: types.FunctionType) -> None:
+        namespace = function.__globals__
+        if id(namespace) not in self.namespaces:
+            self.namespaces[id(namespace)] = (namespace.get("__name__", "?"), namespace)
+
+
+#: Values that hold nothing: walks pass them without a visit (here and in the leak walk,
+#: `_find_tracers`).
+ATOMS = frozenset({str, int, float, bool, bytes, complex, type(None)})
+
+#: Values a name in code may hold that are neither functions, caches nor properties.
+_NOT_CODE = ATOMS | {tuple, list, dict, set, frozenset}
+
+
+def _is_lru_cache(value: Any) -> bool:
+    return callable(getattr(value, "cache_clear", None)) and callable(getattr(value, "cache_info", None)) and hasattr(value, "__wrapped__")
+
+
+def _is_users(value: Any) -> bool:
+    """Code of the user's own, not of a library (torch, predispatch, the standard library)."""
+    module_name = getattr(value, "__module__", None) or ""
+    top = module_name.split(".")[0]
+    return bool(module_name) and top not in sys.stdlib_module_names and not module_name.startswith(LIBRARIES)
+
+
+def _qualified(value: Any) -> str:
+    return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
 
 
 #: How deep `OutsideState.leaks` looks into what an outside place holds, and how much it visits.

@@ -1,4 +1,9 @@
-"""Which modules does a plain function reach?  Those in its globals, closure, or arguments.
+"""What an export reaches: the modules a plain function names, the objects beyond a module's tree.
+
+This module only finds and names; putting back what forward changed on what it finds is
+predispatch/_isolation.py's job (Note [What export puts back, and in what order] there).
+
+Which modules does a plain function reach?  Those in its globals, closure, or arguments.
 
 `export(fn, args)` lifts the parameters and buffers of every module `fn` can reach as graph
 inputs (never baking them in as constants).  They are found without running `fn`, by looking
@@ -45,10 +50,10 @@ def _named_references(fn: Callable[..., Any]) -> Iterator[tuple[str, Any]]:
     for name, cell in zip(code.co_freevars, closure):
         if is_filled(cell):
             yield name, cell.cell_contents
-    global_names = getattr(fn, "__globals__", {})
-    for name in _global_names(code):
-        if name in global_names:
-            yield name, global_names[name]
+    namespace = getattr(fn, "__globals__", {})
+    for name in global_names(code):
+        if name in namespace:
+            yield name, namespace[name]
 
 
 def is_filled(cell: types.CellType) -> bool:
@@ -60,12 +65,13 @@ def is_filled(cell: types.CellType) -> bool:
     return True
 
 
-def _global_names(code: types.CodeType) -> Iterator[str]:
-    """Names the code (and code nested in it: lambdas, inner functions) may load as globals."""
+def global_names(code: types.CodeType) -> Iterator[str]:
+    """Names the code (and code nested in it: lambdas, inner functions) may load as globals
+    (also read by `_isolation`'s walk of the user's code, which follows them to functions)."""
     yield from code.co_names
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _global_names(const)
+            yield from global_names(const)
 
 
 # --- Beyond the registered tree ------------------------------------------------------------
@@ -86,8 +92,9 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 _MAX_DEPTH, _MAX_VISITS = 4, 10_000
 _CONTAINERS = (list, tuple, dict, set)
 _PATH_PART = re.compile(r"^[A-Za-z_0-9]+$")
-#: Objects of these packages are not the user's helpers (a program, a config, a tokenizer).
-_LIBRARIES = ("torch", "builtins", "predispatch", "transformers", "numpy")
+#: Objects of these packages are not the user's helpers (a program, a config, a tokenizer);
+#: nor is their code the user's (`_isolation`'s walk of the user's code).
+LIBRARIES = ("torch", "builtins", "predispatch", "transformers", "numpy")
 #: Library modules whose objects are walked all the same, each with why: they hold tensors that
 #: forward writes and that are also the module's registered state, which the trace must bind
 #: to the same traced value (an unwalked holder keeps the real tensor, and the first write
@@ -206,7 +213,7 @@ def _is_walked(value: Any) -> bool:
         return False
     if module_name in _WALKED_LIBRARY_MODULES:
         return True
-    return hasattr(value, "__dict__") and not module_name.startswith(_LIBRARIES)
+    return hasattr(value, "__dict__") and not module_name.startswith(LIBRARIES)
 
 
 def _children(value: Any) -> Iterator[tuple[str | None, Any]]:
@@ -256,121 +263,3 @@ def tree_exit(root: nn.Module, fqn: str) -> str | None:
         if module is None:
             return ".".join(parts[: i + 1])
     return None
-
-
-# --- Beyond the module: the user's code -----------------------------------------------------
-#
-# Note [Forward's writes outside the module]
-# Forward may keep what it computes outside its module tree: in a module-level dict
-# (`_BIAS[n] = ...`), a global (`global TABLE; TABLE = ...`), a mutable default argument
-# (`def forward(self, x, cache={})`), a class attribute (`type(self).table = ...`), or a
-# `functools.lru_cache`d helper's cache.  During a trace each such value is a tracer tensor,
-# which breaks the model's next eager call and every fresh instance.  `outside_places` finds
-# these places from the code forward runs: the user's classes of the modules (their methods),
-# the user's functions their code names (transitively), and those functions' globals; what
-# holds a tracer tensor there is put back as it was after export (`_isolation.OutsideState`;
-# plain values forward kept, a call counter, stay), and a tracer tensor still reachable from
-# them afterwards is refused, naming the place.
-
-#: How many of the user's functions the walk follows from the modules' methods.
-_MAX_FUNCTIONS = 2_000
-
-
-@dataclass(frozen=True)
-class Outside:
-    """Where forward can write outside its module tree (Note [Forward's writes outside the module]).
-
-    namespaces: `(name, globals)` of each module file the user's code runs in, by module name.
-    classes: the user's classes of the modules and their bases (class attributes).
-    functions: the user's functions and methods forward may call (their default arguments).
-    caches: `(name, wrapper)` of the `functools.lru_cache` wrappers among them.
-    """
-
-    namespaces: tuple[tuple[str, dict[str, Any]], ...]
-    classes: tuple[type, ...]
-    functions: tuple[types.FunctionType, ...]
-    caches: tuple[tuple[str, Any], ...]
-
-
-def outside_places(roots: list[nn.Module], fn: Any = None) -> Outside:
-    """The places forward may write outside `roots` (and `fn`, an exported function)."""
-    walk = _CodeWalk()
-    for root in roots:
-        for module in root.modules():
-            walk.cls(type(module))
-    if fn is not None and not isinstance(fn, nn.Module):
-        walk.callable(getattr(fn, "__func__", fn))
-    return Outside(tuple(walk.namespaces.values()), tuple(walk.classes), tuple(walk.functions), tuple(walk.caches))
-
-
-class _CodeWalk:
-    """One walk over the user's classes and functions, each visited once."""
-
-    def __init__(self) -> None:
-        self.seen: set[int] = set()
-        self.namespaces: dict[int, tuple[str, dict[str, Any]]] = {}
-        self.classes: list[type] = []
-        self.functions: list[types.FunctionType] = []
-        self.caches: list[tuple[str, Any]] = []
-
-    def cls(self, cls: type) -> None:
-        for base in cls.__mro__:
-            if id(base) in self.seen or not _is_users(base):
-                continue
-            self.seen.add(id(base))
-            self.classes.append(base)
-            for value in list(vars(base).values()):
-                self.callable(value)
-
-    def callable(self, value: Any) -> None:
-        if type(value) in _NOT_CODE or isinstance(value, types.ModuleType):  # most names code reads
-            return
-        value = getattr(value, "__func__", value)  # staticmethod, classmethod, bound method
-        if isinstance(value, property):
-            for accessor in (value.fget, value.fset):
-                self.callable(accessor)
-            return
-        if id(value) in self.seen or len(self.functions) > _MAX_FUNCTIONS:
-            return
-        if _is_lru_cache(value) and _is_users(value):
-            self.seen.add(id(value))
-            self.caches.append((_qualified(value), value))
-            self.callable(value.__wrapped__)
-        elif isinstance(value, types.FunctionType) and _is_users(value):
-            self.seen.add(id(value))
-            self.functions.append(value)
-            self.namespace(value)
-            for name in _global_names(value.__code__):
-                named = value.__globals__.get(name)
-                if isinstance(named, type):
-                    self.cls(named)
-                else:
-                    self.callable(named)
-
-    def namespace(self, function: types.FunctionType) -> None:
-        namespace = function.__globals__
-        if id(namespace) not in self.namespaces:
-            self.namespaces[id(namespace)] = (namespace.get("__name__", "?"), namespace)
-
-
-#: Values that hold nothing: walks pass them without a visit (here and in the leak walk,
-#: predispatch/_isolation.py).
-ATOMS = frozenset({str, int, float, bool, bytes, complex, type(None)})
-
-#: Values a name in code may hold that are neither functions, caches nor properties.
-_NOT_CODE = ATOMS | {tuple, list, dict, set, frozenset}
-
-
-def _is_lru_cache(value: Any) -> bool:
-    return callable(getattr(value, "cache_clear", None)) and callable(getattr(value, "cache_info", None)) and hasattr(value, "__wrapped__")
-
-
-def _is_users(value: Any) -> bool:
-    """Code of the user's own, not of a library (torch, predispatch, the standard library)."""
-    module_name = getattr(value, "__module__", None) or ""
-    top = module_name.split(".")[0]
-    return bool(module_name) and top not in sys.stdlib_module_names and not module_name.startswith(_LIBRARIES)
-
-
-def _qualified(value: Any) -> str:
-    return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
