@@ -1521,9 +1521,45 @@ def measure_load(path: str, warm_up: bytes) -> dict:
             "rss_peak_growth_bytes": (after - before) * 1024, "tracemalloc_peak_bytes": traced_peak}
 
 
+def measure_load_cost(paths: list[str], warm_up: str) -> list[dict]:
+    """What `predispatch.load` alone costs for each file, after loading `warm_up` (imports and
+    caches do not count): Python function calls (a work count) and the most memory Python
+    allocated at once while loading (tracemalloc's peak, an allocation count: not a time, and
+    not the process's RSS, which other allocators and freed pages blur)."""
+    import tracemalloc
+
+    predispatch.load(warm_up)
+    rows = []
+    for path in paths:
+        calls = 0
+
+        def count(frame, event, arg):
+            nonlocal calls
+            calls += event == "call"
+
+        sys.setprofile(count)
+        try:
+            predispatch.load(path)
+        finally:
+            sys.setprofile(None)
+        tracemalloc.start()
+        try:
+            loaded = predispatch.load(path)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        rows.append({"path": path, "bytes": os.path.getsize(path), "calls": calls, "peak": peak,
+                     "nodes": len(loaded.graph_module.graph.nodes)})
+    return rows
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--work"]:  # --work WARM_UP_PATH PATH...
         for row in measure_work(sys.argv[3:], sys.argv[2]):
+            print(json.dumps(row), flush=True)
+        return
+    if sys.argv[1:2] == ["--load-cost"]:  # --load-cost WARM_UP_PATH PATH...
+        for row in measure_load_cost(sys.argv[3:], sys.argv[2]):
             print(json.dumps(row), flush=True)
         return
     if sys.argv[1:2] == ["--measure"]:  # --measure BOMB_PATH WARM_UP_PATH

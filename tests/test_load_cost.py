@@ -96,3 +96,31 @@ def test_distinct_size_text_of_a_file_is_bounded():
         predispatch.load(io.BytesIO(load_attacks.with_sizes(base, distinct)))
     loaded = predispatch.load(io.BytesIO(load_attacks.with_sizes(base, distinct[:1] * nodes)))
     assert torch.equal(loaded.module()(x := torch.randn(5, 4)), x.relu())
+
+
+#: What `predispatch.load` may cost per byte of a program file (docs/format.md states both):
+#: Python function calls (measured ~2.2 on a chain of relus: one call per ~450-byte node record
+#: costs ~1,100 calls, mostly torch's fake tensor dispatch for the node's meta['val']) and the
+#: most memory Python holds at once while loading (measured ~18.6 bytes: FX compiling the
+#: graph's code, ~6 KB a node, with the graph and its fake tensors alive; 25 before the JSON
+#: tree and member bytes were dropped as soon as they were read, Note [Load memory]).
+LOAD_CALLS_PER_BYTE = 4
+LOAD_PEAK_PER_BYTE = 22
+
+
+def test_load_costs_work_and_memory_linear_in_the_file_size(tmp_path):
+    """Loading a program of n and 2n nodes (in a fresh interpreter, after a warm-up load):
+    each further byte of file costs at most LOAD_CALLS_PER_BYTE Python calls and
+    LOAD_PEAK_PER_BYTE bytes of peak Python memory, and doubling the file doubles both (within
+    20%): the cost is linear, with no per-node re-walk of the graph."""
+    paths = [_write(tmp_path / f"chain{n}.pd", load_attacks.chain_program(n)) for n in (2, 100, 200)]
+    result = subprocess.run([sys.executable, os.path.join(TESTS, "load_attacks.py"), "--load-cost", *paths],
+                            capture_output=True, text=True, timeout=600, env=subprocess_env(os.path.dirname(TESTS)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    small, large = (json.loads(line) for line in result.stdout.splitlines())
+    assert (small["nodes"], large["nodes"]) == (102, 202), (small, large)
+    for key, bound in (("calls", LOAD_CALLS_PER_BYTE), ("peak", LOAD_PEAK_PER_BYTE)):
+        first = small[key] / small["bytes"]
+        further = (large[key] - small[key]) / (large["bytes"] - small["bytes"])
+        assert further <= bound, (key, further, bound)
+        assert 0.8 <= further / first <= 1.2, (key, first, further)

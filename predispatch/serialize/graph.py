@@ -233,8 +233,11 @@ class GraphLoading:
 
 
 def decode_program_module(data: Any, loading: GraphLoading) -> fx.GraphModule:
-    """The root graph module and every subgraph, compiled once (Note [Load cost])."""
+    """The root graph module and every subgraph, compiled once (Note [Load cost]); `data`, the
+    graph's JSON, is dropped first when the caller holds no other reference (Note [Load memory]
+    in archive.py)."""
     gm = decode_module(data, "", loading)
+    del data
     gm.recompile()  # compiles every descendant too, each once
     return gm
 

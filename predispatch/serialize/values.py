@@ -401,12 +401,15 @@ def _is_dense(shape: Any, stride: Any) -> bool:
 
 
 def unpack(data: bytes, records: Any, where: str) -> dict[str, torch.Tensor]:
-    """The tensors of one member, each in fresh memory with its saved layout and kind."""
+    """The tensors of one member, each in fresh memory with its saved layout and kind; each
+    stored copy is dropped once restored, and `data` once read when the caller holds no other
+    reference (Note [Load memory] in archive.py)."""
     raw = safetensors.torch.load(data)
+    del data
     records = expect(records, dict, where)
     if set(raw) != set(records):
         raise SerializationError(f"{where}: the stored tensors {sorted(raw)} do not match the records {sorted(records)}.")
-    return {name: _restore(raw[name], expect(rec, dict, where), f"{where}[{name!r}]") for name, rec in records.items()}
+    return {name: _restore(raw.pop(name), expect(rec, dict, where), f"{where}[{name!r}]") for name, rec in records.items()}
 
 
 def _restore(raw: torch.Tensor, record: dict, where: str) -> torch.Tensor:
