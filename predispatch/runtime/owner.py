@@ -31,32 +31,57 @@ from predispatch.errors import ModuleCopyError, user_frame
 #: The name the generated code calls the check by (a global of that code only).
 _CHECK = "_predispatch_check_owner"
 
+#: Where torchao's `prepare` (pt2e/prepare.py, `_save_state`) records whether the module it
+#: built is for QAT: `module.meta[_PT2E_STATE].is_qat`.  Read to name the route that works and
+#: to refuse QAT on an eval program (its batch norm is not the `aten.batch_norm` PT2E's QAT
+#: conv+BN fusion matches: no fusion, other numbers than `ep.to_torch().module()`'s).
+_PT2E_STATE = "_observed_graph_module_attrs"
 
-def check_owner(module: nn.Module) -> None:
-    """Raise `ModuleCopyError` unless `module` (the generated forward's `self`) is a program module."""
+
+def check_owner(module: nn.Module, pure_eval: bool) -> None:
+    """Raise `ModuleCopyError` unless `module` (the generated forward's `self`) is a program
+    module, or runs an eval program that writes nothing back (`pure_eval`) for anything but
+    QAT: such a graph computes the same in any GraphModule, as PTQ on it gives
+    `ep.to_torch(for_inference=True)`'s model (tests/test_consumers.py)."""
     from predispatch.runtime.runner import ProgramModule  # runner imports this module's users
 
     if isinstance(module, ProgramModule):
         return
+    qat = bool(getattr(getattr(module, "meta", {}).get(_PT2E_STATE), "is_qat", False))
+    if pure_eval and not qat:
+        return
+    what = ("its graph is ep.module()'s eval graph, whose batch norm PT2E's QAT conv+BN fusion does not match"
+            if pure_eval else
+            "PT2E's patterns do not match its functional graph (dropout would stay on after "
+            "move_exported_model_to_eval; conv+BN training fails)")
     raise ModuleCopyError(
-        f"this {type(module).__name__} was built over ep.module()'s graph (as torchao's prepare_pt2e/"
-        "prepare_qat_pt2e(ep.module(), quantizer) do): it would run without ep.module()'s input checks, "
-        "write-back and train/eval guard, and PT2E's patterns do not match its functional graph "
-        "(dropout would stay on after move_exported_model_to_eval; conv+BN training fails), so it is refused.",
+        f"this {type(module).__name__} was built over ep.module()'s graph (as torchao's "
+        f"{'prepare_qat_pt2e' if qat else 'prepare_pt2e'}(ep.module(), quantizer) does): it would run without "
+        f"ep.module()'s input checks, write-back and train/eval guard, and {what}, so it is refused.",
         where=user_frame(),
-        fix="give PT2E torch's IR: prepare_qat_pt2e(ep.to_torch().module(), quantizer) for QAT, "
-        "prepare_pt2e(ep.to_torch(for_inference=True).module(), quantizer) for PTQ "
-        "(docs/comparison.md#training-routes).",
+        fix=_QAT_FIX if qat else _PTQ_FIX,
     )
 
 
+_QAT_FIX = ("give PT2E torch's training IR: prepare_qat_pt2e(ep.to_torch().module(), quantizer) "
+            "(docs/comparison.md#training-routes).")
+_PTQ_FIX = ("for QAT, prepare_qat_pt2e(ep.to_torch().module(), quantizer); for PTQ, export the model in eval mode "
+            "(predispatch.export(model.eval(), args)) and give PT2E prepare_pt2e(ep.to_torch(for_inference=True)"
+            ".module(), quantizer) (docs/comparison.md#training-routes).")
+
+
 class OwnedCodeGen(ti.PyTreeCodeGen):
-    """ep.module()'s pytree code generator, whose forward first calls `check_owner(self)`."""
+    """ep.module()'s pytree code generator, whose forward first calls `check_owner(self, pure_eval)`."""
+
+    def __init__(self, pytree_info: Any, pure_eval: bool):
+        """`pure_eval`: the program was exported in eval mode and writes nothing back."""
+        super().__init__(pytree_info)
+        self.pure_eval = pure_eval
 
     def gen_fn_def(self, *args: Any, **kwargs: Any) -> str:
         """The def line and pytree bindings, then the owner check (fx counts the line in its line map)."""
         definition: str = super().gen_fn_def(*args, **kwargs)
-        return f"{definition}\n    {_CHECK}(self)"
+        return f"{definition}\n    {_CHECK}(self, {self.pure_eval})"
 
     def _gen_python_code(self, *args: Any, **kwargs: Any) -> Any:
         """fx's generated code, with the check among its globals."""
