@@ -451,6 +451,17 @@ def test_write_back_survives_fx_dead_code_elimination():
         torch.testing.assert_close(getattr(module.bn, name), value, msg=name)
 
 
+def test_fx_interpreter_runs_program_module():
+    """torch.fx.Interpreter runs ep.module()'s nodes, not its generated forward: the owner check
+    (runtime/owner.py) is generated code, not a node, so the Interpreter runs as before, write-back included."""
+    torch.manual_seed(0)
+    model, x = ConvBNReLU(), torch.randn(2, 3, 8, 8)
+    module = predispatch.export(copy.deepcopy(model), (x,)).module()
+    assert not any("check_owner" in str(node.target) for node in module.graph.nodes)
+    torch.testing.assert_close(torch.fx.Interpreter(module).run(x), model(x))
+    torch.testing.assert_close(module.bn.running_mean, model.bn.running_mean)
+
+
 def test_pt2e_mode_switch_on_program_module_is_refused():
     """allow_exported_model_train_eval on ep.module() would switch nothing (its graph holds
     the functional forms PT2E's patterns do not match): refused, naming the route that works."""
