@@ -187,6 +187,7 @@ def forward(self, x, scale, tag):
             """\
 def forward(self, x):
     x, = fx_pytree.tree_flatten_spec(([x], {}), self._in_spec)
+    _predispatch_check_owner(self, False)
     meta = self.__root_state.meta
     code_weight = self.__root_state.code.weight
     code_bias = self.__root_state.code.bias
