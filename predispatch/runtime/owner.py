@@ -27,6 +27,7 @@ from torch import nn
 
 from predispatch import _torch_internals as ti
 from predispatch.errors import ModuleCopyError, user_frame
+from predispatch.runtime.runner import ProgramModule
 
 #: The name the generated code calls the check by (a global of that code only).
 _CHECK = "_predispatch_check_owner"
@@ -43,8 +44,6 @@ def check_owner(module: nn.Module, pure_eval: bool) -> None:
     module, or runs an eval program that writes nothing back (`pure_eval`) for anything but
     QAT: such a graph computes the same in any GraphModule, as PTQ on it gives
     `ep.to_torch(for_inference=True)`'s model (tests/test_consumers.py)."""
-    from predispatch.runtime.runner import ProgramModule  # runner imports this module's users
-
     if isinstance(module, ProgramModule):
         return
     qat = bool(getattr(getattr(module, "meta", {}).get(_PT2E_STATE), "is_qat", False))
