@@ -12,8 +12,11 @@ write-back of the batch-norm statistics reading tensors the backward needs (torc
 "modified by an inplace operation" at the first training step).
 
 The graph's code generator travels with the graph (GraphModule shares it), so `OwnedCodeGen`
-puts one line in the generated `forward`, `check_owner(self)`, which passes for a
-`ProgramModule` and raises `ModuleCopyError`, naming the routes that work, for anything else.
+puts one line in the generated `forward`, `check_owner(self, pure_eval)`, which passes for a
+`ProgramModule` and raises `ModuleCopyError`, naming the routes that work, for anything else,
+except a module that is not for QAT over an eval program that writes nothing back (`pure_eval`):
+that graph computes the same in any GraphModule, and PTQ on it gives the documented route's
+model bitwise (tests/test_consumers.py).
 It is not a graph node: FX passes (`eliminate_dead_code`, `torch.fx.Interpreter`, subgraph
 rewriting) see the graph exactly as before, and an Interpreter, which runs the nodes and not the
 generated code, still runs.
