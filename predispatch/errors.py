@@ -448,9 +448,16 @@ class ModuleCopyError(PredispatchError):
     `fx.GraphModule` from its code alone: the copy would run without the input checks, the
     write-back checks and the mode guard (`.eval()` would silently keep dropout on), so it is
     refused.  `copy.deepcopy` keeps all of them and is allowed.
-    Example: `pickle.dumps(ep.module())`, `torch.save(ep.module(), path)`, `copy.copy(ep.module())`.
+    A new GraphModule built over `ep.module()`'s graph (torchao's `prepare_pt2e`/
+    `prepare_qat_pt2e(ep.module(), quantizer)`) lacks it too, and PT2E's patterns do not match
+    its functional graph: its first call is refused (runtime/owner.py), unless it is PTQ of an
+    eval program that writes nothing back.
+    Example: `pickle.dumps(ep.module())`, `torch.save(ep.module(), path)`, `copy.copy(ep.module())`,
+    `prepare_qat_pt2e(ep.module(), quantizer)(x)`.
     Fix: `copy.deepcopy(m)` for a copy in this process; `predispatch.save(ep, path)` and
-    `predispatch.load(path).module()` to store it; `m.state_dict()` for its weights.
+    `predispatch.load(path).module()` to store it; `m.state_dict()` for its weights; for PT2E,
+    `prepare_qat_pt2e(ep.to_torch().module(), quantizer)` or, for PTQ,
+    `prepare_pt2e(ep.to_torch(for_inference=True).module(), quantizer)`.
     """
 
     anchor = "modulecopyerror"

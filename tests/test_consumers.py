@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import predispatch
-from helpers import round_trip
+from helpers import round_trip, stable_message
 
 pytestmark = pytest.mark.consumers
 
@@ -451,6 +451,17 @@ def test_write_back_survives_fx_dead_code_elimination():
         torch.testing.assert_close(getattr(module.bn, name), value, msg=name)
 
 
+def test_fx_interpreter_runs_program_module():
+    """torch.fx.Interpreter runs ep.module()'s nodes, not its generated forward: the owner check
+    (runtime/owner.py) is generated code, not a node, so the Interpreter runs as before, write-back included."""
+    torch.manual_seed(0)
+    model, x = ConvBNReLU(), torch.randn(2, 3, 8, 8)
+    module = predispatch.export(copy.deepcopy(model), (x,)).module()
+    assert not any("check_owner" in str(node.target) for node in module.graph.nodes)
+    torch.testing.assert_close(torch.fx.Interpreter(module).run(x), model(x))
+    torch.testing.assert_close(module.bn.running_mean, model.bn.running_mean)
+
+
 def test_pt2e_mode_switch_on_program_module_is_refused():
     """allow_exported_model_train_eval on ep.module() would switch nothing (its graph holds
     the functional forms PT2E's patterns do not match): refused, naming the route that works."""
@@ -464,6 +475,83 @@ def test_pt2e_mode_switch_on_program_module_is_refused():
     evaluated = predispatch.export(ConvBNReLU().eval(), (torch.randn(2, 3, 8, 8),)).module()
     move_exported_model_to_eval(evaluated)  # already eval: nothing to switch, allowed
 
+
+
+# The first route a PT2E user tries hands `ep.module()` itself to torchao's prepare, which builds a
+# plain GraphModule over its graph (Note [A GraphModule built over ep.module()'s graph]).
+
+_QAT_ON_MODULE = {
+    "train": """\
+this GraphModule was built over ep.module()'s graph (as torchao's prepare_qat_pt2e(ep.module(), quantizer) does): \
+it would run without ep.module()'s input checks, write-back and train/eval guard, and PT2E's patterns do not match \
+its functional graph (dropout would stay on after move_exported_model_to_eval; conv+BN training fails), so it is refused.
+  at test_consumers.py:N (prepared(x).pow(2).mean().backward())
+  fix: give PT2E torch's training IR: prepare_qat_pt2e(ep.to_torch().module(), quantizer) (docs/comparison.md#training-routes).
+  see docs/errors.md#modulecopyerror""",
+    "eval": """\
+this GraphModule was built over ep.module()'s graph (as torchao's prepare_qat_pt2e(ep.module(), quantizer) does): \
+it would run without ep.module()'s input checks, write-back and train/eval guard, and its graph is ep.module()'s eval \
+graph, whose batch norm PT2E's QAT conv+BN fusion does not match, so it is refused.
+  at test_consumers.py:N (prepared(x).pow(2).mean().backward())
+  fix: give PT2E torch's training IR: prepare_qat_pt2e(ep.to_torch().module(), quantizer) (docs/comparison.md#training-routes).
+  see docs/errors.md#modulecopyerror""",
+}
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("model_name", QAT_MODELS)
+def test_qat_pt2e_on_program_module_is_refused(model_name, mode):
+    """prepare_qat_pt2e(ep.module(), quantizer) is refused at the prepared model's first call,
+    naming the route that works.  Before: with dropout, move_exported_model_to_eval left dropout
+    on, silently; conv+BN's first training step failed with torch's raw in-place error; an eval
+    program got no conv+BN fusion."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import XNNPACKQuantizer, get_symmetric_quantization_config
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
+
+    model, x = QAT_MODELS[model_name]()
+    module = predispatch.export(model.train(mode == "train"), (x,)).module()
+    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_qat=True))
+    prepared = prepare_qat_pt2e(module, quantizer)
+    with pytest.raises(predispatch.errors.ModuleCopyError) as info:
+        prepared(x).pow(2).mean().backward()
+    assert stable_message(info.value) == _QAT_ON_MODULE[mode]
+    torch.testing.assert_close(module(x).shape, model(x).shape)  # ep.module() itself still runs
+
+
+_PTQ_ON_TRAIN_MODULE = """\
+this GraphModule was built over ep.module()'s graph (as torchao's prepare_pt2e(ep.module(), quantizer) does): \
+it would run without ep.module()'s input checks, write-back and train/eval guard, and PT2E's patterns do not match \
+its functional graph (dropout would stay on after move_exported_model_to_eval; conv+BN training fails), so it is refused.
+  at test_consumers.py:N (prepared(x))
+  fix: for QAT, prepare_qat_pt2e(ep.to_torch().module(), quantizer); for PTQ, export the model in eval mode \
+(predispatch.export(model.eval(), args)) and give PT2E prepare_pt2e(ep.to_torch(for_inference=True).module(), quantizer) \
+(docs/comparison.md#training-routes).
+  see docs/errors.md#modulecopyerror"""
+
+
+@pytest.mark.parametrize("model_name", QAT_MODELS)
+def test_ptq_pt2e_on_program_module(model_name):
+    """prepare_pt2e(ep.module(), quantizer): on an eval program (which writes nothing back) it
+    gives the documented route's model (ep.to_torch(for_inference=True)), bitwise; on a train
+    program, whose dropout/batch norm PT2E cannot switch, it is refused at the first calibration
+    call (before: dropout stayed on in the converted model, silently)."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import XNNPACKQuantizer, get_symmetric_quantization_config
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    def converted(module: torch.fx.GraphModule) -> torch.Tensor:
+        prepared = prepare_pt2e(module, XNNPACKQuantizer().set_global(get_symmetric_quantization_config()))
+        prepared(x)
+        return convert_pt2e(prepared)(x)
+
+    model, x = QAT_MODELS[model_name]()
+    ep = predispatch.export(copy.deepcopy(model).eval(), (x,))
+    torch.testing.assert_close(converted(ep.module()), converted(for_inference("predispatch", model.eval(), (x,)).module()),
+                               rtol=0, atol=0)
+    prepared = prepare_pt2e(predispatch.export(model.train(), (x,)).module(),
+                            XNNPACKQuantizer().set_global(get_symmetric_quantization_config()))
+    with pytest.raises(predispatch.errors.ModuleCopyError) as info:
+        prepared(x)
+    assert stable_message(info.value) == _PTQ_ON_TRAIN_MODULE
 
 
 def test_pt2e_mode_switch_on_train_eval_module():

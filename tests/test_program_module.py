@@ -140,6 +140,7 @@ class ModuleIsAGraphModule(TestCase):
             """\
 def forward(self, x, scale, tag):
     x, scale, tag, = fx_pytree.tree_flatten_spec(([x], {'scale':scale, 'tag':tag}), self._in_spec)
+    _predispatch_check_owner(self, False)
     lin_weight = self.lin.weight
     lin_bias = self.lin.bias
     steps = self.steps
@@ -186,6 +187,7 @@ def forward(self, x, scale, tag):
             """\
 def forward(self, x):
     x, = fx_pytree.tree_flatten_spec(([x], {}), self._in_spec)
+    _predispatch_check_owner(self, False)
     meta = self.__root_state.meta
     code_weight = self.__root_state.code.weight
     code_bias = self.__root_state.code.bias

@@ -41,6 +41,7 @@ from predispatch.runtime import runner
 from predispatch.runtime.names import argument_names, program_attributes
 from predispatch.runtime.runner import _STATE_KINDS, CallContract, GraphConstant, ProgramModule
 from predispatch.runtime.modes import set_exported_modes
+from predispatch.runtime.owner import OwnedCodeGen
 from predispatch.runtime.kernel_checks import guard_kernel_shapes
 from predispatch.signature import InputKind, Program
 from predispatch.runtime.writes import WritePlan, plan_writes
@@ -67,7 +68,8 @@ def module_of(ep: Program) -> ProgramModule:
                 _lift_region_constants(gm, lifter)
             _call_functions_through_runner(gm)
             guard_kernel_shapes(gm)
-    graph._codegen = ti.PyTreeCodeGen(ti.PyTreeInfo(argument_names(sig.in_spec, sig.arg_names), sig.in_spec, sig.out_spec))
+    pure_eval = bool(sig.training_flags) and not any(flag for _, flag in sig.training_flags) and not plans
+    graph._codegen = OwnedCodeGen(ti.PyTreeInfo(argument_names(sig.in_spec, sig.arg_names), sig.in_spec, sig.out_spec), pure_eval)
     module = ProgramModule(nn.Module(), fx.Graph())
     _install_state(module, ep)
     _install_subgraphs(module, source)
