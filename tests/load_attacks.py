@@ -31,6 +31,7 @@ import sys
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -799,6 +800,22 @@ def size_attacks(bases: dict[str, bytes], rng: random.Random) -> Iterator[Attack
             f'"{symbol}"'.encode(), f'"{name}"'.encode())), (f"signature shapes: symbol {name!r} with range [2, 64] is not a size symbol",))
 
 
+def python_calls(fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
+    """`fn(*args)` and the Python function calls it made: a work count, not a time."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        result = fn(*args)
+    finally:
+        sys.setprofile(None)
+    return result, calls
+
+
 def measure_work(paths: list[str], warm_up: str) -> list[dict]:
     """Python function calls made to load each file, build and call its module, convert it
     with `to_torch()` and run `predispatch show` and `predispatch draw` on it (a work count,
@@ -820,18 +837,7 @@ def measure_work(paths: list[str], warm_up: str) -> list[dict]:
         return "loaded"
 
     def counted(path: str, out: str) -> tuple[str, int]:
-        calls = 0
-
-        def count(frame, event, arg):
-            nonlocal calls
-            calls += event == "call"
-
-        sys.setprofile(count)
-        try:
-            outcome = use(path, out)
-        finally:
-            sys.setprofile(None)
-        return outcome, calls
+        return python_calls(use, path, out)
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "picture.html")
@@ -1531,17 +1537,7 @@ def measure_load_cost(paths: list[str], warm_up: str) -> list[dict]:
     predispatch.load(warm_up)
     rows = []
     for path in paths:
-        calls = 0
-
-        def count(frame, event, arg):
-            nonlocal calls
-            calls += event == "call"
-
-        sys.setprofile(count)
-        try:
-            predispatch.load(path)
-        finally:
-            sys.setprofile(None)
+        _, calls = python_calls(predispatch.load, path)
         tracemalloc.start()
         try:
             loaded = predispatch.load(path)
