@@ -152,7 +152,7 @@ def test_huggingface_page_runs(tmp_path: Path):
     outputs = run_page(ROOT / "docs" / "huggingface.md", tmp_path, skip=() if onnx else ("onnxruntime",))
     printed = "\n".join(outputs)
     assert "CausalLMOutputWithCrossAttentions ['logits']" in printed
-    assert "outside its range [2, 64]" in printed
+    assert "outside the range [2, 64] of Dim 'seq'" in printed
     assert "types=[transformers.modeling_outputs.CausalLMOutputWithCrossAttentions]" in printed  # the refusal's fix
     assert "DynamicCache" in printed and "Range constraints:" in printed
     if onnx:
