@@ -27,6 +27,7 @@ from helpers import assert_same_tree, subprocess_env
 from test_consumers import WhileModel
 from test_export import Batch, ConvBN, Counter, DictOut, Masked, ScaleInPlace, Tied, WithConstant
 from test_regions import CASES as REGION_CASES
+from test_regions import LeftOpen
 from torch import fx, nn
 
 import predispatch
@@ -912,12 +913,8 @@ def test_crafted_files_load_or_raise():
                 pass
 
 
-class SwitchesLast(nn.Module):
-    """Switches grad mode off for its caller and computes nothing after the switch."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(3, 3)
+class SwitchesLast(LeftOpen):
+    """LeftOpen's switch with nothing computed after it."""
 
     def forward(self, x):
         y = self.lin(x)
